@@ -1,0 +1,1 @@
+"""Subcommands of the ``pagedserve`` CLI (see ``pagedserve.cli``)."""

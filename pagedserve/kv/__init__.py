@@ -1,0 +1,1 @@
+"""K/V cache memory management: storage formats, block pool, sequences, state slots."""

@@ -1,0 +1,207 @@
+"""K/V storage types: one place for each type's size, and its quantize/dequantize pair.
+
+Types are data, not classes: a storage type is a name (``"f16"``, ``"bf16"``, ``"q8_0"``,
+``"q4_0"``) that configs carry and kernels take as a ``constexpr``. ``q8_0`` and ``q4_0``
+are GGML's formats: groups of 32 values, each group with one fp16 scale.
+
+Bytes per row (one token, one K/V head) for head_dim D:
+
+    f16, bf16 : 2 * D
+    q8_0      : (D / 32) * 34     (32 int8 + one fp16 scale per group)
+    q4_0      : (D / 32) * 18     (16 bytes of nibbles + one fp16 scale per group)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GROUP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class KVTypeSpec:
+    """Size facts of one storage type."""
+
+    name: str
+    quantized: bool
+    # Bytes per group of ``group_size`` values: payload and scale.
+    group_size: int
+    payload_bytes_per_group: int
+    scale_bytes_per_group: int
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim <= 0 or head_dim % self.group_size:
+            raise ValueError(
+                f"head_dim {head_dim} cannot be stored as {self.name}: it must be a positive "
+                f"multiple of {self.group_size}"
+            )
+
+    def bytes_per_row(self, head_dim: int) -> int:
+        """Bytes of one token row of one K/V head (payload plus scales)."""
+        self.check_head_dim(head_dim)
+        groups = head_dim // self.group_size
+        return groups * (self.payload_bytes_per_group + self.scale_bytes_per_group)
+
+
+_SPECS = {
+    "f16": KVTypeSpec("f16", False, 1, 2, 0),
+    "bf16": KVTypeSpec("bf16", False, 1, 2, 0),
+    "q8_0": KVTypeSpec("q8_0", True, GROUP_SIZE, 32, 2),
+    "q4_0": KVTypeSpec("q4_0", True, GROUP_SIZE, 16, 2),
+}
+KV_TYPES: tuple[str, ...] = tuple(_SPECS)
+
+
+def spec(kv_type: str) -> KVTypeSpec:
+    """The spec of ``kv_type``; ``ValueError`` names the accepted types."""
+    try:
+        return _SPECS[kv_type]
+    except KeyError:
+        raise ValueError(
+            f"unknown K/V storage type {kv_type!r}; accepted: {list(KV_TYPES)}"
+        ) from None
+
+
+def bytes_per_row(kv_type: str, head_dim: int) -> int:
+    return spec(kv_type).bytes_per_row(head_dim)
+
+
+# ---------------------------------------------------------------------------------------
+# Quantize / dequantize (torch; the reference every other path is tested against)
+# ---------------------------------------------------------------------------------------
+#
+# Storage layout, per layer, for K and for V separately (``KVBlockStorage``):
+#
+#   f16 / bf16   data   [num_blocks, Hkv, block_size, D]        float16 / bfloat16
+#   q8_0         data   [num_blocks, Hkv, block_size, D]        int8    (qs)
+#                scales [num_blocks, Hkv, block_size, D // 32]  float16 (d, one per group)
+#   q4_0         data   [num_blocks, Hkv, block_size, D // 2]   uint8   (packed nibbles)
+#                scales [num_blocks, Hkv, block_size, D // 32]  float16
+#
+# Scales sit apart from payloads so that every payload row starts 16-byte aligned. Within
+# one q4_0 group of 32 values the nibble order is GGML's:
+#
+#   byte j (0..15) of group g:   bits 7..4 = q[g*32 + 16 + j]   bits 3..0 = q[g*32 + j]
+#
+#   group g payload:  | b0 | b1 | ... | b15 |      value = (q - 8) * d_g,  q in 0..15
+#                       lo nibbles -> values  0..15 of the group
+#                       hi nibbles -> values 16..31 of the group
+#
+# q8_0: value = qs * d_g, qs in -127..127. Rounding follows GGML's reference exactly
+# (float32 arithmetic; the scale is rounded to fp16 only when stored), so the bits equal
+# the ``gguf`` package's quantize and dequantize.
+
+
+def quantize(x: torch.Tensor, kv_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize rows ``x`` ``[..., D]`` to ``(data, scales)`` in the layout above.
+
+    Float types return ``(x cast, None)``.
+    """
+    s = spec(kv_type)
+    if not s.quantized:
+        return x.to(STORAGE_DTYPE[kv_type]), None
+    s.check_head_dim(x.shape[-1])
+    g = x.float().reshape(*x.shape[:-1], -1, GROUP_SIZE)  # [..., D/32, 32]
+    if kv_type == "q8_0":
+        d = g.abs().amax(dim=-1, keepdim=True) / 127.0
+        inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+        q = _roundf(g * inv).to(torch.int8)
+        return q.reshape(x.shape), d.squeeze(-1).to(torch.float16)
+    # q4_0: the signed value of largest magnitude (first one on ties) maps to -8.
+    imax = g.abs().argmax(dim=-1, keepdim=True)
+    d = torch.gather(g, -1, imax) / -8.0
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    q = torch.trunc(g * inv + 8.5).clamp(0, 15).to(torch.uint8)  # [..., D/32, 32]
+    packed = q[..., :16] | (q[..., 16:] << 4)  # [..., D/32, 16]
+    return packed.reshape(*x.shape[:-1], -1), d.squeeze(-1).to(torch.float16)
+
+
+def dequantize(
+    data: torch.Tensor, scales: torch.Tensor | None, kv_type: str,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of ``quantize``: ``[..., D]`` in ``dtype``."""
+    s = spec(kv_type)
+    if not s.quantized:
+        return data.to(dtype)
+    d = scales.float().unsqueeze(-1)  # [..., D/32, 1]
+    if kv_type == "q8_0":
+        q = data.float().reshape(*data.shape[:-1], -1, GROUP_SIZE)
+        return (q * d).reshape(data.shape).to(dtype)
+    packed = data.reshape(*data.shape[:-1], -1, GROUP_SIZE // 2)  # [..., D/32, 16]
+    lo = (packed & 0x0F).float() - 8.0
+    hi = (packed >> 4).float() - 8.0
+    q = torch.cat([lo, hi], dim=-1)  # [..., D/32, 32]
+    return (q * d).reshape(*data.shape[:-1], -1).to(dtype)
+
+
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C ``roundf``: halves away from zero (``torch.round`` rounds halves to even)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+STORAGE_DTYPE = {
+    "f16": torch.float16,
+    "bf16": torch.bfloat16,
+    "q8_0": torch.int8,
+    "q4_0": torch.uint8,
+}
+
+
+def payload_width(kv_type: str, head_dim: int) -> int:
+    """Last-dim width of the ``data`` tensor for rows of ``head_dim`` values."""
+    spec(kv_type).check_head_dim(head_dim)
+    return head_dim // 2 if kv_type == "q4_0" else head_dim
+
+
+@dataclass
+class KVBlockStorage:
+    """K or V of one full-attention layer, for all blocks of the pool.
+
+    Attributes:
+        kv_type: storage type name.
+        data: ``[num_blocks, Hkv, block_size, W]`` payload (``W = payload_width``).
+        scales: ``[num_blocks, Hkv, block_size, D // 32]`` float16, or ``None``.
+    """
+
+    kv_type: str
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    head_dim: int
+
+    @classmethod
+    def allocate(
+        cls, kv_type: str, num_blocks: int, block_size: int, num_kv_heads: int,
+        head_dim: int, device: str | torch.device = "cpu",
+    ) -> KVBlockStorage:
+        s = spec(kv_type)
+        shape = (num_blocks, num_kv_heads, block_size)
+        data = torch.zeros(
+            (*shape, payload_width(kv_type, head_dim)), dtype=STORAGE_DTYPE[kv_type],
+            device=device,
+        )
+        scales = None
+        if s.quantized:
+            scales = torch.zeros(
+                (*shape, head_dim // GROUP_SIZE), dtype=torch.float16, device=device
+            )
+        return cls(kv_type, data, scales, head_dim)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
+        return self.data.numel() * self.data.element_size() + extra

@@ -1,0 +1,58 @@
+"""``ForwardBatch``: everything one forward step needs, passed explicitly (no globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One step over B sequences holding T new tokens, decode sequences first.
+
+    Device tensors (on the model's device):
+        input_ids:        int64 ``[T]``
+        positions:        int64 ``[T]``; RoPE position = the K/V row each token is written to
+        query_start_loc:  int32 ``[B + 1]``; cu_seqlens of the new tokens
+        seq_lens:         int32 ``[B]``; cached tokens after this step (context + new)
+        block_tables:     int32 ``[B, max_blocks]``
+        slot_mapping:     int64 ``[T]``; K/V write slot per token, -1 for padding rows
+        state_slots:      int32 ``[B]``; recurrent-state slot per sequence
+        logits_indices:   int64 ``[B]``; row of each sequence's last new token
+
+    Host copies (plain lists, so planning never syncs the device):
+        query_start_loc_cpu, seq_lens_cpu
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    state_slots: torch.Tensor
+    logits_indices: torch.Tensor
+    num_decode_seqs: int
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decode_seqs == self.num_seqs
+
+    def query_lens_cpu(self) -> list[int]:
+        q = self.query_start_loc_cpu
+        return [q[i + 1] - q[i] for i in range(len(q) - 1)]
+
+    def context_lens_cpu(self) -> list[int]:
+        """Tokens cached before this step, per sequence."""
+        return [s - n for s, n in zip(self.seq_lens_cpu, self.query_lens_cpu())]

@@ -1,0 +1,218 @@
+"""Capacity planning: how many K/V blocks and state slots fit a memory budget.
+
+The budget covers K/V and recurrent state only (weights and activations are separate).
+State slots are taken first, one per concurrently running sequence (``max_num_seqs``);
+the rest of the budget becomes K/V blocks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pagedserve.config import CacheConfig, ModelConfig
+from pagedserve.kv.memory import GiB, MiB, KVFootprint
+from pagedserve.kv.state_pool import StateShapes
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": 1 << 40, "t": 1e12, "tb": 1e12}
+
+
+def parse_bytes(text: str) -> int:
+    """``"4GiB"``, ``"512MiB"``, ``"3.5e9"``, ``"2GB"`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"memory budget {text!r} is not a size; use a number of bytes with an optional "
+            "unit: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"memory budget must be > 0 bytes, got {text!r}")
+    return value
+
+
+def parse_seq_lens(text: str) -> list[int]:
+    """``"131072,8192x7"`` -> ``[131072, 8192, 8192, ...]`` (``NxK`` repeats N K times)."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:[x*](\d+))?", part)
+        if m is None or int(m.group(1)) <= 0:
+            raise ValueError(
+                f"sequence length {part!r} is not valid; use positive ints, optionally NxK "
+                "(e.g. 131072,8192x7)"
+            )
+        out.extend([int(m.group(1))] * int(m.group(2) or 1))
+    return out
+
+
+def gpu_free_bytes(fraction: float) -> int:
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"gpu memory fraction must be in (0, 1], got {fraction}")
+    if not torch.cuda.is_available():
+        raise ValueError("a fraction of GPU memory was asked for, but no CUDA device is visible")
+    free, _ = torch.cuda.mem_get_info()
+    return int(free * fraction)
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    budget_bytes: int
+    block_size: int
+    bytes_per_token: int
+    bytes_per_block: int
+    state_bytes_per_slot: int
+    num_state_slots: int
+    num_blocks: int
+    max_model_len: int
+    bytes_per_max_len_seq: int  # K/V of one max_model_len sequence plus its state slot
+    max_tokens_in_pool: int
+    padded_max_len_seqs: int  # sequences the same budget holds padded to max_model_len
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan_capacity(
+    model: ModelConfig,
+    cache: CacheConfig,
+    budget_bytes: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    state_dtype: torch.dtype = torch.bfloat16,
+) -> CapacityPlan:
+    """Split ``budget_bytes`` into ``max_num_seqs`` state slots and K/V blocks.
+
+    Raises ``ValueError`` if one ``max_model_len`` sequence (with its slot) cannot fit.
+    """
+    if max_num_seqs <= 0:
+        raise ValueError(f"max_num_seqs must be > 0, got {max_num_seqs}")
+    if max_model_len <= 0:
+        raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
+    cache.check_head_dim(model.head_dim)
+    kv = footprint(model, cache)
+    state = StateShapes.for_model(model, state_dtype).bytes_per_slot
+    per_seq = max_model_len * kv.bytes_per_token + state
+    if per_seq > budget_bytes:
+        raise ValueError(
+            f"one sequence of max_model_len={max_model_len} tokens needs {_fmt(per_seq)} "
+            f"(K/V {_fmt(max_model_len * kv.bytes_per_token)} + state {_fmt(state)}), above "
+            f"the budget of {_fmt(budget_bytes)}; lower --max-model-len or raise the budget"
+        )
+    slots = max_num_seqs
+    num_blocks = (budget_bytes - slots * state) // kv.bytes_per_block
+    if num_blocks * cache.block_size < max_model_len:
+        raise ValueError(
+            f"{max_num_seqs} state slots ({_fmt(max_num_seqs * state)}) leave room for "
+            f"{num_blocks} blocks ({num_blocks * cache.block_size} tokens), fewer than one "
+            f"max_model_len={max_model_len} sequence; lower --max-num-seqs or raise the budget"
+        )
+    return CapacityPlan(
+        budget_bytes=budget_bytes,
+        block_size=cache.block_size,
+        bytes_per_token=kv.bytes_per_token,
+        bytes_per_block=kv.bytes_per_block,
+        state_bytes_per_slot=state,
+        num_state_slots=slots,
+        num_blocks=int(num_blocks),
+        max_model_len=max_model_len,
+        bytes_per_max_len_seq=per_seq,
+        max_tokens_in_pool=int(num_blocks) * cache.block_size,
+        padded_max_len_seqs=budget_bytes // per_seq,
+    )
+
+
+def footprint(model: ModelConfig, cache: CacheConfig) -> KVFootprint:
+    return KVFootprint(
+        num_layers=model.num_full_attention_layers,
+        num_kv_heads=model.num_key_value_heads,
+        head_dim=model.head_dim,
+        cache_type_k=cache.cache_type_k,
+        cache_type_v=cache.cache_type_v,
+        block_size=cache.block_size,
+    )
+
+
+@dataclass(frozen=True)
+class WorkloadReport:
+    seq_lens: tuple[int, ...]
+    live_tokens: int  # block-rounded
+    padded_tokens: int
+    paged_bytes_per_layer: int
+    padded_bytes_per_layer: int
+    paged_bytes: int
+    padded_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.padded_bytes / self.paged_bytes
+
+    @property
+    def saving(self) -> float:
+        return 1.0 - self.paged_bytes / self.padded_bytes
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(ratio=self.ratio, saving=self.saving)
+        return d
+
+
+def workload_report(
+    kv: KVFootprint, seq_lens: list[int], max_len: int | None = None
+) -> WorkloadReport:
+    """Paged vs padded-contiguous K/V for a set of live sequences."""
+    width = max(seq_lens) if max_len is None else max_len
+    return WorkloadReport(
+        seq_lens=tuple(seq_lens),
+        live_tokens=kv.block_rounded_tokens(seq_lens),
+        padded_tokens=len(seq_lens) * width,
+        paged_bytes_per_layer=kv.paged_bytes(seq_lens, per_layer=True),
+        padded_bytes_per_layer=kv.padded_bytes(seq_lens, width, per_layer=True),
+        paged_bytes=kv.paged_bytes(seq_lens),
+        padded_bytes=kv.padded_bytes(seq_lens, width),
+    )
+
+
+def _fmt(n: float) -> str:
+    if n >= GiB:
+        return f"{n / GiB:.3f} GiB"
+    if n >= MiB:
+        return f"{n / MiB:.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def format_plan(model: ModelConfig, cache: CacheConfig, plan: CapacityPlan) -> str:
+    kv_pt = plan.bytes_per_token
+    lines = [
+        f"model            {model.architecture}: {model.num_full_attention_layers} full-attention "
+        f"+ {model.num_linear_attention_layers} linear-attention layers, "
+        f"Hkv={model.num_key_value_heads}, D={model.head_dim}",
+        f"K/V types        K={cache.cache_type_k} V={cache.cache_type_v}, "
+        f"block_size={plan.block_size}",
+        f"budget           {_fmt(plan.budget_bytes)} ({plan.budget_bytes} B) for K/V + state",
+        f"bytes per token  {kv_pt} B K/V over all full-attention layers",
+        f"bytes per block  {plan.bytes_per_block} B",
+        f"state per slot   {_fmt(plan.state_bytes_per_slot)}",
+        f"per sequence     {_fmt(plan.bytes_per_max_len_seq)} at max_model_len="
+        f"{plan.max_model_len} (K/V + state)",
+        f"fits             {plan.num_blocks} blocks ({plan.max_tokens_in_pool} tokens) + "
+        f"{plan.num_state_slots} state slots",
+        f"padded equiv.    {plan.padded_max_len_seqs} sequences padded to max_model_len",
+    ]
+    return "\n".join(lines)
+
+
+def format_workload(rep: WorkloadReport) -> str:
+    return "\n".join([
+        f"workload         {len(rep.seq_lens)} sequences, {sum(rep.seq_lens)} tokens",
+        f"live tokens      {rep.live_tokens} block-rounded; padded slots {rep.padded_tokens}",
+        f"one layer        paged {rep.paged_bytes_per_layer / MiB:.0f} MiB vs padded "
+        f"{rep.padded_bytes_per_layer / MiB:.0f} MiB",
+        f"all layers       paged {rep.paged_bytes / GiB:.3f} GiB vs padded "
+        f"{rep.padded_bytes / GiB:.3f} GiB",
+        f"paged uses       {rep.ratio:.2f}x less ({100 * rep.saving:.2f}% saving)",
+    ])

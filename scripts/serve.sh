@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Quick start, command 1: set up .venv and serve the embedded default model.
+# Extra arguments go to `pagedserve serve` (e.g. --port 8001).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+exec .venv/bin/pagedserve serve "$@"
