@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pagedserve.config import CacheConfig, ModelConfig
-from pagedserve.kv.memory import GiB, MiB, KVFootprint
+from pagedserve.kv.memory import GiB, KVFootprint, MiB
 from pagedserve.kv.state_pool import StateShapes
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
