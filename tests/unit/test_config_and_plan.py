@@ -1,0 +1,112 @@
+"""Model/cache configs and capacity planning, checked against the seed's published numbers."""
+
+import json
+
+import pytest
+
+from pagedserve import cli, presets
+from pagedserve import plan as planning
+from pagedserve.config import CacheConfig, ModelConfig
+from pagedserve.kv.memory import GiB, KVFootprint, MiB
+
+SEED_LENS = [131072] + [8192] * 7
+
+
+def qwen27b() -> ModelConfig:
+    return ModelConfig.from_path(presets.config_path("qwen3.5-27b"))
+
+
+def test_27b_shape_has_16_full_attention_layers():
+    cfg = qwen27b()
+    assert cfg.num_full_attention_layers == 16
+    assert cfg.num_linear_attention_layers == 48
+    assert cfg.full_attention_layers[:2] == (3, 7)
+    assert cfg.rotary_dim == 64
+    assert cfg.conv_dim == 2 * 16 * 128 + 48 * 128
+
+
+def test_seed_memory_numbers_for_128k_plus_7x8k_q4_0():
+    kv = KVFootprint(16, 4, 256, "q4_0", "q4_0", 16)
+    rep = planning.workload_report(kv, SEED_LENS)
+    assert rep.live_tokens == 188_416
+    assert rep.padded_tokens == 1_048_576
+    assert rep.paged_bytes_per_layer == 188_416 * 4 * 144 * 2
+    assert round(rep.paged_bytes_per_layer / MiB) == 207
+    assert rep.padded_bytes_per_layer == 1152 * MiB
+    assert f"{rep.paged_bytes / GiB:.3f}" == "3.234"
+    assert f"{rep.padded_bytes / GiB:.3f}" == "18.000"
+    assert f"{rep.ratio:.2f}" == "5.57"
+    assert f"{100 * rep.saving:.2f}" == "82.03"
+
+
+@pytest.mark.parametrize("kv_type,row", [("f16", 512), ("bf16", 512), ("q8_0", 272),
+                                         ("q4_0", 144)])
+def test_bytes_per_row_at_d256(kv_type, row):
+    kv = KVFootprint(1, 1, 256, kv_type, kv_type, 16)
+    assert kv.bytes_per_token_per_layer == 2 * row
+
+
+def test_plan_splits_budget_into_slots_and_blocks():
+    cfg, cache = qwen27b(), CacheConfig("q4_0", "q4_0")
+    p = planning.plan_capacity(cfg, cache, 40 * GiB, max_num_seqs=8, max_model_len=131072)
+    assert p.bytes_per_token == 16 * 4 * 144 * 2
+    assert p.bytes_per_block == 16 * p.bytes_per_token
+    state = p.state_bytes_per_slot
+    assert state == 48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4)
+    assert p.num_blocks == (40 * GiB - 8 * state) // p.bytes_per_block
+    assert p.padded_max_len_seqs == 40 * GiB // (131072 * p.bytes_per_token + state)
+
+
+def test_plan_refuses_a_budget_below_one_max_len_sequence():
+    with pytest.raises(ValueError, match="one sequence of max_model_len=131072 tokens needs"):
+        planning.plan_capacity(qwen27b(), CacheConfig("f16", "f16"), 1 * GiB, 1, 131072)
+
+
+def test_parsers_name_bad_values():
+    assert planning.parse_bytes("4GiB") == 4 * GiB
+    assert planning.parse_bytes("1.5e9") == 1_500_000_000
+    assert planning.parse_seq_lens("131072,8192x7") == SEED_LENS
+    with pytest.raises(ValueError, match="'4 parsecs' is not a size"):
+        planning.parse_bytes("4 parsecs")
+    with pytest.raises(ValueError, match="sequence length '0'"):
+        planning.parse_seq_lens("0")
+
+
+def test_plan_command_prints_seed_numbers(capsys):
+    rc = cli.main(["plan", "--model", "preset:qwen3.5-27b", "--cache-type-k", "q4_0",
+                   "--cache-type-v", "q4_0", "--memory", "40GiB", "--max-model-len", "131072",
+                   "--seq-lens", "131072,8192x7", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["live_tokens"] == 188_416
+    assert out["workload"]["paged_bytes"] == 16 * 188_416 * 4 * 144 * 2
+
+
+def test_plan_command_reports_errors_without_traceback(capsys):
+    rc = cli.main(["plan", "--model", "preset:nope", "--memory", "1GiB"])
+    assert rc == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+
+
+def test_published_layout_and_rejections():
+    text = json.loads(presets.config_path("qwen3.5-27b").read_text())
+    wrapped = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+               "text_config": {**text, "model_type": "qwen3_5_text"}}
+    cfg = ModelConfig.from_hf_dict(wrapped)
+    assert cfg.weight_prefix == "model.language_model."
+    assert cfg.num_full_attention_layers == 16
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        ModelConfig.from_hf_dict({**text, "num_experts": 256})
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+        ModelConfig.from_hf_dict({**text, "model_type": "llama"})
+    with pytest.raises(ValueError, match="head_dim 96 is not supported"):
+        ModelConfig.from_hf_dict({**text, "head_dim": 96})
+
+
+def test_cache_config_names_bad_values():
+    with pytest.raises(ValueError, match=r"cache-type-k 'q5_0' is not a K/V storage type"):
+        CacheConfig("q5_0", "f16")
+    with pytest.raises(ValueError, match="kv-layout 'ring'"):
+        CacheConfig(kv_layout="ring")
+    with pytest.raises(ValueError, match="head_dim 48 cannot be stored as q4_0"):
+        CacheConfig("q4_0", "f16").check_head_dim(48)
