@@ -1,0 +1,149 @@
+"""``Request`` (the unit of work) and ``SamplingParams`` (how its tokens are chosen)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedserve.kv.handles import Handle
+
+MAX_LOGPROBS = 20
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, validated once (OpenAI semantics where they exist).
+
+    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0``
+    disable those filters. ``seed`` makes the request's tokens reproducible whatever else
+    shares its batch. ``logprobs=N`` returns the sampled token's log-probability and the
+    N most likely alternatives at each step.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.temperature >= 0.0,
+               f"temperature must be >= 0, got {self.temperature}")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1,
+               f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(-2.0 <= self.presence_penalty <= 2.0,
+               f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        _check(-2.0 <= self.frequency_penalty <= 2.0,
+               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        _check(0.0 < self.repetition_penalty <= 10.0,
+               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+               f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               "stop strings must be non-empty strings")
+        _check(len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again; its blocks and slot were freed
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+
+
+@dataclass
+class Request:
+    """One prompt being served.
+
+    ``num_computed_tokens`` counts tokens whose K/V and recurrent state are in the cache.
+    The next forward step processes ``all_token_ids[num_computed_tokens:]``; after a
+    token is sampled it is forwarded next step at position ``num_computed_tokens`` (the
+    seed's first-token rule: no skipped and no duplicated row).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    kv_handle: Handle | None = None
+    state_handle: Handle | None = None
+    num_preemptions: int = 0
+    sample_seed: int = 0  # the seed actually used (params.seed or one drawn at admission)
+    output_text: str = ""
+    stop_reason: str | int | None = None
+    # Timestamps for metrics (monotonic seconds).
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens not yet forwarded (the rest of the prompt, or the last sampled token)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        if self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                           RequestStatus.FINISHED_ABORTED):
+            return self.status.value
+        return None

@@ -1,0 +1,214 @@
+"""Logits -> tokens for a whole batch at once, on the logits' device.
+
+Per-row settings arrive as tensors, so one batch mixes greedy and sampled requests with
+different temperatures, filters and penalties, with no host sync until the caller reads
+the chosen ids. Processing order per row:
+
+    penalties (repetition on prompt+output; presence/frequency on output)
+      -> greedy rows: argmax
+      -> sampled rows: / temperature -> min_p -> top_k -> top_p -> exponential race
+
+The exponential race picks ``argmax(p_i / E_i)`` with ``E_i ~ Exp(1)``, which draws
+exactly from ``p``. ``E`` comes from a counter-based hash of (request seed, output index,
+token id) instead of a stateful generator, so a seeded request gets the same noise
+whatever else shares its batch, and the step stays free of per-row generator calls.
+(The race trick is the one FlashInfer and vLLM use for batched sampling; the hash is
+murmur3's 32-bit finalizer.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine.request import Request
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row settings of one step, ``B`` rows. Built on the host, moved non-blocking.
+
+    Attributes:
+        temperature, top_p, min_p, presence, frequency, repetition: float32 ``[B]``
+        top_k: int64 ``[B]`` (0 = off)
+        seed_lo, seed_hi: int64 ``[B]`` 32-bit halves of each request's seed
+        step: int64 ``[B]`` output index of the token being drawn
+        prompt_ids, output_ids: int64 ``[B, L]`` padded with ``vocab_size`` (ignored)
+        flags (host): which stages any row needs; ``max_logprobs`` (0 = none)
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    seed_lo: torch.Tensor
+    seed_hi: torch.Tensor
+    step: torch.Tensor
+    prompt_ids: torch.Tensor | None
+    output_ids: torch.Tensor | None
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    any_penalty: bool
+    max_logprobs: int
+
+    @classmethod
+    def from_requests(
+        cls, requests: list[Request], vocab_size: int, device: torch.device | str
+    ) -> SamplingTensors:
+        ps = [r.params for r in requests]
+
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+
+        def i64(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+        any_rep = any(p.repetition_penalty != 1.0 for p in ps)
+        any_out = any(p.presence_penalty or p.frequency_penalty for p in ps) or any_rep
+        prompt_ids = _pad([r.prompt_token_ids for r in requests], vocab_size, device) \
+            if any_rep else None
+        output_ids = _pad([r.output_token_ids for r in requests], vocab_size, device) \
+            if any_out else None
+        seeds = [r.sample_seed for r in requests]
+        return cls(
+            temperature=f32([p.temperature for p in ps]),
+            top_p=f32([p.top_p for p in ps]),
+            top_k=i64([max(p.top_k, 0) for p in ps]),
+            min_p=f32([p.min_p for p in ps]),
+            presence=f32([p.presence_penalty for p in ps]),
+            frequency=f32([p.frequency_penalty for p in ps]),
+            repetition=f32([p.repetition_penalty for p in ps]),
+            seed_lo=i64([s & _M32 for s in seeds]),
+            seed_hi=i64([(s >> 32) & _M32 for s in seeds]),
+            step=i64([len(r.output_token_ids) for r in requests]),
+            prompt_ids=prompt_ids,
+            output_ids=output_ids,
+            all_greedy=all(p.greedy for p in ps),
+            any_top_k=any(p.top_k > 0 and not p.greedy for p in ps),
+            any_top_p=any(p.top_p < 1.0 and not p.greedy for p in ps),
+            any_min_p=any(p.min_p > 0.0 and not p.greedy for p in ps),
+            any_penalty=any_out,
+            max_logprobs=max((p.logprobs or 0) for p in ps) if any(
+                p.logprobs is not None for p in ps) else -1,
+        )
+
+
+def _pad(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out.to(device, non_blocking=True)
+
+
+@dataclass
+class SamplerOutput:
+    """``token_ids`` int64 ``[B]``; with logprobs: ``sampled_logprob`` ``[B]``,
+    ``top_ids``/``top_logprobs`` ``[B, N]`` (N = the batch's largest request)."""
+
+    token_ids: torch.Tensor
+    sampled_logprob: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
+    """Choose one token per row of ``logits`` float32 ``[B, V]``."""
+    raw = logits.float()
+    x = apply_penalties(raw, st) if st.any_penalty else raw
+    greedy_ids = x.argmax(dim=-1)
+    if st.all_greedy:
+        token_ids = greedy_ids
+    else:
+        sampled_ids = _sample_random(x, st)
+        token_ids = torch.where(st.temperature == 0.0, greedy_ids, sampled_ids)
+    out = SamplerOutput(token_ids=token_ids)
+    if st.max_logprobs >= 0:
+        # Log-probabilities of the model's own distribution (before penalties/filters).
+        logp = torch.log_softmax(raw, dim=-1)
+        out.sampled_logprob = logp.gather(1, token_ids[:, None]).squeeze(1)
+        if st.max_logprobs > 0:
+            out.top_logprobs, out.top_ids = logp.topk(st.max_logprobs, dim=-1)
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Repetition penalty over prompt+output tokens (divide positive logits, multiply
+    negative ones); presence and frequency penalties over output tokens (OpenAI)."""
+    B, V = logits.shape
+    out_counts = _counts(st.output_ids, B, V, logits.device)  # [B, V]
+    x = logits - st.frequency[:, None] * out_counts \
+        - st.presence[:, None] * (out_counts > 0).float()
+    if st.prompt_ids is not None:
+        seen = (_counts(st.prompt_ids, B, V, logits.device) + out_counts) > 0
+        r = st.repetition[:, None]
+        penalized = torch.where(x > 0, x / r, x * r)
+        x = torch.where(seen, penalized, x)
+    return x
+
+
+def _counts(ids: torch.Tensor, B: int, V: int, device) -> torch.Tensor:
+    counts = torch.zeros(B, V + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :V]
+
+
+def _sample_random(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
+    x = x / temp[:, None]
+    neg_inf = torch.finfo(x.dtype).min
+    if st.any_min_p:
+        probs = torch.softmax(x, dim=-1)
+        floor = st.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(probs < floor, neg_inf)
+    if st.any_top_k or st.any_top_p:
+        x = _top_k_top_p(x, st, neg_inf)
+    noise = exponential_noise(st.seed_lo, st.seed_hi, st.step, x.shape[1])  # [B, V]
+    # argmax(p / E) == argmax(log p - log E); the softmax normalizer is common to a row.
+    return (x - noise.log()).argmax(dim=-1)
+
+
+def _top_k_top_p(x: torch.Tensor, st: SamplingTensors, neg_inf: float) -> torch.Tensor:
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [B, V]
+    V = x.shape[1]
+    rank = torch.arange(V, device=x.device)[None, :]
+    if st.any_top_k:
+        k = torch.where(st.top_k > 0, st.top_k, torch.full_like(st.top_k, V))
+        sorted_x = sorted_x.masked_fill(rank >= k[:, None], neg_inf)
+    if st.any_top_p:
+        probs = torch.softmax(sorted_x, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+        drop = (before >= st.top_p[:, None]) & (rank > 0)
+        sorted_x = sorted_x.masked_fill(drop, neg_inf)
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def exponential_noise(
+    seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, vocab: int
+) -> torch.Tensor:
+    """Exp(1) noise ``[B, vocab]``, a pure function of (seed, step, token id)."""
+    row = _fmix32(seed_lo ^ _fmix32(seed_hi ^ _fmix32(step + 0x9E3779B9)))  # [B]
+    idx = torch.arange(vocab, device=seed_lo.device, dtype=torch.long)[None, :]
+    h = _fmix32(row[:, None] ^ ((idx * 0x9E3779B1) & _M32))
+    h = _fmix32(h ^ row[:, None])
+    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    return -torch.log(u)
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    # Values stay in [0, 2**32) in int64; products wrap, and the low 32 bits are exact.
+    h = h & _M32
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)

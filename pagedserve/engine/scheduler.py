@@ -1,0 +1,245 @@
+"""Iteration-level scheduling: who runs in the next forward pass, and with how many tokens.
+
+Policy, per step, within ``max_num_batched_tokens``:
+
+1. Running decodes (one pending token each), oldest first: users already streaming never
+   stall behind a long prompt.
+2. Running prefills (chunked: at most ``prefill_chunk`` tokens each), oldest first.
+3. Waiting requests, first come first served (preempted ones at the front), while a state
+   slot, a sequence row and the chunk's blocks are free. Admission never preempts.
+
+When a running sequence cannot grow, the newest running sequence is preempted: its blocks
+and slot are freed and it goes back to the front of the queue, to be re-prefilled from its
+prompt plus the tokens it already generated. The oldest request is never the victim while
+a newer one runs, so it cannot starve.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.kv.kv_manager import KVCacheManager
+from pagedserve.kv.state_pool import StatePool
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    prefill_chunk: int = 512
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk",
+                     "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name.replace('_', '-')} must be an integer > 0, "
+                                 f"got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max-num-seqs ({self.max_num_seqs}) so every running sequence can decode "
+                "in each step"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``request`` forwarded this step, from ``start_pos``."""
+
+    request: Request
+    num_tokens: int
+    start_pos: int
+
+    @property
+    def completes(self) -> bool:
+        """Whether this chunk reaches the request's last known token (so it samples)."""
+        return self.start_pos + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]  # decode chunks first
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for c in self.chunks if c.num_tokens == 1)
+
+
+class Scheduler:
+    """Queues of requests over one ``KVCacheManager`` and one ``StatePool``."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, states: StatePool) -> None:
+        if kv.max_num_seqs < config.max_num_seqs or states.num_slots < config.max_num_seqs:
+            raise ValueError(
+                f"max-num-seqs {config.max_num_seqs} exceeds the sequence rows "
+                f"({kv.max_num_seqs}) or state slots ({states.num_slots}) allocated"
+            )
+        self.config = config
+        self.kv = kv
+        self.states = states
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------
+    @property
+    def token_capacity(self) -> int:
+        """Most tokens one sequence can ever hold here."""
+        return min(self.config.max_model_len,
+                   self.kv.pool.num_blocks * self.kv.block_size,
+                   self.kv.max_tokens_per_seq)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise ``ValueError`` if ``request`` could never run, whatever else finishes."""
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty; at least one token is required")
+        if n >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {n} tokens, but max_model_len is "
+                f"{self.config.max_model_len}: there is no room to generate; the prompt "
+                f"must be shorter than {self.config.max_model_len} tokens"
+            )
+        need = min(n + request.params.max_tokens, self.config.max_model_len)
+        capacity = min(self.kv.pool.num_blocks * self.kv.block_size,
+                       self.kv.max_tokens_per_seq)
+        if need > capacity:
+            raise ValueError(
+                f"the request needs up to {need} tokens of K/V (prompt {n} + max_tokens "
+                f"{request.params.max_tokens}), but the K/V pool holds at most {capacity} "
+                "tokens for one sequence; lower max_tokens or the prompt length"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def abort(self, request: Request) -> None:
+        """Stop ``request`` wherever it is and free its blocks and slot at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.status = status
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- the step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        decode: list[ScheduledChunk] = []
+        prefill: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+
+        for want_decode in (True, False):
+            for req in list(self.running):
+                if req not in self.running or (req.num_pending_tokens == 1) != want_decode:
+                    continue
+                n = self._chunk_len(req, budget)
+                if n == 0:
+                    continue
+                if not self._reserve_or_preempt(req, n, preempted):
+                    continue
+                budget -= n
+                chunk = ScheduledChunk(req, n, req.num_computed_tokens)
+                (decode if n == 1 else prefill).append(chunk)
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = self._chunk_len(req, budget)
+            if not self._admit(req, n):
+                break  # head of the queue waits for memory; FCFS, no overtaking
+            self.waiting.popleft()
+            self.running.append(req)
+            budget -= n
+            (decode if n == 1 else prefill).append(
+                ScheduledChunk(req, n, req.num_computed_tokens))
+        # A request scheduled early in the step can be the victim of a later reservation.
+        chunks = [c for c in decode + prefill if c.request.status is RequestStatus.RUNNING]
+        return SchedulerOutput(chunks, preempted)
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        pending = req.num_pending_tokens
+        return min(pending, budget) if pending == 1 else min(
+            pending, budget, self.config.prefill_chunk)
+
+    def _reserve_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
+        while not self.kv.reserve(req.kv_handle, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, req: Request, n: int) -> bool:
+        # Keep a small reserve of free blocks for running sequences to grow into, so a new
+        # admission is not preempted on the very next step (vLLM keeps a 1% watermark too).
+        # A lone request is admitted whenever it fits at all.
+        watermark = max(1, self.kv.pool.num_blocks // 100) if self.running else 0
+        if self.kv.pool.num_free_blocks < self.kv.blocks_needed(n) + watermark:
+            return False
+        req.kv_handle = self.kv.create()
+        req.state_handle = self.states.acquire()
+        if not self.kv.reserve(req.kv_handle, n):
+            self._release(req)
+            return False
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        if req.kv_handle is not None:
+            self.kv.free(req.kv_handle)
+            req.kv_handle = None
+        if req.state_handle is not None:
+            self.states.release(req.state_handle)
+            req.state_handle = None
+
+    def check_integrity(self) -> None:
+        """Pools consistent, and every live sequence belongs to exactly one running request."""
+        self.kv.check_invariants()
+        self.states.check_invariants()
+        if self.kv.num_live_seqs != len(self.running):
+            raise AssertionError(f"{self.kv.num_live_seqs} live sequences for "
+                                 f"{len(self.running)} running requests")
+        if self.states.num_used_slots != len(self.running):
+            raise AssertionError(f"{self.states.num_used_slots} slots in use for "
+                                 f"{len(self.running)} running requests")
+        for req in self.running:
+            if self.kv.num_tokens(req.kv_handle) != req.num_computed_tokens:
+                raise AssertionError(f"request {req.request_id}: cache holds "
+                                     f"{self.kv.num_tokens(req.kv_handle)} tokens, "
+                                     f"computed {req.num_computed_tokens}")
+        for req in self.waiting:
+            if req.kv_handle is not None or req.state_handle is not None:
+                raise AssertionError(f"waiting request {req.request_id} holds memory")

@@ -1,0 +1,135 @@
+"""Sampler against float64 references: filters, penalties, distribution, seeds, logprobs."""
+
+import math
+
+import pytest
+import torch
+
+from pagedserve.engine.request import Request, SamplingParams
+from pagedserve.engine.sampler import SamplingTensors, exponential_noise, sample
+
+V = 12
+
+
+def requests(params, outputs=None, seeds=None, prompts=None):
+    out = []
+    for i, p in enumerate(params):
+        r = Request(f"r{i}", prompts[i] if prompts else [1, 2, 3], p)
+        r.output_token_ids = list(outputs[i]) if outputs else []
+        r.sample_seed = seeds[i] if seeds else 1234 + i
+        out.append(r)
+    return out
+
+
+def draw(logits, params, **kw):
+    reqs = requests(params, **kw)
+    st = SamplingTensors.from_requests(reqs, logits.shape[1], "cpu")
+    return sample(logits, st)
+
+
+def allowed_set(logits64, p: SamplingParams):
+    """Float64 reference of the tokens a request may draw (temperature, min_p, top_k, top_p)."""
+    x = logits64 / p.temperature
+    probs = torch.softmax(x, 0)
+    keep = probs >= p.min_p * probs.max()
+    order = torch.argsort(x, descending=True)
+    if p.top_k > 0:
+        keep[order[p.top_k:]] = False
+    masked = torch.where(keep, x, torch.tensor(-math.inf, dtype=torch.float64))
+    probs = torch.softmax(masked, 0)
+    order = torch.argsort(masked, descending=True)
+    mass = 0.0
+    allowed = set()
+    for t in order.tolist():
+        if not keep[t] or (allowed and mass >= p.top_p):
+            break
+        allowed.add(t)
+        mass += probs[t].item()
+    return allowed
+
+
+def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
+    logits = torch.randn(3, V)
+    out = draw(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+                        SamplingParams(temperature=0.0)])
+    assert out.token_ids[0] == logits[0].argmax() and out.token_ids[2] == logits[2].argmax()
+
+
+@pytest.mark.parametrize("p", [
+    SamplingParams(temperature=0.8, top_k=3),
+    SamplingParams(temperature=1.3, top_p=0.6),
+    SamplingParams(temperature=1.0, min_p=0.2),
+    SamplingParams(temperature=0.5, top_k=5, top_p=0.9, min_p=0.05),
+])
+def test_filters_only_ever_draw_allowed_tokens(p):
+    torch.manual_seed(0)
+    logits = torch.randn(1, V) * 2
+    allowed = allowed_set(logits[0].double(), p)
+    seen = set()
+    for seed in range(400):
+        seen.add(int(draw(logits, [p], seeds=[seed]).token_ids[0]))
+    assert seen <= allowed
+    assert seen == allowed  # every allowed token shows up over 400 seeds
+
+
+def test_draws_follow_the_softmax_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    p = SamplingParams(temperature=1.0)
+    n = 6000
+    reqs = requests([p] * n, seeds=list(range(n)))
+    st = SamplingTensors.from_requests(reqs, 6, "cpu")
+    counts = torch.bincount(sample(logits.expand(n, -1), st).token_ids, minlength=6).double()
+    expected = torch.softmax(logits[0].double(), 0) * n
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 20.5  # 5 degrees of freedom: p ~ 0.001
+
+
+def test_seeded_request_is_independent_of_its_batch_neighbours():
+    torch.manual_seed(1)
+    logits = torch.randn(4, V)
+    p = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
+    alone = draw(logits[2:3], [p], seeds=[42]).token_ids[0]
+    mixed = draw(logits, [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0),
+                          p, SamplingParams(temperature=2.0, top_k=2)],
+                 seeds=[7, 8, 42, 9]).token_ids[2]
+    assert alone == mixed
+
+
+def test_noise_is_exponential_and_a_pure_function_of_seed_and_step():
+    a = exponential_noise(torch.tensor([5]), torch.tensor([0]), torch.tensor([3]), 50000)
+    b = exponential_noise(torch.tensor([5, 6]), torch.tensor([0, 0]), torch.tensor([3, 3]),
+                          50000)
+    assert torch.equal(a[0], b[0]) and not torch.equal(b[0], b[1])
+    assert abs(a.mean().item() - 1.0) < 0.03 and abs(a.var().item() - 1.0) < 0.06
+
+
+def test_penalties_match_the_reference_formula():
+    torch.manual_seed(2)
+    logits = torch.randn(1, V, dtype=torch.float32) * 3
+    p = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3,
+                       repetition_penalty=1.7)
+    prompt, output = [1, 4], [4, 4, 7]
+    ref = logits[0].double().clone()
+    for t in range(V):
+        c = output.count(t)
+        ref[t] -= 0.3 * c + 0.5 * (c > 0)
+        if t in prompt or t in output:
+            ref[t] = ref[t] / 1.7 if ref[t] > 0 else ref[t] * 1.7
+    out = draw(logits, [p], outputs=[output], prompts=[prompt])
+    assert out.token_ids[0] == ref.argmax()
+    from pagedserve.engine.sampler import apply_penalties
+    st = SamplingTensors.from_requests(requests([p], outputs=[output], prompts=[prompt]), V,
+                                       "cpu")
+    assert torch.allclose(apply_penalties(logits, st)[0].double(), ref, atol=1e-5)
+
+
+def test_logprobs_are_the_models_log_softmax():
+    torch.manual_seed(3)
+    logits = torch.randn(2, V)
+    out = draw(logits, [SamplingParams(temperature=0.0, logprobs=3),
+                        SamplingParams(temperature=1.0, logprobs=0)])
+    ref = torch.log_softmax(logits.double(), -1)
+    assert torch.allclose(out.top_logprobs[0].double(), ref[0].topk(3).values, atol=1e-6)
+    assert torch.equal(out.top_ids[0], ref[0].topk(3).indices)
+    for i in range(2):
+        assert abs(out.sampled_logprob[i].item() - ref[i, out.token_ids[i]].item()) < 1e-6

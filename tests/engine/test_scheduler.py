@@ -1,0 +1,133 @@
+"""Scheduler policy on real pools, with the forward pass simulated by committing tokens."""
+
+import pytest
+import torch
+
+from pagedserve.engine.request import Request, RequestStatus, SamplingParams
+from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
+from pagedserve.kv.block_pool import BlockPool
+from pagedserve.kv.kv_manager import KVCacheManager
+from pagedserve.kv.state_pool import StatePool, StateShapes
+
+SHAPES = StateShapes(num_layers=1, conv=(4, 3), recurrent=(1, 2, 2), conv_dtype=torch.float32)
+
+
+def make(num_blocks=16, block_size=4, max_seqs=4, budget=64, chunk=8, max_len=64):
+    kv = KVCacheManager(BlockPool(num_blocks, block_size), max_seqs, max_len // block_size)
+    states = StatePool(SHAPES, max_seqs, "cpu")
+    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                          prefill_chunk=chunk, max_model_len=max_len)
+    return Scheduler(cfg, kv, states)
+
+
+def req(rid, prompt_len, max_tokens=8):
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
+
+
+def run_step(s: Scheduler, next_token=7):
+    """Simulate the forward: commit the scheduled tokens, sample for completing chunks."""
+    out = s.schedule()
+    for c in out.chunks:
+        s.kv.commit(c.request.kv_handle, c.num_tokens)
+        c.request.num_computed_tokens += c.num_tokens
+        if c.request.num_computed_tokens == c.request.num_tokens:
+            c.request.output_token_ids.append(next_token)
+    s.check_integrity()
+    return out
+
+
+def shape(out):
+    return [(c.request.request_id, c.num_tokens, c.start_pos) for c in out.chunks]
+
+
+def test_chunked_prefill_then_decode_rows_go_first():
+    s = make(chunk=8)
+    s.add(req("a", 20))
+    assert shape(run_step(s)) == [("a", 8, 0)]
+    s.add(req("b", 5))
+    assert shape(run_step(s)) == [("a", 8, 8), ("b", 5, 0)]
+    # a finishes its prompt (4 left); b decodes its first sampled token at position 5.
+    assert shape(run_step(s)) == [("b", 1, 5), ("a", 4, 16)]
+    assert shape(run_step(s)) == [("a", 1, 20), ("b", 1, 6)]
+
+
+def test_token_budget_caps_a_step_and_decodes_are_never_starved():
+    s = make(budget=6, chunk=8)
+    s.add(req("a", 3))
+    run_step(s)  # a: prompt done, now decoding
+    s.add(req("b", 30))
+    out = run_step(s)
+    assert shape(out) == [("a", 1, 3), ("b", 5, 0)]
+    assert out.num_tokens == 6
+
+
+def test_admission_waits_for_blocks_instead_of_failing():
+    s = make(num_blocks=4, block_size=4, max_seqs=4, chunk=16, max_len=16)
+    s.add(req("a", 12, max_tokens=4))
+    s.add(req("b", 8, max_tokens=4))
+    out = run_step(s)
+    assert shape(out) == [("a", 12, 0)]
+    assert [r.request_id for r in s.waiting] == ["b"]
+    assert s.waiting[0].status is RequestStatus.WAITING and s.waiting[0].kv_handle is None
+
+
+def test_impossible_requests_are_rejected_with_the_reason():
+    s = make(num_blocks=4, block_size=4, max_len=64)
+    with pytest.raises(ValueError, match="the prompt has 64 tokens, but max_model_len is 64"):
+        s.add(req("a", 64))
+    with pytest.raises(ValueError, match="holds at most 16 tokens"):
+        s.add(req("b", 10, max_tokens=20))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        s.add(Request("c", [], SamplingParams()))
+
+
+def test_newest_sequence_is_preempted_and_requeued_first():
+    s = make(num_blocks=4, block_size=4, max_seqs=3, chunk=16, max_len=16)
+    s.add(req("old", 4, max_tokens=8))
+    s.add(req("new", 3, max_tokens=8))
+    run_step(s)  # old: 1 block, new: 1 block (admitted with 2 free)
+    run_step(s)  # old grows into block 2 (pos 4); new decodes at pos 3
+    assert s.kv.pool.num_free_blocks == 1
+    run_step(s)  # new grows into block 3 (pos 4)
+    assert s.kv.pool.num_free_blocks == 0
+    # old decodes positions 6, 7, then needs a block at position 8: "new" is preempted.
+    assert not run_step(s).preempted and not run_step(s).preempted
+    out = run_step(s)
+    assert out.chunks[0].start_pos == 8
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert s.num_preemptions == 1
+    new = s.waiting[0]
+    assert new.request_id == "new" and new.status is RequestStatus.PREEMPTED
+    assert new.num_computed_tokens == 0 and len(new.output_token_ids) > 0
+    assert [c.request.request_id for c in out.chunks] == ["old"]
+
+
+def test_lone_sequence_never_preempts_itself_into_a_loop():
+    s = make(num_blocks=2, block_size=4, max_seqs=2, chunk=8, max_len=8)
+    s.add(req("a", 4, max_tokens=4))
+    for _ in range(4):
+        out = run_step(s)
+        assert not out.preempted
+
+
+def test_abort_frees_blocks_and_slot_at_once():
+    s = make()
+    a, b = req("a", 10), req("b", 6)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    used = s.kv.pool.num_used_blocks
+    s.abort(a)
+    assert a.status is RequestStatus.FINISHED_ABORTED and a.kv_handle is None
+    assert s.kv.pool.num_used_blocks == used - 2  # a reserved its first 8-token chunk
+    assert s.states.num_used_slots == 1
+    s.check_integrity()
+    s.abort(b)
+    assert s.kv.pool.num_used_blocks == 0 and s.states.num_used_slots == 0
+
+
+def test_config_errors_name_the_value():
+    with pytest.raises(ValueError, match="max-num-batched-tokens \\(2\\) must be >= "):
+        SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2)
+    with pytest.raises(ValueError, match="prefill-chunk must be an integer > 0, got 0"):
+        SchedulerConfig(prefill_chunk=0)
