@@ -13,6 +13,7 @@ import sys
 
 COMMANDS = {
     "plan": "pagedserve.commands.plan",
+    "generate": "pagedserve.commands.generate",
 }
 
 

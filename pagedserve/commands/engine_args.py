@@ -1,0 +1,45 @@
+"""Engine options shared by ``generate``, ``serve`` and ``bench``: one mapping onto
+``EngineConfig``."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve.engine.llm_engine import EngineConfig
+from pagedserve.kv import formats
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int = 8) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory or cached hub id (default: the embedded model)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default=None,
+                   help="float32, bfloat16 or float16 (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--kv-layout", default="paged", choices=("paged", "contiguous"))
+    p.add_argument("--cache-type-k", default="f16", choices=formats.KV_TYPES)
+    p.add_argument("--cache-type-v", default="f16", choices=formats.KV_TYPES)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=default_max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="K/V blocks in the pool (default: sized from memory)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--engine-seed", type=int, default=0,
+                   help="seed for requests that bring none")
+
+
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    fields = dict(
+        model=args.model, device=args.device, dtype=args.dtype, kv_layout=args.kv_layout,
+        cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+        block_size=args.block_size, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_chunk=args.prefill_chunk, num_blocks=args.num_blocks,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        cuda_graphs=not args.no_cuda_graphs, seed=args.engine_seed,
+    )
+    fields.update(overrides)
+    return EngineConfig(**fields)

@@ -1,0 +1,1 @@
+"""Requests, scheduling, sampling, the model runner and the engines built on them."""

@@ -1,0 +1,181 @@
+"""``AsyncEngine``: the engine on a background thread, streaming outputs to asyncio tasks.
+
+The step loop owns the ``LLMEngine`` outright; other threads talk to it only through a
+command queue (add, abort) that the loop drains between steps, and receive outputs
+through per-request ``asyncio.Queue``s fed with ``call_soon_threadsafe``. An abort
+therefore takes effect before the next forward pass: its blocks and slot are free within
+one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagedserve.engine.llm_engine import LLMEngine, RequestOutput
+from pagedserve.engine.request import Request, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Gauges and counters published after every step (read by /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop crashed; no request can make progress."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self.snapshot = EngineSnapshot()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="pagedserve-engine",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- client side (any thread with an event loop) ----------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def make_request(self, request_id: str, prompt: str | list[int],
+                     params: SamplingParams) -> Request:
+        """Validate now, in the caller's thread: bad input fails before it is queued."""
+        return self.engine.make_request(request_id, prompt, params)
+
+    async def generate(self, req: Request) -> AsyncIterator[RequestOutput]:
+        """Stream ``req``'s outputs; leaving the iterator early aborts the request."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if req.request_id in self._streams:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            self._streams[req.request_id] = (asyncio.get_running_loop(), stream)
+        self._send(("add", req))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(req.request_id, None)
+            if not finished:
+                self._send(("abort", req.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort everything in flight and stop the loop."""
+        self._send(("abort_all", None))
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- engine side (the background thread) ------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+                self._publish()
+            self._drain_commands()
+        except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
+            log.exception("engine loop crashed")
+            self.error = exc
+            with self._lock:
+                streams = list(self._streams)
+            for rid in streams:
+                self._deliver(rid, EngineDeadError(f"the engine stopped: {exc!r}"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.enqueue(arg)
+                except ValueError as exc:
+                    self._deliver(arg.request_id, exc)
+            elif kind == "abort":
+                self.engine.abort_request(arg)
+            elif kind == "abort_all":
+                for rid in list(self.engine.requests):
+                    self.engine.abort_request(rid)
+                    self._deliver(rid, _aborted(rid))
+            self._publish()
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # the client's loop is closed
+                pass
+
+    def _publish(self) -> None:
+        e = self.engine
+        self.snapshot = EngineSnapshot(
+            num_running=e.num_running, num_waiting=e.num_waiting,
+            kv_cache_usage=e.kv_cache_usage(),
+            num_preemptions=e.scheduler.num_preemptions,
+            num_prompt_tokens=e.stats.num_prompt_tokens,
+            num_generation_tokens=e.stats.num_generation_tokens,
+        )
+
+
+def _aborted(request_id: str) -> RequestOutput:
+    return RequestOutput(request_id, [], "", True, "abort")
+
+
+def wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> bool:
+    """Block until nothing runs or waits (tests and shutdown)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.snapshot
+        if s.num_running == 0 and s.num_waiting == 0 and engine.num_in_flight == 0:
+            return True
+        time.sleep(0.01)
+    return False

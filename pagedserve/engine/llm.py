@@ -1,0 +1,62 @@
+"""``LLM``: offline batch generation in the style of vLLM's ``LLM.generate``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
+from pagedserve.engine.request import SamplingParams, TokenLogprob
+
+
+@dataclass
+class CompletionOutput:
+    """The finished result of one prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_preemptions: int = 0
+
+
+class LLM:
+    """``LLM(model=None, **EngineConfig fields).generate(prompts, params)``.
+
+    ``model=None`` is the embedded default model. Every prompt goes through the same
+    continuous-batching engine as the server.
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[CompletionOutput]:
+        """Run every prompt to completion; results come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else (
+            [sampling_params or SamplingParams()] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = [f"llm-{i}" for i in range(len(prompts))]
+        # Validate all before enqueueing any, so a bad prompt leaves nothing half-started.
+        reqs = [self.engine.make_request(i, p, sp) for i, p, sp in zip(ids, prompts, params)]
+        for r in reqs:
+            self.engine.enqueue(r)
+        bar = tqdm(total=len(reqs), disable=not use_tqdm, desc="generate")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    bar.update(1)
+        bar.close()
+        return [CompletionOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
+                                 r.output_text, r.finish_reason or "abort",
+                                 list(r.output_logprobs), r.num_preemptions) for r in reqs]

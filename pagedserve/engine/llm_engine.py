@@ -1,0 +1,289 @@
+"""``LLMEngine``: add requests, abort them, and ``step()`` them forward together.
+
+One step reads as: schedule -> prepare inputs -> forward -> sample -> post-process.
+The engine is single-threaded; ``AsyncEngine`` drives it from a background thread.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.config import CacheConfig
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
+from pagedserve.engine.runner import ModelRunner, RunnerConfig
+from pagedserve.engine.sampler import SamplerOutput, SamplingTensors, sample
+from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from pagedserve.model.forward_batch import SeqChunk, build_forward_batch
+from pagedserve.model.loader import LoadedModel, load_model
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything needed to start an engine; checked once, before any weight is loaded.
+
+    ``model=None`` serves the embedded default model. ``max_model_len=None`` takes the
+    smaller of 4096 and the model's ``max_position_embeddings``.
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    kv_layout: str = "paged"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int | None = None
+    prefill_chunk: int = 512
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.90
+    cuda_graphs: bool = True
+    seed: int = 0
+    check_integrity: bool = False  # run the pools' invariant checks after every step
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device {self.device!r} is not supported; accepted: cpu, cuda")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was asked for, but CUDA is not available")
+        CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max-model-len must be >= 2, got {self.max_model_len}")
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
+
+
+@dataclass
+class RequestOutput:
+    """What one step did for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    request: Request | None = None  # the live request (read-only for callers)
+
+
+@dataclass
+class EngineStats:
+    num_prompt_tokens: int = 0  # forwarded prompt tokens (recomputed ones count again)
+    num_generation_tokens: int = 0
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.device, config.dtype,
+                                           progress=config.progress)
+        cfg = self.loaded.config
+        max_len = config.max_model_len or min(4096, cfg.max_position_embeddings)
+        if max_len > cfg.max_position_embeddings:
+            raise ValueError(f"max-model-len {max_len} exceeds the model's "
+                             f"max_position_embeddings ({cfg.max_position_embeddings})")
+        self.max_model_len = max_len
+        self.runner = ModelRunner(
+            self.loaded.model, config.cache_config(),
+            RunnerConfig(max_model_len=max_len, max_num_seqs=config.max_num_seqs,
+                         num_blocks=config.num_blocks,
+                         gpu_memory_utilization=config.gpu_memory_utilization,
+                         cuda_graphs=config.cuda_graphs),
+        )
+        self.kv = self.runner.create_kv_manager()
+        budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
+                            prefill_chunk=config.prefill_chunk, max_model_len=max_len),
+            self.kv, self.runner.state_pool,
+        )
+        self.tokenizer = self.loaded.tokenizer
+        self.vocab_size = cfg.vocab_size
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._seed_rng = random.Random(config.seed)
+        self.stats = EngineStats()
+
+    # ---- requests ---------------------------------------------------------------------
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    ) -> Request:
+        """Tokenize and validate without touching the queues (safe from any thread).
+
+        Raises ``ValueError`` naming the problem for a request that can never run.
+        """
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            ids = self.loaded.require_tokenizer().encode(prompt, add_special_tokens=False)
+        else:
+            ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        eos = () if params.ignore_eos else self.loaded.generation.eos_token_ids
+        req = Request(request_id, ids, params, eos_token_ids=eos)
+        self.scheduler.check_fits(req)
+        return req
+
+    def enqueue(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.sample_seed = (req.params.seed if req.params.seed is not None
+                           else self._seed_rng.getrandbits(63))
+        self.scheduler.add(req)
+        self.requests[req.request_id] = req
+        if self.tokenizer is not None:
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, req.params.stop)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    ) -> Request:
+        req = self.make_request(request_id, prompt, params)
+        self.enqueue(req)
+        return req
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort and free at once; False if the id is unknown or already finished."""
+        req = self.requests.pop(request_id, None)
+        self._detok.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.abort(req)
+        req.finished_time = time.monotonic()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        if self.kv.pending_copies:
+            self.runner.copy_blocks(self.kv.pending_copies)
+            self.kv.pending_copies.clear()
+        batch = build_forward_batch(
+            [self._seq_chunk(c) for c in plan.chunks], self.kv, self.runner.device)
+        logits = self.runner.execute(batch)  # [B, V] float32
+        sampling = [i for i, c in enumerate(plan.chunks) if c.completes]
+        sampled = self._sample(logits, [plan.chunks[i].request for i in sampling], sampling)
+        return self._post_process(plan.chunks, sampling, sampled)
+
+    def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
+        req = c.request
+        ids = req.all_token_ids[c.start_pos:c.start_pos + c.num_tokens]
+        slot = self.runner.state_pool.slot(req.state_handle)
+        return SeqChunk(req.kv_handle, slot, tuple(ids), c.start_pos)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]):
+        if not reqs:
+            return None
+        st = SamplingTensors.from_requests(reqs, self.vocab_size, logits.device)
+        index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+        out = sample(logits.index_select(0, index), st)
+        return _to_host(out)  # the step's one device -> host sync
+
+    def _post_process(self, chunks, sampling, sampled) -> list[RequestOutput]:
+        now = time.monotonic()
+        for c in chunks:
+            self.kv.commit(c.request.kv_handle, c.num_tokens)
+            c.request.num_computed_tokens += c.num_tokens
+        outputs = []
+        for k, i in enumerate(sampling):
+            req = chunks[i].request
+            token, logprob = _row(sampled, k, req.params.logprobs)
+            outputs.append(self._append_token(req, token, logprob, now))
+        self.stats.num_generation_tokens += len(sampling)
+        self.stats.num_steps += 1
+        if self.config.check_integrity:
+            self.scheduler.check_integrity()
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprob, now: float) -> RequestOutput:
+        req.output_token_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.stats.num_prompt_tokens += req.num_prompt_tokens
+        req.last_token_time = now
+        status = self._stop_status(req, token)
+        if status is not None:
+            self.scheduler.finish(req, status)
+            req.finished_time = now
+        detok = self._detok.get(req.request_id)
+        text = ""
+        if detok is not None:
+            text = detok.take_new_text(req.is_finished)
+            req.output_text = detok.text
+        if req.is_finished:
+            self.requests.pop(req.request_id, None)
+            self._detok.pop(req.request_id, None)
+        return RequestOutput(
+            req.request_id, [token], text, req.is_finished, req.finish_reason,
+            [logprob] if logprob is not None else [], req.num_prompt_tokens,
+            len(req.output_token_ids), req)
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        """Stop ids and EOS end a request (their text is not emitted); then stop strings;
+        then length: ``max_tokens`` or ``max_model_len``."""
+        if token in req.params.stop_token_ids or token in req.eos_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        detok = self._detok.get(req.request_id)
+        if detok is not None and detok.append(token):
+            req.stop_reason = detok.stopped_on
+            return RequestStatus.FINISHED_STOPPED
+        if (len(req.output_token_ids) >= req.params.max_tokens
+                or req.num_tokens >= self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # ---- introspection ----------------------------------------------------------------
+    def kv_cache_usage(self) -> float:
+        """Fraction of K/V blocks in use, in [0, 1]."""
+        return self.kv.pool.utilization
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+
+def _to_host(out: SamplerOutput) -> dict:
+    host = {"token_ids": out.token_ids.tolist()}
+    if out.sampled_logprob is not None:
+        host["sampled_logprob"] = out.sampled_logprob.tolist()
+    if out.top_ids is not None:
+        host["top_ids"] = out.top_ids.tolist()
+        host["top_logprobs"] = out.top_logprobs.tolist()
+    return host
+
+
+def _row(sampled: dict, k: int, num_logprobs: int | None) -> tuple[int, TokenLogprob | None]:
+    token = sampled["token_ids"][k]
+    if num_logprobs is None:
+        return token, None
+    top = []
+    if num_logprobs > 0:
+        top = list(zip(sampled["top_ids"][k][:num_logprobs],
+                       sampled["top_logprobs"][k][:num_logprobs]))
+    return token, TokenLogprob(token, sampled["sampled_logprob"][k], top)

@@ -1,0 +1,58 @@
+"""The embedded default model (a real HF-format hybrid checkpoint), loaded once, and
+transformers' own greedy decoding on it as the oracle."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import Qwen3_5ForCausalLM
+
+from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
+from pagedserve.model.default_model import default_model_path
+from pagedserve.model.loader import load_model
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
+    path = default_model_path()
+    mp.undo()
+    return path
+
+
+@pytest.fixture(scope="session")
+def loaded(model_dir):
+    return load_model(model_dir, device="cpu", dtype=torch.float32, progress=False)
+
+
+@pytest.fixture
+def make_engine(loaded, model_dir):
+    def make(**kw) -> LLMEngine:
+        kw.setdefault("check_integrity", True)
+        return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", progress=False,
+                                      **kw), loaded=loaded)
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(model_dir):
+    """``hf_greedy(prompt_ids, n) -> ids``: transformers' model and KV cache, argmax."""
+    model = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    @functools.cache
+    def run(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+        ids = torch.tensor([prompt])
+        past, out = None, []
+        with torch.no_grad():
+            for _ in range(n):
+                o = model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = o.past_key_values
+                token = int(o.logits[0, -1].argmax())
+                out.append(token)
+                ids = torch.tensor([[token]])
+        return tuple(out)
+
+    return lambda prompt, n: list(run(tuple(prompt), n))
