@@ -14,6 +14,8 @@ import sys
 COMMANDS = {
     "plan": "pagedserve.commands.plan",
     "generate": "pagedserve.commands.generate",
+    "serve": "pagedserve.commands.serve",
+    "bench": "pagedserve.commands.bench",
 }
 
 

@@ -40,9 +40,8 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.max_queue = max_queue
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -92,7 +91,12 @@ class AsyncEngine:
                 self._send(("abort", req.request_id))
 
     def abort(self, request_id: str) -> None:
+        """Abort one request silently (its client has gone: nobody reads its stream)."""
         self._send(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request in the engine; each open stream ends with ``abort``."""
+        self._send(("abort_all", None))
 
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
@@ -100,7 +104,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort everything in flight and stop the loop."""
-        self._send(("abort_all", None))
+        self.abort_all()
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)

@@ -1,0 +1,1 @@
+"""The serving benchmark (``pagedserve bench serve``): workload, client, statistics, report."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (``pagedserve serve``): see ``api.py`` for the routes."""

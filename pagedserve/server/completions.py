@@ -1,0 +1,112 @@
+"""``POST /v1/completions``: prompts in, text out, streamed or whole.
+
+Choice ``p * n + i`` is choice ``i`` of prompt ``p``. Logprobs use the legacy completions
+format: parallel ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` lists
+with one entry per generated token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+
+from pagedserve.engine.request import TokenLogprob
+from pagedserve.server.context import ServingContext
+from pagedserve.server.errors import APIError
+from pagedserve.server.generation import (
+    EngineJob,
+    collect,
+    make_requests,
+    new_request_id,
+    until_disconnected,
+)
+from pagedserve.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from pagedserve.server.sampling import build_sampling_params, default_max_tokens
+from pagedserve.server.streaming import DONE, EventStreamResponse, sse, sse_error
+
+router = APIRouter()
+
+
+def completion_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob],
+                        start_offset: int) -> CompletionLogprobs:
+    """``logprobs`` in the completions format; offsets count from ``start_offset``."""
+    out = CompletionLogprobs()
+    offset = start_offset
+    for lp in logprobs:
+        token = ctx.token_text(lp.token_id)
+        out.tokens.append(token)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({ctx.token_text(t): v for t, v in lp.top})
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def _prompt_ids(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
+    # Token ids are checked against the vocabulary by the engine's make_request.
+    return [ctx.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+
+
+@router.post("/v1/completions", response_model=CompletionResponse)
+async def create_completion(body: CompletionRequest, request: Request):
+    ctx: ServingContext = request.app.state.ctx
+    model = ctx.check_model(body.model)
+    prompts = _prompt_ids(ctx, body)
+    defaults = ctx.generation
+    max_tokens = body.max_tokens or default_max_tokens(defaults)
+    rid = new_request_id("cmpl")
+    reqs = make_requests(
+        ctx, rid, prompts, body.n,
+        lambda ids, i: build_sampling_params(body, defaults, max_tokens=max_tokens,
+                                             choice_index=i, logprobs=body.logprobs),
+        param="prompt")
+    job = EngineJob(ctx, reqs)
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    created = int(time.time())
+    if body.stream:
+        events = _stream(ctx, job, CompletionResponse(id=rid, model=model, created=created,
+                                                      choices=[]), body, num_prompt_tokens)
+        return EventStreamResponse(events, on_close=job.close)
+    try:
+        results = await until_disconnected(request, collect(job))
+    finally:
+        job.close()
+    choices = [
+        CompletionChoice(index=k, text=r.text, finish_reason=r.finish_reason,
+                         logprobs=(completion_logprobs(ctx, r.logprobs, 0)
+                                   if body.logprobs is not None else None))
+        for k, r in enumerate(results)]
+    usage = UsageInfo.of(num_prompt_tokens, sum(len(r.token_ids) for r in results))
+    return CompletionResponse(id=rid, model=model, created=created, choices=choices,
+                              usage=usage)
+
+
+async def _stream(ctx: ServingContext, job: EngineJob, head: CompletionResponse,
+                  body: CompletionRequest, num_prompt_tokens: int) -> AsyncIterator[bytes]:
+    """One chunk per generated token; ``head`` carries the id, model and creation time."""
+    offsets = [0] * len(job.requests)  # text_offset of each choice's next token
+    num_generated = 0
+    try:
+        async for k, out in job.outputs():
+            num_generated += len(out.new_token_ids)
+            logprobs = None
+            if body.logprobs is not None:
+                logprobs = completion_logprobs(ctx, out.new_logprobs, offsets[k])
+                offsets[k] += sum(len(t) for t in logprobs.tokens)
+            choice = CompletionChoice(index=k, text=out.new_text, logprobs=logprobs,
+                                      finish_reason=out.finish_reason if out.finished else None)
+            yield sse(head.model_copy(update={"choices": [choice]}))
+        if body.include_usage:
+            usage = UsageInfo.of(num_prompt_tokens, num_generated)
+            yield sse(head.model_copy(update={"usage": usage}))
+    except APIError as exc:
+        yield sse_error(exc)
+    yield DONE

@@ -1,0 +1,106 @@
+"""``ServingContext``: what every route needs -- the engine, the model's tokenizer and limits,
+admission, metrics -- built once per app from a ready ``LLMEngine``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.model.generation_defaults import GenerationDefaults
+from pagedserve.server.admission import Admission
+from pagedserve.server.errors import APIError, bad_request
+from pagedserve.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServingContext:
+    """Attributes:
+        engine: the engine on its step thread.
+        served_model_names: names clients may send as ``model``; the first is reported.
+        admission: the in-flight bound and the shutdown switch.
+        metrics: the app's Prometheus metrics.
+        api_key: bearer token required by the guarded routes, or ``None``.
+        max_model_len: most tokens (prompt + output) one sequence may hold.
+        context_limit: most tokens one sequence can really hold (``max_model_len``, or less
+            when the K/V pool is smaller): the default chat ``max_tokens`` fills up to it.
+    """
+
+    engine: AsyncEngine
+    served_model_names: tuple[str, ...]
+    admission: Admission
+    metrics: ServerMetrics
+    api_key: str | None
+    max_model_len: int
+    context_limit: int
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, llm: LLMEngine, served_model_names: tuple[str, ...],
+               max_queue: int | None = None, api_key: str | None = None) -> ServingContext:
+        if not served_model_names or not all(served_model_names):
+            raise ValueError(f"served-model-name must be non-empty, got {served_model_names}")
+        engine = AsyncEngine(llm)
+        return cls(engine=engine, served_model_names=tuple(served_model_names),
+                   admission=Admission(llm.config.max_num_seqs, max_queue),
+                   metrics=ServerMetrics(engine, served_model_names[0]), api_key=api_key,
+                   max_model_len=llm.max_model_len,
+                   context_limit=llm.scheduler.token_capacity)
+
+    # ---- the model --------------------------------------------------------------------
+    @property
+    def llm(self) -> LLMEngine:
+        return self.engine.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    @property
+    def generation(self) -> GenerationDefaults:
+        return self.llm.loaded.generation
+
+    def check_model(self, name: str | None) -> str:
+        """The name to report for a request that asked for ``name`` (``None``: the default)."""
+        if name is None or name in self.served_model_names:
+            return self.model_name
+        raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                       f"{list(self.served_model_names)}", param="model",
+                       code="model_not_found")
+
+    def require_tokenizer(self, what: str) -> Any:
+        if self.tokenizer is None:
+            raise bad_request(f"{what} needs a tokenizer, and this model has none; send "
+                              "token ids to /v1/completions instead")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        # No special tokens added: the engine sees exactly the ids /tokenize reports.
+        return self.require_tokenizer("a text prompt").encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (for logprobs); ``token_id:N`` when there is no tokenizer."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = (f"token_id:{token_id}" if self.tokenizer is None
+                    else self.tokenizer.decode([token_id]))
+            self._token_text[token_id] = text
+        return text
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.llm.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab:
+                raise bad_request(f"token id {t} is outside the vocabulary [0, {vocab})",
+                                  param=param)
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def begin_shutdown(self) -> None:
+        """SIGTERM: refuse new work, end every stream in flight with ``abort``."""
+        self.admission.close()
+        self.engine.abort_all()

@@ -1,0 +1,131 @@
+"""Every failure the API reports, in OpenAI's shape.
+
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status, whatever went
+wrong: a bad field (pydantic's 422 becomes a 400 naming the field, the value and what is
+accepted), malformed JSON, an unknown route, or an ``APIError`` raised by a handler.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.server.protocol import ErrorInfo, ErrorResponse
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+_MAX_REPORTED = 3  # validation problems listed in one message
+_NOT_AN_OBJECT = ("model_attributes_type", "model_type", "dict_type")
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI ``type``/``code``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(
+            message=self.message, type=_TYPE_BY_STATUS.get(self.status, "invalid_request_error"),
+            param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status,
+                            headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready; nobody reads the answer."""
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """``("body", "messages", 0, "content")`` -> ``"messages[0].content"``."""
+    parts = [p for p in loc if p != "body"]
+    text = ""
+    for p in parts:
+        if isinstance(p, int):
+            text += f"[{p}]"
+        elif isinstance(p, str) and ("[" in p or p in ("str", "int", "float", "bool")):
+            continue  # a union member's tag, e.g. "list[int]": not a field of the body
+        else:
+            text += f".{p}" if text else p
+    return text or None
+
+
+def _describe(error: dict[str, Any]) -> str:
+    kind, msg = error.get("type", ""), error.get("msg", "invalid value")
+    param = _param(tuple(error.get("loc", ())))
+    if kind == "json_invalid":
+        ctx = error.get("ctx") or {}
+        where = error.get("loc", ())[-1:]
+        at = f" at character {where[0]}" if where and isinstance(where[0], int) else ""
+        return f"the request body is not valid JSON: {ctx.get('error', msg)}{at}"
+    if param is None and kind in _NOT_AN_OBJECT:
+        return ("the request body must be a JSON object, sent with "
+                "'Content-Type: application/json'")
+    if kind == "missing":
+        return (f"missing required field '{param}'" if param
+                else "the request needs a JSON body")
+    msg = msg.removeprefix("Value error, ")
+    if param is None:
+        return msg
+    shown = error.get("input")
+    if isinstance(shown, (dict, list)) or shown is None:
+        return f"{param}: {msg}"
+    return f"{param}: {msg}, got {shown!r}"
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """Pydantic's error list as one 400 naming the first bad field."""
+    messages = list(dict.fromkeys(_describe(e) for e in errors))
+    message = "; ".join(messages[:_MAX_REPORTED])
+    if len(messages) > _MAX_REPORTED:
+        message += f" (and {len(messages) - _MAX_REPORTED} more)"
+    first = errors[0] if errors else {}
+    param = None if first.get("type") == "json_invalid" else _param(tuple(first.get("loc", ())))
+    return APIError(400, message, param=param)
+
+
+async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return validation_error(list(exc.errors())).response()
+
+
+async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # Unknown routes (404) and wrong methods (405) get the same shape as everything else.
+    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+
+async def _on_client_disconnected(_: Request, __: ClientDisconnected) -> Response:
+    return Response(status_code=499)  # nginx's "client closed request"; never delivered
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(ClientDisconnected, _on_client_disconnected)

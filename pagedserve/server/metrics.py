@@ -1,0 +1,105 @@
+"""Prometheus metrics, named as vLLM names them under the ``pagedserve:`` prefix.
+
+Dashboards built for vLLM adapt by renaming ``vllm:`` to ``pagedserve:``. Each app owns a
+private ``CollectorRegistry`` (tests run several apps in one process). Two sources:
+
+* per-request latencies, observed by the server from each request's engine timestamps
+  (monotonic seconds set by the engine thread: arrival, first scheduled, first token,
+  last token, finished);
+* engine gauges and counters, read at scrape time from ``AsyncEngine.snapshot``, which the
+  step thread republishes after every step and every abort, so an idle engine reads 0.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pagedserve.engine.async_engine import AsyncEngine
+from pagedserve.engine.request import Request
+
+PREFIX = "pagedserve:"
+
+# vLLM's buckets, so histogram_quantile() over the two servers compares like with like.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """Scrape-time view of the engine's snapshot."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self):
+        s = self.engine.snapshot
+        gauges = (
+            ("num_requests_running", "Requests in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("kv_cache_usage_perc", "Fraction of K/V blocks in use (0 to 1).",
+             s.kv_cache_usage),
+        )
+        for name, doc, value in gauges:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], value)
+            yield g
+        counters = (
+            ("num_preemptions", "Requests preempted (blocks freed, recomputed later).",
+             s.num_preemptions),
+            ("prompt_tokens", "Prompt tokens prefilled.", s.num_prompt_tokens),
+            ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
+        )
+        for name, doc, value in counters:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric([self.model_name], value)
+            yield c
+
+
+class ServerMetrics:
+    """The app's metrics; ``render()`` is the ``/metrics`` body."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(engine, model_name))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.", TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Mean time between a request's output tokens, after the first.",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds",
+                             "Time from arrival to the last token.", LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds",
+                               "Time from arrival to first being scheduled.", LATENCY_BUCKETS)
+        self._success = Counter(PREFIX + "request_success", "Finished requests by reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+
+    def on_first_token(self, req: Request) -> None:
+        if req.first_token_time is not None:
+            self.ttft.observe(req.first_token_time - req.arrival_time)
+        if req.first_scheduled_time is not None:
+            self.queue.observe(req.first_scheduled_time - req.arrival_time)
+
+    def on_finished(self, req: Request, finish_reason: str) -> None:
+        """A request ended (``abort`` included; latencies only for complete ones)."""
+        self._success.labels(self.model_name, finish_reason).inc()
+        if finish_reason == "abort" or req.finished_time is None:
+            return
+        self.e2e.observe(req.finished_time - req.arrival_time)
+        num_out = len(req.output_token_ids)
+        if num_out > 1 and req.first_token_time is not None and req.last_token_time is not None:
+            self.tpot.observe((req.last_token_time - req.first_token_time) / (num_out - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

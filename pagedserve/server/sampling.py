@@ -1,0 +1,62 @@
+"""OpenAI sampling fields -> ``SamplingParams``, falling back to the checkpoint's defaults.
+
+Precedence for every field: the request, then the checkpoint's ``generation_config.json``,
+then OpenAI's default (temperature 1, top_p 1, no top-k/min-p, no penalties). A checkpoint
+that says ``do_sample: false`` asks for greedy decoding, so its default temperature is 0.
+"""
+
+from __future__ import annotations
+
+from pagedserve.engine.request import SamplingParams
+from pagedserve.model.generation_defaults import GenerationDefaults
+from pagedserve.server.errors import bad_request
+from pagedserve.server.protocol import SamplingFields
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def _first(*values):
+    return next((v for v in values if v is not None), None)
+
+
+def default_max_tokens(defaults: GenerationDefaults, *, room: int | None = None) -> int:
+    """``max_tokens`` when the request gives none: for chat, ``room`` (the context left
+    after the prompt) -- fill it; for completions (``room=None``) OpenAI's 16. A checkpoint's
+    ``max_new_tokens`` caps both. Never below 1, so an over-long prompt is reported as such
+    rather than as a bad ``max_tokens``."""
+    base = COMPLETIONS_DEFAULT_MAX_TOKENS if room is None else room
+    if defaults.max_new_tokens is not None:
+        base = min(base, defaults.max_new_tokens)
+    return max(1, base)
+
+
+def build_sampling_params(body: SamplingFields, defaults: GenerationDefaults, *,
+                          max_tokens: int, choice_index: int = 0,
+                          logprobs: int | None = None) -> SamplingParams:
+    """The engine's parameters for choice ``choice_index`` of ``body``.
+
+    With a ``seed``, choice ``i`` samples with ``seed + i``: the ``n`` choices differ, and
+    each is reproducible. Raises ``APIError`` (400) for values the engine refuses.
+    """
+    greedy_default = 0.0 if defaults.do_sample is False else None
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    seed = None if body.seed is None else body.seed + choice_index
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=_first(body.temperature, greedy_default, defaults.temperature, 1.0),
+            top_p=_first(body.top_p, defaults.top_p, 1.0),
+            top_k=_first(body.top_k, defaults.top_k, 0),
+            min_p=_first(body.min_p, defaults.min_p, 0.0),
+            seed=seed,
+            presence_penalty=_first(body.presence_penalty, 0.0),
+            frequency_penalty=_first(body.frequency_penalty, 0.0),
+            repetition_penalty=_first(body.repetition_penalty, defaults.repetition_penalty,
+                                      1.0),
+            stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None

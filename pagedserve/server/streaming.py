@@ -1,0 +1,50 @@
+"""Server-sent events: ``data: {json}\\n\\n`` per chunk, then ``data: [DONE]``.
+
+The routes send one chunk per generated token (its text may be empty while a multi-byte
+character or a possible stop string is held back), so a client can time every token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedserve.server.errors import APIError
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel) -> bytes:
+    return b"data: " + payload.model_dump_json().encode() + b"\n\n"
+
+
+def sse_error(error: APIError) -> bytes:
+    """An error after the 200 has gone out: reported in the stream, as OpenAI does."""
+    return sse(error.body())
+
+
+class EventStreamResponse(StreamingResponse):
+    """A streaming response that always runs ``on_close`` when it ends.
+
+    However the stream stops -- finished, client disconnected (Starlette cancels the body
+    mid-``await``), or the server forcing connections shut -- the body is closed and
+    ``on_close`` runs, so engine requests are aborted at once rather than whenever the
+    garbage collector finalizes an abandoned generator.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(body, headers={"Cache-Control": "no-cache",
+                                        "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()

@@ -1,0 +1,129 @@
+"""Bad input over raw HTTP: every case gets an OpenAI-shaped 4xx naming the problem, and the
+server keeps serving. The server has a 64-token context so over-long prompts are cheap."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_harness import client, running
+
+MAX_LEN = 64
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(launch):
+    with running(launch("--max-model-len", str(MAX_LEN), "--max-num-seqs", "4")) as s:
+        yield s
+
+
+# (route, body, status, param, words the message must contain)
+CASES = {
+    "malformed json": (CMPL, b'{"prompt": "x",', 400, None, ["not valid JSON"]),
+    "body not an object": (CMPL, b"[1, 2]", 400, None, ["JSON object"]),
+    "no body": (CMPL, b"", 400, None, []),
+    "missing prompt": (CMPL, {"max_tokens": 3}, 400, "prompt", ["missing", "prompt"]),
+    "missing messages": (CHAT, {"max_tokens": 3}, 400, "messages", ["missing", "messages"]),
+    "missing role": (CHAT, {"messages": [{"content": "x"}]}, 400, "messages[0].role",
+                     ["role"]),
+    "max_tokens string": (CMPL, {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens",
+                          ["integer", "'10'"]),
+    "temperature string": (CMPL, {"prompt": "x", "temperature": "hot"}, 400, "temperature",
+                           ["number", "'hot'"]),
+    "prompt a number": (CMPL, {"prompt": 5}, 400, "prompt", ["string", "token ids"]),
+    "prompt mixed list": (CMPL, {"prompt": [1, "a"]}, 400, "prompt", ["token ids"]),
+    "messages a string": (CHAT, {"messages": "hi"}, 400, "messages", ["list"]),
+    "stream not a bool": (CMPL, {"prompt": "x", "stream": "yes"}, 400, "stream", ["boolean"]),
+    "n fractional": (CMPL, {"prompt": "x", "n": 1.5}, 400, "n", ["integer"]),
+    "max_tokens zero": (CMPL, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens",
+                        ["greater than or equal to 1", "got 0"]),
+    "max_tokens negative": (CMPL, {"prompt": "x", "max_tokens": -5}, 400, "max_tokens",
+                            ["got -5"]),
+    "max_completion_tokens zero": (CHAT, {"messages": USER, "max_completion_tokens": 0}, 400,
+                                   "max_completion_tokens", ["got 0"]),
+    "negative temperature": (CMPL, {"prompt": "x", "temperature": -0.5}, 400, "temperature",
+                             ["greater than or equal to 0", "-0.5"]),
+    "top_p zero": (CMPL, {"prompt": "x", "top_p": 0}, 400, "top_p", ["greater than 0"]),
+    "top_p above one": (CHAT, {"messages": USER, "top_p": 1.5}, 400, "top_p",
+                        ["less than or equal to 1", "1.5"]),
+    "n zero": (CMPL, {"prompt": "x", "n": 0}, 400, "n", ["greater than or equal to 1"]),
+    "logprobs too many": (CMPL, {"prompt": "x", "logprobs": 50}, 400, "logprobs", ["20"]),
+    "prompt too long": (CMPL, {"prompt": "x" * 100}, 400, "prompt", ["100", str(MAX_LEN)]),
+    "chat too long": (CHAT, {"messages": [{"role": "user", "content": "y" * 80}]}, 400,
+                      "messages", [str(MAX_LEN), "tokens"]),
+    "token id out of vocab": (CMPL, {"prompt": [1, 99999]}, 400, "prompt", ["99999", "384"]),
+    "empty prompt": (CMPL, {"prompt": ""}, 400, "prompt", ["empty"]),
+    "empty prompt list": (CMPL, {"prompt": []}, 400, "prompt", ["empty"]),
+    "empty stop string": (CMPL, {"prompt": "x", "stop": [""]}, 400, None, ["stop"]),
+    "echo": (CMPL, {"prompt": "x", "echo": True}, 400, None, ["echo", "not supported"]),
+    "logit_bias": (CHAT, {"messages": USER, "logit_bias": {"1": 5}}, 400, None,
+                   ["logit_bias"]),
+    "tools": (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, None, ["tools"]),
+    "image content": (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content",
+                      ["'text'"]),
+    "unknown model": (CMPL, {"prompt": "x", "model": "gpt-4"}, 404, "model",
+                      ["gpt-4", "qwen3.5-tiny-random-v1"]),
+    "unknown model chat": (CHAT, {"messages": USER, "model": "nope"}, 404, "model", ["nope"]),
+    "tokenize both inputs": ("/tokenize", {"prompt": "x", "messages": USER}, 400, None,
+                             ["exactly one"]),
+    "detokenize out of vocab": ("/detokenize", {"tokens": [-1]}, 400, "tokens", ["-1"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gets_an_openai_error(server, case):
+    route, body, status, param, words = CASES[case]
+    if isinstance(body, bytes):
+        resp = httpx.post(server.url + route, content=body,
+                          headers={"Content-Type": "application/json"})
+    else:
+        resp = httpx.post(server.url + route, json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error["message"]
+    if status == 404:
+        assert error["code"] == "model_not_found"
+
+
+def test_unknown_route_and_method(server):
+    resp = httpx.get(server.url + "/v1/nothing")
+    assert resp.status_code == 404 and "error" in resp.json()
+    resp = httpx.get(server.url + CMPL)
+    assert resp.status_code == 405 and "error" in resp.json()
+
+
+def test_server_still_answers_after_bad_input(server):
+    for body in (b"{", b"[]", b'{"prompt": "x", "max_tokens": 0}'):
+        httpx.post(server.url + CMPL, content=body, headers={"Content-Type": "application/json"})
+    assert httpx.get(server.url + "/health").status_code == 200
+    out = client(server).completions.create(model="qwen3.5-tiny-random-v1", prompt="ok",
+                                            max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_chat_default_max_tokens_fills_the_context(server):
+    out = client(server).chat.completions.create(
+        model="qwen3.5-tiny-random-v1", messages=USER, temperature=0,
+        extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.total_tokens == MAX_LEN
+
+
+def test_completions_default_max_tokens_is_16(server):
+    out = client(server).completions.create(model="qwen3.5-tiny-random-v1", prompt="d",
+                                            temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16
+
+
+def test_large_max_tokens_stops_at_the_context(server):
+    out = client(server).completions.create(model="qwen3.5-tiny-random-v1", prompt="abc",
+                                            max_tokens=1000, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.total_tokens == MAX_LEN
