@@ -1,21 +1,91 @@
-"""Op dispatch: the Triton kernels on CUDA tensors, the torch reference elsewhere."""
+"""Op dispatch: the Triton kernels on CUDA tensors, the torch reference elsewhere.
+
+``backend`` overrides the choice: ``"triton"`` runs the Triton kernels on CPU tensors too,
+which works under ``TRITON_INTERPRET=1`` (the kernel tests use it); ``"reference"`` runs
+the torch reference on any device. Both backends share the argument checks and the
+validate mode (``guards``), so a bad block id fails the same way on every path.
+"""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import guards, interpreter_compat, reference
+from pagedserve.kernels.decode_plan import DecodeConfig, DecodeWorkspace
 from pagedserve.kv.formats import KVBlockStorage
 
+BACKENDS = ("triton", "reference")
 
-def kv_write(cache: KVBlockStorage, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """See ``reference.kv_write``."""
+
+def _pick(backend: str | None, device: torch.device) -> str:
+    if backend is None:
+        return "triton" if device.type == "cuda" else "reference"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {list(BACKENDS)} (or None)")
+    if backend == "triton" and device.type != "cuda":
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(
+                f"backend 'triton' on {device} tensors needs TRITON_INTERPRET=1 (the Triton "
+                "interpreter); use CUDA tensors or the 'reference' backend"
+            )
+        interpreter_compat.apply()
+    return backend
+
+
+def kv_write(
+    cache: KVBlockStorage, rows: torch.Tensor, slot_mapping: torch.Tensor, *,
+    backend: str | None = None, validate: bool | None = None,
+) -> None:
+    """Quantize ``rows`` ``[T, Hkv, D]`` and scatter them to ``slot_mapping`` int64 ``[T]``
+    (-1 skips a row). See ``kernels.kv_write.kv_write``."""
+    if _pick(backend, rows.device) == "triton":
+        from pagedserve.kernels import kv_write as triton_kv_write
+
+        triton_kv_write.kv_write(cache, rows, slot_mapping, validate=validate)
+        return
+    guards.check_kv_write_args(cache, rows, slot_mapping)
+    if guards.validate_requested(validate):
+        guards.check_slot_mapping(slot_mapping, cache.num_blocks * cache.block_size)
     reference.kv_write(cache, rows, slot_mapping)
 
 
 def paged_decode_attention(
     q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+    workspace: DecodeWorkspace | None = None, out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None, backend: str | None = None,
+    validate: bool | None = None,
 ) -> torch.Tensor:
-    """See ``reference.paged_decode_attention``."""
-    return reference.paged_decode_attention(q, cache_k, cache_v, block_tables, seq_lens, scale)
+    """One query token per sequence against its paged K/V.
+
+    Args:
+        q: ``[B, Hq, D]``.
+        cache_k, cache_v: ``KVBlockStorage`` of one layer (types independent).
+        block_tables: int32 ``[B, max_blocks]``; one column = contiguous layout.
+        seq_lens: int32 ``[B]``.
+        scale: softmax scale.
+        workspace, config: Triton only (see ``kernels.paged_decode``); ignored by the
+            reference.
+        out: optional ``[B, Hq, D]`` output buffer in ``q.dtype``.
+
+    Returns:
+        ``[B, Hq, D]`` in ``q.dtype``.
+    """
+    if _pick(backend, q.device) == "triton":
+        from pagedserve.kernels import paged_decode
+
+        return paged_decode.paged_decode_attention(
+            q, cache_k, cache_v, block_tables, seq_lens, scale, workspace=workspace,
+            out=out, config=config, validate=validate,
+        )
+    guards.check_decode_args(q, cache_k, cache_v, block_tables, seq_lens, out)
+    if guards.validate_requested(validate):
+        guards.check_block_tables(block_tables, seq_lens, cache_k.num_blocks,
+                                  cache_k.block_size)
+    result = reference.paged_decode_attention(q, cache_k, cache_v, block_tables, seq_lens, scale)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

@@ -91,7 +91,8 @@ def bytes_per_row(kv_type: str, head_dim: int) -> int:
 #
 # q8_0: value = qs * d_g, qs in -127..127. Rounding follows GGML's reference exactly
 # (float32 arithmetic; the scale is rounded to fp16 only when stored), so the bits equal
-# the ``gguf`` package's quantize and dequantize.
+# the ``gguf`` package's quantize and dequantize. The Triton kernels write this layout
+# bit-identically (``kernels/kv_write.py``) and read it (``kernels/kv_tiles.py``).
 
 
 def quantize(x: torch.Tensor, kv_type: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -138,8 +139,14 @@ def dequantize(
 
 
 def _roundf(x: torch.Tensor) -> torch.Tensor:
-    """C ``roundf``: halves away from zero (``torch.round`` rounds halves to even)."""
-    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+    """C ``roundf``: halves away from zero (``torch.round`` rounds halves to even).
+
+    ``floor(|x| + 0.5)`` is not ``roundf``: for ``|x| = 0.49999997`` the float32 sum rounds up
+    to 1.0. ``|x| - floor(|x|)`` is exact, so comparing it with 0.5 is.
+    """
+    a = x.abs()
+    whole = torch.floor(a)
+    return torch.sign(x) * (whole + (a - whole >= 0.5).to(a.dtype))
 
 
 STORAGE_DTYPE = {

@@ -1,0 +1,161 @@
+"""Shared pieces of the benchmark scripts: timing, run metadata, result files.
+
+Timing is the same for every side of a comparison. A *call* is one op invocation; a
+timed *round* runs a list of calls, each on its own copy of the inputs (rotating copies
+so that K/V of a small case is not still in L2 when it is read again), and the time per
+call is the round's CUDA-event time divided by the number of calls. Two methods:
+
+- ``graph``: the round is captured once in a CUDA graph and replayed (no Python or
+  launch overhead on the host; what a decode step under CUDA graphs pays).
+- ``eager``: the round is issued from Python (host launch overhead included when the
+  GPU outruns the host).
+
+Reported values are medians over rounds.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+METHODS = ("graph", "eager")
+
+
+def run_meta() -> dict:
+    """Date, GPU, commit and library versions of this run."""
+    import triton
+
+    commit = os.environ.get("PAGEDSERVE_COMMIT")
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True,
+                                    capture_output=True, text=True).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain"], check=True,
+                                   capture_output=True, text=True).stdout.strip()
+            commit += "+uncommitted" if dirty else ""
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown (no git; set PAGEDSERVE_COMMIT)"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = (props.name, props.multi_processor_count, getattr(props, "L2_cache_size", 50 << 20))
+    else:
+        gpu = ("cpu (dry run: Triton interpreter, numbers meaningless)", 0, 1 << 20)
+    return {
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": gpu[0],
+        "sm_count": gpu[1],
+        "l2_bytes": gpu[2],
+        "commit": commit,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def time_calls(calls: list[Callable[[], object]], method: str, min_rounds: int = 15,
+               min_seconds: float = 0.15) -> float:
+    """Median microseconds per call of ``calls`` run back to back (see module doc)."""
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} not in {METHODS}")
+    if not torch.cuda.is_available():
+        return _time_calls_cpu(calls)
+    for call in calls:  # compile, allocate, warm up
+        call()
+    torch.cuda.synchronize()
+    if method == "graph":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for call in calls:
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for call in calls:
+                call()
+        round_fn = graph.replay
+    else:
+
+        def round_fn():
+            for call in calls:
+                call()
+
+    round_fn()
+    torch.cuda.synchronize()
+    # Size the number of rounds from one measured round.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    round_fn()
+    end.record()
+    torch.cuda.synchronize()
+    one = max(start.elapsed_time(end) / 1e3, 1e-6)
+    rounds = max(min_rounds, min(2000, int(min_seconds / one)))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(rounds)]
+    for s, e in events:
+        s.record()
+        round_fn()
+        e.record()
+    torch.cuda.synchronize()
+    per_call = [s.elapsed_time(e) * 1e3 / len(calls) for s, e in events]
+    return statistics.median(per_call)
+
+
+def _time_calls_cpu(calls: list[Callable[[], object]]) -> float:
+    """Dry runs only: one wall-clock round after a warm-up round."""
+    for call in calls:
+        call()
+    t = time.perf_counter()
+    for call in calls:
+        call()
+    return (time.perf_counter() - t) * 1e6 / len(calls)
+
+
+def copy_bandwidth_gbs(nbytes: int = 1 << 31) -> float:
+    """Device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    bufs = [torch.empty(nbytes, dtype=torch.uint8, device=device).random_(),
+            torch.empty(nbytes, dtype=torch.uint8, device=device)]
+    us = time_calls([lambda: bufs[1].copy_(bufs[0])], "eager", min_rounds=20, min_seconds=0.3)
+    bufs.clear()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def write_outputs(out_dir: Path, stem: str, results: dict, markdown: str,
+                  figure_fn: Callable[[Path], None] | None) -> list[Path]:
+    """Write ``stem``.json/.md/.png to ``out_dir``, and copies to ``$OUT`` when set."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md"]
+    paths[0].write_text(json.dumps(results, indent=2, default=str) + "\n")
+    paths[1].write_text(markdown)
+    if figure_fn is not None:
+        try:
+            png = out_dir / f"{stem}.png"
+            figure_fn(png)
+            paths.append(png)
+        except Exception as exc:  # a plotting failure must not lose the numbers
+            print(f"plot not written: {exc!r}")
+    extra = os.environ.get("OUT")
+    if extra and Path(extra).resolve() != out_dir.resolve():
+        Path(extra).mkdir(parents=True, exist_ok=True)
+        for p in paths:
+            shutil.copy(p, Path(extra) / p.name)
+    return paths
+
+
+def md_table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

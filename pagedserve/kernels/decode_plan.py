@@ -1,0 +1,300 @@
+"""Partition plan of the paged decode kernel: which program reads which tokens.
+
+Decode attention is one pass over every live K/V row. The plan cuts that pass into
+*chunks* of at most ``P`` tokens of one sequence (a chunk is one partition of split-K);
+one program handles one chunk of one K/V head. Nothing of the plan is decided on the
+host from the lengths: every program derives it from ``seq_lens`` on the device, so the
+launch needs no host sync and a CUDA graph replays it for any lengths.
+
+::
+
+    host, once per workspace                 device, in every program (identical result)
+    -------------------------                -------------------------------------------
+    W = ceil(occupancy * num_SMs / Hkv)      len_b = clamp(seq_lens[b], 0, capacity)
+        chunks per K/V head to aim for       budget = max(W, B)   (each sequence >= 1)
+    grid = (max(W, B), Hkv)                  P = the smallest candidate size whose chunk
+                                                 count sum_b max(1, cdiv(len_b, P)) fits
+                                                 the budget; candidates (multiples of
+                                                 block_n, >= min_partition):
+                                                   S / (budget - j * ceil(B / 3)), j=0..3
+                                                   max_len / floor(budget / live seqs)
+                                                   max_len (one chunk each: always fits)
+                                             chunk c -> sequence b by prefix sums of n_b
+                                             programs with c >= sum_b n_b exit at once
+
+    ragged 128K + 7 x 8K, W = 66, block_n = 64:  S = 188416, P = 3008
+      seq 0  |c0 |c1 |c2 | ........ |c42|c43|       44 chunks of <= 3008 tokens
+      seq 1  |c44|c45|c46|                           3 chunks
+      ...
+      seq 7  |c62|c63|c64|                           65 chunks per head <= W: one wave
+    uniform 8 x 128K: P = 16384, exactly 8 chunks per sequence, 64 per head
+
+Why an exact fit: chunks are equal work, so a count just above the number of resident
+programs leaves a nearly empty second wave that costs as much as the first. Sizing by the
+*total* work ``S`` (not the longest sequence) cuts a 128K sequence next to short ones
+into many chunks, so no program carries its tail, and one long sequence alone still
+yields about W chunks per head (it fills the GPU).
+
+Merging. Chunks of one (sequence, K/V head) finish in any order. Each writes its
+unnormalized partial output, running max and sum to the workspace, and counts itself in
+its *group* of up to ``MERGE_GROUP`` consecutive chunks; the last of a group merges the
+group (log-sum-exp weights, numerically stable) into one partial, and the last group
+merged combines the groups into the output. Two levels keep the serial tail short (8 + 8
+partials instead of 64 for one long sequence). The last one in resets each counter for
+the next call. A sequence with one chunk writes its output directly.
+
+::
+
+    chunks  c0 .. c7 | c8 .. c15 | ... | c40 .. c43        (one sequence, one K/V head)
+              |          |                  |      last of each group: merge -> slot g0
+              +----------+------ ... -------+      last group: merge slots -> output
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+QUANT_DOT_MODES = ("group", "element")
+# Chunks per first-level merge group (see "Merging" above).
+MERGE_GROUP = 8
+# Programs per SM the chunk budget aims for; benchmarks/bench_attention.py sweeps it.
+DEFAULT_OCCUPANCY = 2.0
+# SM count assumed for CPU tensors (the Triton interpreter): small, so that plans split.
+INTERPRETER_NUM_SMS = 4
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch choices of the decode kernel (tuned by ``benchmarks/bench_attention.py``).
+
+    Attributes:
+        block_n: tokens per tile of the inner loop (power of 2, 16..256); decoupled from
+            the K/V block size.
+        num_warps: warps per program (1, 2, 4, 8 or 16).
+        num_stages: software-pipelining depth of the tile loop (1..6).
+        min_partition: fewest tokens per chunk (a multiple of ``block_n``), so that short
+            contexts are not cut into chunks too small to pay for their merge.
+        quant_dot: how q8_0/q4_0 meet the tensor cores. ``"group"``: one dot per 32-value
+            group on exact integer values, the group scale applied to the per-group partial
+            scores (K) and folded into p (V). ``"element"``: dequantize each element to
+            f16 (one multiply) and run one full-width dot.
+
+    The chunk budget W is not here: it sizes the grid and the buffers, so it belongs to
+    the ``DecodeWorkspace``.
+    """
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    min_partition: int = 256
+    quant_dot: str = "group"
+
+    def __post_init__(self) -> None:
+        if not (_is_pow2(self.block_n) and 16 <= self.block_n <= 256):
+            raise ValueError(f"block_n must be a power of 2 in [16, 256], got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+        if not 1 <= self.num_stages <= 6:
+            raise ValueError(f"num_stages must be in [1, 6], got {self.num_stages}")
+        if self.min_partition <= 0 or self.min_partition % self.block_n:
+            raise ValueError(
+                f"min_partition must be a positive multiple of block_n={self.block_n}, "
+                f"got {self.min_partition}"
+            )
+        if self.quant_dot not in QUANT_DOT_MODES:
+            raise ValueError(
+                f"quant_dot {self.quant_dot!r} is not a mode; accepted: {list(QUANT_DOT_MODES)}"
+            )
+
+
+@functools.cache
+def default_config(k_type: str, v_type: str) -> DecodeConfig:
+    """The launch choice per K/V type pair.
+
+    Quantized tiles hold more live registers (integer payload, scales, per-group scores),
+    so they take narrower tiles than f16/bf16.
+    """
+    if k_type in ("q8_0", "q4_0") or v_type in ("q8_0", "q4_0"):
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2, min_partition=256)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=256)
+
+
+def device_num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_NUM_SMS
+
+
+class DecodeWorkspace:
+    """Preallocated device buffers of the decode kernel; the caller keeps one per stream.
+
+    Every field is fixed at construction, so a CUDA graph that captured a launch with this
+    workspace stays valid for any lengths. Two launches must not share a workspace
+    concurrently (the counters would mix); layers of one forward pass run one after the
+    other on one stream, so one workspace serves them all.
+
+    Args:
+        max_batch: most sequences per launch.
+        num_q_heads, num_kv_heads, head_dim: attention shape (Hq a multiple of Hkv).
+        device: where the buffers live.
+        occupancy: programs per SM to aim for, in (0, 64]; sets the chunk budget
+            ``W = ceil(occupancy * num_sms / Hkv)``.
+        chunks_per_head: W itself, overriding ``occupancy`` (tests force splits with it).
+        num_sms: SM count; default: the device's (``INTERPRETER_NUM_SMS`` on the CPU).
+
+    Attributes:
+        part_acc: float32 ``[Hkv, C, G, D]``: unnormalized partial outputs, one slot per
+            chunk (``C = max(W, max_batch)``, the most chunks a plan makes per head).
+        part_ml: float32 ``[Hkv, C, G, 2]``: running max (log2 domain) and sum per slot.
+        group_counters: int32 ``[Hkv, C]``: chunks finished per merge group, indexed by
+            the group's first slot; zero between launches.
+        seq_counters: int32 ``[max_batch, Hkv]``: groups merged per (sequence, K/V
+            head); zero between launches.
+        chunk_budget: W.
+    """
+
+    def __init__(
+        self, max_batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+        device: str | torch.device, occupancy: float = DEFAULT_OCCUPANCY,
+        chunks_per_head: int | None = None, num_sms: int | None = None,
+    ) -> None:
+        if max_batch <= 0:
+            raise ValueError(f"max_batch must be > 0, got {max_batch}")
+        if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads "
+                f"({num_kv_heads})"
+            )
+        if not 0.0 < occupancy <= 64.0:
+            raise ValueError(f"occupancy must be in (0, 64], got {occupancy}")
+        if chunks_per_head is not None and not 1 <= chunks_per_head <= 1 << 16:
+            raise ValueError(
+                f"chunks_per_head must be in [1, 65536] or None, got {chunks_per_head}"
+            )
+        self.device = torch.device(device)
+        self.num_sms = num_sms if num_sms is not None else device_num_sms(self.device)
+        if chunks_per_head is None:
+            chunks_per_head = max(1, math.ceil(occupancy * self.num_sms / num_kv_heads))
+        self.chunk_budget = chunks_per_head
+        self.max_batch = max_batch
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        group = num_q_heads // num_kv_heads
+        self.max_chunks = max(self.chunk_budget, max_batch)
+        shape = (num_kv_heads, self.max_chunks, group)
+        self.part_acc = torch.empty((*shape, head_dim), dtype=torch.float32, device=self.device)
+        self.part_ml = torch.empty((*shape, 2), dtype=torch.float32, device=self.device)
+        self.group_counters = torch.zeros(shape[:2], dtype=torch.int32, device=self.device)
+        self.seq_counters = torch.zeros(
+            (max_batch, num_kv_heads), dtype=torch.int32, device=self.device
+        )
+
+    def counters_clear(self) -> bool:
+        """Whether every merge counter is back to zero (true between launches)."""
+        return not (bool(self.group_counters.any()) or bool(self.seq_counters.any()))
+
+    def check_fits(
+        self, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+        device: torch.device,
+    ) -> None:
+        """Raise ``ValueError`` naming the first mismatch with a launch's shape."""
+        if batch > self.max_batch:
+            raise ValueError(f"batch {batch} exceeds the workspace's max_batch {self.max_batch}")
+        got = (num_q_heads, num_kv_heads, head_dim)
+        want = (self.num_q_heads, self.num_kv_heads, self.head_dim)
+        if got != want:
+            raise ValueError(f"(Hq, Hkv, D) = {got} does not match the workspace's {want}")
+        if device != self.device:
+            raise ValueError(f"tensors on {device}, workspace on {self.device}")
+
+
+def _round_part(x: int, block_n: int, min_partition: int) -> int:
+    return max(min_partition, -(-max(x, 1) // block_n) * block_n)
+
+
+def plan_chunks(
+    seq_lens: list[int], capacity: int, chunk_budget: int, block_n: int, min_partition: int,
+) -> tuple[int, list[tuple[int, int, int]]]:
+    """Host mirror of the device plan (for tests and reports; the kernel never calls it).
+
+    Returns:
+        ``(P, chunks)``: tokens per chunk and one ``(sequence, start, end)`` per chunk in
+        program order.
+    """
+    lens = [min(max(n, 0), capacity) for n in seq_lens]
+    batch, total = len(lens), sum(lens)
+    budget = max(chunk_budget, batch)
+    step = -(-batch // 3)
+    live = sum(1 for n in lens if n > 0)
+    cands = [_round_part(-(-total // max(budget - j * step, 1)), block_n, min_partition)
+             for j in range(4)]
+    cands.append(_round_part(-(-max(lens) // max(budget // max(live, 1), 1)), block_n,
+                             min_partition))
+    cands.append(_round_part(max(lens), block_n, min_partition))
+    fits = [p for p in cands if sum(max(1, -(-n // p)) for n in lens) <= budget]
+    part = min(fits)
+    chunks = []
+    for b, n in enumerate(lens):
+        for j in range(max(1, -(-n // part))):
+            chunks.append((b, j * part, min((j + 1) * part, n)))
+    return part, chunks
+
+
+@triton.jit
+def _round_part_dev(x, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr):
+    return tl.maximum(tl.cdiv(tl.maximum(x, 1), BLOCK_N) * BLOCK_N, MIN_PARTITION)
+
+
+@triton.jit
+def locate_chunk(
+    lens_ptr, batch, capacity, chunk_budget, pid,
+    B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
+):
+    """The device plan: chunk ``pid`` -> its sequence and token range.
+
+    Every program runs this on the same ``seq_lens`` and gets the same plan. Lengths are
+    clamped to ``[0, capacity]`` so that no program reads past its block table.
+
+    Returns:
+        ``(num_chunks, seq, seq_chunks, first_chunk, tok_lo, tok_hi)``, int32 scalars;
+        ``pid >= num_chunks`` means the program has no work.
+    """
+    idx = tl.arange(0, B_PAD)
+    live = idx < batch
+    lens = tl.load(lens_ptr + idx, mask=live, other=0)
+    lens = tl.minimum(tl.maximum(lens, 0), capacity)
+    total = tl.sum(lens, axis=0)
+    longest = tl.max(lens, axis=0)
+    nonzero = tl.sum((lens > 0).to(tl.int32), axis=0)
+    budget = tl.maximum(chunk_budget, batch)
+    # Candidate partition sizes (see the module docstring); the last always fits.
+    j = tl.arange(0, 8)
+    spread = tl.maximum(budget - j * tl.cdiv(batch, 3), 1)
+    per_seq = tl.maximum(budget // tl.maximum(nonzero, 1), 1)
+    want = tl.where(j < 4, tl.cdiv(total, spread),
+                    tl.where(j == 4, tl.cdiv(longest, per_seq), longest))
+    cand = _round_part_dev(want, BLOCK_N, MIN_PARTITION)  # [8]
+    counts = tl.sum(tl.where(live[:, None], tl.maximum(tl.cdiv(lens[:, None], cand[None, :]),
+                                                       1), 0), axis=0)  # [8]
+    part = tl.min(tl.where(counts <= budget, cand, 2147483647), axis=0)
+    n = tl.where(live, tl.maximum(tl.cdiv(lens, part), 1), 0)
+    cum = tl.cumsum(n, axis=0)  # inclusive
+    num_chunks = tl.sum(n, axis=0)
+    # Entries past the batch hold cum == num_chunks > pid, so they never count here.
+    seq = tl.sum((cum <= pid).to(tl.int32), axis=0)
+    mine = idx == seq
+    seq_len = tl.sum(tl.where(mine, lens, 0), axis=0)
+    seq_chunks = tl.sum(tl.where(mine, n, 0), axis=0)
+    first_chunk = tl.sum(tl.where(mine, cum - n, 0), axis=0)
+    tok_lo = (pid - first_chunk) * part
+    tok_hi = tl.minimum(tok_lo + part, seq_len)
+    return num_chunks, seq, seq_chunks, first_chunk, tok_lo, tok_hi

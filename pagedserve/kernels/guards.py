@@ -1,0 +1,149 @@
+"""Argument checks of the attention-side ops: cheap ones always, full ones on request.
+
+The hot path checks only what the host already knows (shapes, dtypes, devices, strides):
+no device sync, nothing a CUDA graph could not capture. The kernels themselves never read
+or write out of bounds whatever the metadata says (lengths are clamped to the table's
+capacity, invalid block ids and slots are masked). Validate mode (``validate=True`` or
+``PAGEDSERVE_VALIDATE=1``) adds the full check of block ids, lengths and slots: one sync,
+and a ``ValueError`` that names the bad entry before anything is launched.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedserve.kv.formats import KVBlockStorage
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+VALIDATE_ENV = "PAGEDSERVE_VALIDATE"
+
+
+def validate_requested(validate: bool | None) -> bool:
+    """``validate`` if given, else whether ``PAGEDSERVE_VALIDATE=1``."""
+    if validate is not None:
+        return bool(validate)
+    return os.environ.get(VALIDATE_ENV, "0") == "1"
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def check_storage(cache: KVBlockStorage, name: str) -> None:
+    data = cache.data
+    _require(data.dim() == 4, f"{name}.data must be [num_blocks, Hkv, block_size, W], "
+             f"got shape {tuple(data.shape)}")
+    _require(data.stride(-1) == 1, f"{name}.data must have a contiguous last dim")
+    if cache.scales is not None:
+        _require(
+            cache.scales.shape[:3] == data.shape[:3] and cache.scales.stride(-1) == 1,
+            f"{name}.scales {tuple(cache.scales.shape)} must match data "
+            f"{tuple(data.shape[:3])} with a contiguous last dim",
+        )
+
+
+def check_decode_args(
+    q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None,
+) -> None:
+    """Host-known checks of ``paged_decode_attention``'s arguments (no sync)."""
+    _require(q.dim() == 3, f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+    B, Hq, D = q.shape
+    _require(q.dtype in (torch.float16, torch.bfloat16, torch.float32),
+             f"q dtype {q.dtype} not supported; accepted: float16, bfloat16, float32")
+    _require(q.stride(-1) == 1, "q must have a contiguous last dim")
+    check_storage(cache_k, "cache_k")
+    check_storage(cache_v, "cache_v")
+    for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
+        _require(c.head_dim == D, f"{name}.head_dim {c.head_dim} != q head_dim {D}")
+    _require(D in SUPPORTED_HEAD_DIMS,
+             f"head_dim {D} not supported; accepted: {SUPPORTED_HEAD_DIMS}")
+    _require(cache_k.data.shape[:3] == cache_v.data.shape[:3],
+             f"K and V pools differ: [num_blocks, Hkv, block_size] "
+             f"{tuple(cache_k.data.shape[:3])} vs {tuple(cache_v.data.shape[:3])}")
+    Hkv = cache_k.num_kv_heads
+    _require(Hq % Hkv == 0, f"Hq ({Hq}) must be a multiple of Hkv ({Hkv})")
+    _require(block_tables.dtype == torch.int32 and block_tables.dim() == 2,
+             f"block_tables must be int32 [B, max_blocks], got {block_tables.dtype} "
+             f"{tuple(block_tables.shape)}")
+    _require(block_tables.shape[0] == B and block_tables.shape[1] >= 1,
+             f"block_tables has shape {tuple(block_tables.shape)}; need [{B}, >= 1]")
+    _require(block_tables.stride(-1) == 1, "block_tables must have a contiguous last dim")
+    _require(seq_lens.dtype == torch.int32 and tuple(seq_lens.shape) == (B,)
+             and seq_lens.is_contiguous(),
+             f"seq_lens must be contiguous int32 [{B}], got {seq_lens.dtype} "
+             f"{tuple(seq_lens.shape)}")
+    tensors = [cache_k.data, cache_v.data, block_tables, seq_lens]
+    if out is not None:
+        _require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
+                 f"out must be {q.dtype} {tuple(q.shape)} with a contiguous last dim, got "
+                 f"{out.dtype} {tuple(out.shape)}")
+        tensors.append(out)
+    for t in tensors:
+        _require(t.device == q.device, f"all tensors must be on {q.device}; found {t.device}")
+
+
+def check_block_tables(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int,
+) -> None:
+    """Full check (syncs): lengths within the tables' capacity, live block ids in the pool.
+
+    Entries past a sequence's last block are not read and may hold anything (-1 by
+    convention).
+    """
+    B, cols = block_tables.shape
+    capacity = cols * block_size
+    lens = seq_lens.to(torch.int64)
+    bad_len = (lens < 0) | (lens > capacity)
+    if bool(bad_len.any()):
+        b = int(bad_len.nonzero()[0, 0])
+        raise ValueError(
+            f"seq_lens[{b}] = {int(lens[b])} is outside [0, {capacity}]: the table holds "
+            f"{cols} blocks of {block_size} tokens"
+        )
+    needed = (lens + block_size - 1) // block_size  # [B]
+    col = torch.arange(cols, device=block_tables.device)
+    live = col[None, :] < needed[:, None]  # [B, cols]
+    ids = block_tables.to(torch.int64)
+    bad = live & ((ids < 0) | (ids >= num_blocks))
+    if bool(bad.any()):
+        b, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"block_tables[{b}, {j}] = {int(ids[b, j])} is outside the pool of {num_blocks} "
+            f"blocks (sequence {b} has {int(lens[b])} tokens in {int(needed[b])} blocks)"
+        )
+
+
+def check_kv_write_args(
+    cache: KVBlockStorage, rows: torch.Tensor, slot_mapping: torch.Tensor,
+) -> None:
+    """Host-known checks of ``kv_write``'s arguments (no sync)."""
+    check_storage(cache, "cache")
+    Hkv, D = cache.num_kv_heads, cache.head_dim
+    _require(rows.dim() == 3 and rows.shape[1:] == (Hkv, D),
+             f"rows must be [T, {Hkv}, {D}], got shape {tuple(rows.shape)}")
+    _require(rows.dtype in (torch.float16, torch.bfloat16, torch.float32),
+             f"rows dtype {rows.dtype} not supported; accepted: float16, bfloat16, float32")
+    _require(rows.stride(-1) == 1, "rows must have a contiguous last dim")
+    _require(slot_mapping.dtype == torch.int64
+             and tuple(slot_mapping.shape) == (rows.shape[0],)
+             and slot_mapping.is_contiguous(),
+             f"slot_mapping must be contiguous int64 [{rows.shape[0]}], got "
+             f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    for t in (rows, slot_mapping):
+        _require(t.device == cache.data.device,
+                 f"all tensors must be on {cache.data.device}; found {t.device}")
+
+
+def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Full check (syncs): every slot is -1 (skip) or inside the pool."""
+    bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"slot_mapping[{t}] = {int(slot_mapping[t])} is outside the pool's "
+            f"{num_slots} slots (and is not -1, the skip marker)"
+        )

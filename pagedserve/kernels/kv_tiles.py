@@ -1,0 +1,229 @@
+"""Triton readers of K/V tiles in every storage type, and the two products of decode.
+
+The byte layout is ``pagedserve.kv.formats``' (one row = one token of one K/V head)::
+
+    f16/bf16  data row: D x 2 bytes
+    q8_0      data row: D int8 (qs)                 scale row: D/32 fp16 (d per group)
+    q4_0      data row: D/2 bytes, group g = bytes g*16 .. g*16+15
+                        byte j: bits 3..0 -> value g*32 + j, bits 7..4 -> value g*32 + 16 + j
+
+Quantized values reach the tensor cores as *exact* small integers in f16, built without
+an int->float conversion instruction (conversions issue at a small fraction of the FMA
+rate, one reason a naive q4_0 decode is slower than f16 despite reading 3.5x fewer
+bytes). The integer goes into the low mantissa bits of a float16 whose exponent makes
+the value 1024 + x, and one subtraction removes the 1024 and GGML's offset together
+(the "magic number" conversion used by FasterTransformer and Marlin; written here from
+the IEEE layout, not copied)::
+
+    q4_0: bits = 0x6400 | nibble           -> 1024 + nibble ; minus 1032 -> nibble - 8
+    q8_0: bits = 0x6400 + (128 + qs)       -> 1152 + qs     ; minus 1152 -> qs
+
+Both results are exact in f16. Group scales are applied in one of two ways
+(``DecodeConfig.quant_dot``):
+
+- ``group``: per-group dots on the exact integers (batched over the D/32 groups). For K
+  the scale multiplies the small per-group partial scores,
+  ``s = sum_g d_g * (q_g . k_g)``; for V it is folded into p,
+  ``o_g = (p * d_g) @ v_g``. No per-element scale multiply at all.
+- ``element``: one multiply per element dequantizes to f16, then one full-width dot.
+
+GQA: the dots take the query heads of one K/V head as rows, padded to ``G_PAD >= 16``
+rows for ``tl.dot``; every K/V row is loaded once for all of them.
+
+``NATIVE_BF16=False`` is for the Triton interpreter, which keeps bfloat16 as raw uint16
+and has no bfloat16 arithmetic: bf16 operands are widened to float32 (exactly) and
+multiplied in IEEE float32 there. On a GPU bf16 tiles go to the tensor cores as they are.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _exact_ints(data_ptr, offs, mask, KV_TYPE: tl.constexpr):
+    """Quantized payload at ``offs`` -> its integers (``nibble - 8`` or ``qs``) in f16.
+
+    For q4_0, ``offs`` points at bytes; the last axis of ``offs`` must span the 32 values
+    of a group: lanes 0..15 read the low nibbles of bytes 0..15, lanes 16..31 the high.
+    """
+    if KV_TYPE == "q8_0":
+        x = tl.load(data_ptr + offs, mask=mask, other=0)  # int8
+        bits = (x.to(tl.int16) + 0x6480).to(tl.int16)
+        return bits.to(tl.float16, bitcast=True) - 1152.0
+    else:
+        lane = tl.arange(0, 32)
+        shift = ((lane // 16) * 4).to(tl.int16)
+        byte = tl.load(data_ptr + offs, mask=mask, other=0x88)  # uint8; masked -> 0
+        bits = ((byte.to(tl.int16) >> shift) & 15) | 0x6400
+        return bits.to(tl.float16, bitcast=True) - 1032.0
+
+
+@triton.jit
+def _group_offsets(row_off, KV_TYPE: tl.constexpr, NG: tl.constexpr, GROUP_FIRST: tl.constexpr):
+    """Payload offsets of a tile of rows, split into groups.
+
+    Args:
+        row_off: int64 ``[N]`` offset of each row's payload.
+
+    Returns:
+        int64 ``[NG, N, 32]`` (``GROUP_FIRST``) or ``[N, NG, 32]``.
+    """
+    lane = tl.arange(0, 32)
+    grp = tl.arange(0, NG)
+    if KV_TYPE == "q8_0":
+        within = lane
+        stride = 32
+    else:
+        within = lane % 16
+        stride = 16
+    if GROUP_FIRST:
+        return (row_off[None, :, None] + grp[:, None, None] * stride) + within[None, None, :]
+    else:
+        return (row_off[:, None, None] + grp[None, :, None] * stride) + within[None, None, :]
+
+
+@triton.jit
+def load_float_tile(data_ptr, row_off, valid, D: tl.constexpr):
+    """f16/bf16 rows ``[N, D]`` (masked rows read as 0)."""
+    cols = tl.arange(0, D)
+    return tl.load(data_ptr + row_off[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def load_group_tile(
+    data_ptr, scale_ptr, row_off, scale_off, valid,
+    KV_TYPE: tl.constexpr, NG: tl.constexpr, GROUP_FIRST: tl.constexpr,
+):
+    """Quantized rows as exact integers and their group scales.
+
+    Returns:
+        ``(ints, scales)``: f16 ``[NG, N, 32]`` and float32 ``[NG, N]`` (``GROUP_FIRST``),
+        or f16 ``[N, NG, 32]`` and float32 ``[N, NG]``.
+    """
+    offs = _group_offsets(row_off, KV_TYPE, NG, GROUP_FIRST)
+    grp = tl.arange(0, NG)
+    if GROUP_FIRST:
+        ints = _exact_ints(data_ptr, offs, valid[None, :, None], KV_TYPE)
+        sc = tl.load(scale_ptr + scale_off[None, :] + grp[:, None], mask=valid[None, :], other=0.0)
+    else:
+        ints = _exact_ints(data_ptr, offs, valid[:, None, None], KV_TYPE)
+        sc = tl.load(scale_ptr + scale_off[:, None] + grp[None, :], mask=valid[:, None], other=0.0)
+    return ints, sc.to(tl.float32)
+
+
+@triton.jit
+def load_q(
+    q_ptr, row_stride, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+    NG: tl.constexpr, K_GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """The query heads of one K/V head as dot rows (rows >= G are zero).
+
+    Returns:
+        ``[NG, G_PAD, 32]`` (``K_GROUP``: per-group slices) or ``[G_PAD, D]``, in
+        ``DOT_DTYPE``.
+    """
+    rows = tl.arange(0, G_PAD)
+    if K_GROUP:
+        grp = tl.arange(0, NG)
+        lane = tl.arange(0, 32)
+        offs = rows[None, :, None] * row_stride + grp[:, None, None] * 32 + lane[None, None, :]
+        q = tl.load(q_ptr + offs, mask=(rows < G)[None, :, None], other=0.0)
+    else:
+        cols = tl.arange(0, D)
+        q = tl.load(q_ptr + rows[:, None] * row_stride + cols[None, :],
+                    mask=(rows < G)[:, None], other=0.0)
+    # Through float32 (exact from f16/bf16): the interpreter converts bf16 only from fp32.
+    return q.to(tl.float32).to(DOT_DTYPE)
+
+
+@triton.jit
+def tile_scores(
+    q, k_data, k_scale, k_row, ks_row, valid,
+    K_TYPE: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, QUANT_DOT: tl.constexpr,
+    NATIVE_BF16: tl.constexpr,
+):
+    """Raw scores ``q . k`` of a tile: float32 ``[G_PAD, N]``.
+
+    Args:
+        q: from ``load_q`` (group slices for quantized K in ``group`` mode).
+        k_row, ks_row: int64 ``[N]`` offsets of each row's payload and scales.
+        valid: ``[N]`` rows to read; others contribute 0 (the caller masks them to -inf).
+    """
+    if K_TYPE == "f16" or (K_TYPE == "bf16" and NATIVE_BF16):
+        k = load_float_tile(k_data, k_row, valid, D)  # [N, D]
+        return tl.dot(q, tl.trans(k))
+    elif K_TYPE == "bf16":
+        k = load_float_tile(k_data, k_row, valid, D).to(tl.float32)
+        return tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+    elif QUANT_DOT == "group":
+        k, dk = load_group_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, NG, True)
+        s = tl.dot(q, tl.trans(k, (0, 2, 1)))  # [NG, G_PAD, N] per-group partial scores
+        return tl.sum(s * dk[:, None, :], axis=0)
+    else:
+        k, dk = load_group_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, NG, False)
+        k = tl.reshape(k * dk[:, :, None].to(tl.float16), (k.shape[0], D))
+        return tl.dot(q, tl.trans(k))
+
+
+@triton.jit
+def tile_pv(
+    acc, p, v_data, v_scale, v_row, vs_row, valid,
+    V_TYPE: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, QUANT_DOT: tl.constexpr,
+    NATIVE_BF16: tl.constexpr,
+):
+    """``acc + p @ v`` for one tile.
+
+    Args:
+        acc: float32 ``[NG, G_PAD, 32]`` (quantized V, ``group`` mode) or ``[G_PAD, D]``.
+        p: float32 ``[G_PAD, N]`` softmax numerators (0 on masked rows).
+    """
+    if V_TYPE == "f16" or (V_TYPE == "bf16" and NATIVE_BF16):
+        v = load_float_tile(v_data, v_row, valid, D)  # [N, D]
+        return tl.dot(p.to(v.dtype), v, acc)
+    elif V_TYPE == "bf16":
+        v = load_float_tile(v_data, v_row, valid, D).to(tl.float32)
+        p16 = p.to(tl.bfloat16).to(tl.float32)  # the rounding a GPU applies to p
+        return tl.dot(p16, v, acc, input_precision="ieee")
+    elif QUANT_DOT == "group":
+        v, dv = load_group_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, NG, True)
+        pd = (p[None, :, :] * dv[:, None, :]).to(tl.float16)  # [NG, G_PAD, N]
+        return tl.dot(pd, v, acc)  # [NG, G_PAD, 32]
+    else:
+        v, dv = load_group_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, NG, False)
+        v = tl.reshape(v * dv[:, :, None].to(tl.float16), (v.shape[0], D))
+        return tl.dot(p.to(tl.float16), v, acc)
+
+
+@triton.jit
+def rescale(acc, alpha, ACC3: tl.constexpr):
+    """``acc`` rows times ``alpha`` ``[G_PAD]``."""
+    if ACC3:
+        return acc * alpha[None, :, None]
+    else:
+        return acc * alpha[:, None]
+
+
+@triton.jit
+def store_rows(
+    ptr, row_stride, acc, row_scale, G: tl.constexpr, G_PAD: tl.constexpr,
+    D: tl.constexpr, NG: tl.constexpr, ACC3: tl.constexpr,
+):
+    """Write rows ``r < G`` of ``acc * row_scale[r]`` to ``ptr + r * row_stride + col``.
+
+    A 3-D accumulator ``[NG, G_PAD, 32]`` lands in natural column order
+    ``col = g * 32 + lane``.
+    """
+    rows = tl.arange(0, G_PAD)
+    if ACC3:
+        grp = tl.arange(0, NG)
+        lane = tl.arange(0, 32)
+        val = acc * row_scale[None, :, None]
+        offs = rows[None, :, None] * row_stride + grp[:, None, None] * 32 + lane[None, None, :]
+        tl.store(ptr + offs, val.to(ptr.dtype.element_ty), mask=(rows < G)[None, :, None])
+    else:
+        cols = tl.arange(0, D)
+        val = acc * row_scale[:, None]
+        tl.store(ptr + rows[:, None] * row_stride + cols[None, :],
+                 val.to(ptr.dtype.element_ty), mask=(rows < G)[:, None])

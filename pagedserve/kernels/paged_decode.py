@@ -1,0 +1,375 @@
+"""Triton paged decode attention: one query token per sequence over paged (or contiguous) K/V.
+
+One launch does everything. Program ``(c, h)`` takes chunk ``c`` of the partition plan
+(``decode_plan``: sizes, balance, the two-level merge) for K/V head ``h``. It loads the
+G = Hq/Hkv query heads of that K/V head as the rows of its dots, so each K/V row is read
+once for the whole group, and walks its token range in tiles of ``block_n`` rows with an
+online softmax in float32::
+
+    tile loop, per program                           end of program
+    -------------------------------------------      -------------------------------------
+    ids   = table[b, tok // bs]  (one tile ahead)    one chunk:  out = acc / l
+    rows  = payload of ids (masked if id invalid)    else:       partial (acc, m, l) ->
+    s     = q . k   [G_PAD, block_n] (f32)                       workspace slot c; count;
+    m, l, acc <- online softmax update                           last of group merges,
+                                                                 last group -> out (LSE)
+
+Layouts: the *paged* layout reads tile rows through the block table (``PAGED=True``);
+the *contiguous* layout is the same ``KVBlockStorage`` with one block per sequence whose
+block_size is the padded length, and its tiles compute addresses directly
+(``PAGED=False``, chosen when ``block_tables`` has one column). Both walk the same tiles,
+so the contiguous kernel is the paged one minus the table lookup.
+
+Error bounds against a float64 oracle on the dequantized stored values (q in bf16 or f16,
+relative to the largest output magnitude; ``tests/kernels/kernel_oracle.py``):
+f16 / q8_0 / q4_0 K and V: 2e-3 (p is rounded to f16 for the tensor cores, 2^-11);
+bf16 K or V: 1e-2 (bf16 operands, 2^-8). Quantization error itself is not counted: the
+oracle reads the same stored values. q in float32 is rounded to the dot dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels import guards
+from pagedserve.kernels.decode_plan import (
+    MERGE_GROUP,
+    DecodeConfig,
+    DecodeWorkspace,
+    default_config,
+    locate_chunk,
+)
+from pagedserve.kernels.kv_tiles import (
+    load_q,
+    rescale,
+    store_rows,
+    tile_pv,
+    tile_scores,
+)
+from pagedserve.kv.formats import KVBlockStorage
+
+LOG2E = 1.4426950408889634
+# Finite "minus infinity" for running maxima, so that exp2 of their differences is 0 or 1
+# and never NaN (-inf - -inf) when a whole tile is masked.
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _merge_partials(
+    part_acc_ptr, part_ml_ptr, first, count, stride,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MERGE_CHUNKS: tl.constexpr,
+):
+    """Log-sum-exp merge of ``count`` partials in slots ``first + i * stride``.
+
+    ``part_acc_ptr`` / ``part_ml_ptr`` point at slot 0 of one K/V head. Loads bypass L1
+    (``.cg``): the partials were written by other programs.
+
+    Returns:
+        ``(o, m, l)``: float32 ``[GP, D]`` unnormalized output, ``[GP]`` max and sum.
+    """
+    rows = tl.arange(0, GP)
+    cols = tl.arange(0, D)
+    ci = tl.arange(0, MERGE_CHUNKS)
+    m_run = tl.full([GP], _NEG_BIG, tl.float32)
+    l_run = tl.zeros([GP], tl.float32)
+    o_run = tl.zeros([GP, D], tl.float32)
+    for c0 in range(0, count, MERGE_CHUNKS):
+        slot = first + (c0 + ci) * stride  # [MC]
+        ok = ((c0 + ci) < count)[:, None] & (rows < G)[None, :]  # [MC, GP]
+        ml = part_ml_ptr + (slot[:, None] * G + rows[None, :]) * 2
+        m = tl.load(ml, mask=ok, other=_NEG_BIG, cache_modifier=".cg")
+        l = tl.load(ml + 1, mask=ok, other=0.0, cache_modifier=".cg")
+        o = tl.load(
+            part_acc_ptr + (slot[:, None, None] * G + rows[None, :, None]) * D
+            + cols[None, None, :],
+            mask=ok[:, :, None], other=0.0, cache_modifier=".cg",
+        )  # [MC, GP, D]
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        w = tl.exp2(m - m_new[None, :])  # [MC, GP], <= 1
+        a = tl.exp2(m_run - m_new)
+        l_run = l_run * a + tl.sum(w * l, axis=0)
+        o_run = o_run * a[:, None] + tl.sum(w[:, :, None] * o, axis=0)
+        m_run = m_new
+    return o_run, m_run, l_run
+
+
+@triton.jit
+def _store_merged(out_ptr, row_stride, o, l, G: tl.constexpr, GP: tl.constexpr,
+                  D: tl.constexpr):
+    """The normalized output ``o / l`` (0 where nothing was live)."""
+    rows = tl.arange(0, GP)
+    cols = tl.arange(0, D)
+    # l >= 1 whenever any row was live (the running max contributes exp2(0) = 1).
+    inv = tl.where(l > 0.0, 1.0 / tl.maximum(l, 1.0), 0.0)
+    tl.store(out_ptr + rows[:, None] * row_stride + cols[None, :],
+             (o * inv[:, None]).to(out_ptr.dtype.element_ty), mask=(rows < G)[:, None])
+
+
+@triton.jit
+def _store_partial(acc_ptr, ml_ptr, o, m, l, G: tl.constexpr, GP: tl.constexpr,
+                   D: tl.constexpr):
+    """A merged group written back as one partial (slot pointers given)."""
+    rows = tl.arange(0, GP)
+    cols = tl.arange(0, D)
+    tl.store(acc_ptr + rows[:, None] * D + cols[None, :], o, mask=(rows < G)[:, None])
+    tl.store(ml_ptr + rows * 2, m, mask=rows < G)
+    tl.store(ml_ptr + rows * 2 + 1, l, mask=rows < G)
+
+
+@triton.jit
+def _finish_split(
+    out_ptr, out_row_stride, head_acc, head_ml, group_counter_ptr, seq_counter_ptr,
+    pid, first, seq_chunks,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MERGE_CHUNKS: tl.constexpr,
+    MERGE_GROUP: tl.constexpr,
+):
+    """After this chunk's partial is stored: count it, and merge if it is the last.
+
+    Publication order: a barrier orders every thread's stores before the one thread that
+    performs the (release) atomic; its (acquire) result then orders the merge's loads.
+    """
+    g_first = first + ((pid - first) // MERGE_GROUP) * MERGE_GROUP
+    g_size = tl.minimum(MERGE_GROUP, first + seq_chunks - g_first)
+    num_groups = tl.cdiv(seq_chunks, MERGE_GROUP)
+    tl.debug_barrier()
+    done = tl.atomic_add(group_counter_ptr + g_first, 1, sem="acq_rel", scope="gpu")
+    if done == g_size - 1:
+        o, m, l = _merge_partials(head_acc, head_ml, g_first, g_size, 1, G, GP, D,
+                                  MERGE_CHUNKS)
+        tl.atomic_xchg(group_counter_ptr + g_first, 0, sem="relaxed", scope="gpu")
+        if num_groups == 1:
+            _store_merged(out_ptr, out_row_stride, o, l, G, GP, D)
+        else:
+            _store_partial(head_acc + g_first * G * D, head_ml + g_first * G * 2, o, m, l,
+                           G, GP, D)
+            tl.debug_barrier()
+            groups_done = tl.atomic_add(seq_counter_ptr, 1, sem="acq_rel", scope="gpu")
+            if groups_done == num_groups - 1:
+                o, m, l = _merge_partials(head_acc, head_ml, first, num_groups,
+                                          MERGE_GROUP, G, GP, D, MERGE_CHUNKS)
+                _store_merged(out_ptr, out_row_stride, o, l, G, GP, D)
+                tl.atomic_xchg(seq_counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+# Counts vary per call; specializing on them (== 1, % 16) would only multiply compiles.
+@triton.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
+                               "max_chunks", "num_kv_heads"])
+def _paged_decode_kernel(
+    q_ptr, out_ptr,  # [B, Hq, D]
+    kd_ptr, ks_ptr, vd_ptr, vs_ptr,  # K/V payload and scales (scales: any pointer if float)
+    table_ptr, lens_ptr,  # int32 [B, max_blocks], int32 [B]
+    part_acc_ptr, part_ml_ptr, group_counter_ptr, seq_counter_ptr,  # workspace
+    batch, num_blocks, capacity, chunk_budget, max_chunks, num_kv_heads,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
+    k_sb, k_sh, k_sr, ks_sb, ks_sh, ks_sr,
+    v_sb, v_sh, v_sr, vs_sb, vs_sh, vs_sr,
+    qk_scale,  # softmax scale * log2(e)
+    G: tl.constexpr, G_PAD: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
+    K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QUANT_DOT: tl.constexpr,
+    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, PAGED: tl.constexpr,
+    MERGE_CHUNKS: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE_BF16: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    NG: tl.constexpr = D // 32
+    num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
+        lens_ptr, batch, capacity, chunk_budget, pid, B_PAD, BLOCK_N, MIN_PARTITION
+    )
+    if pid >= num_chunks:
+        return
+
+    if K_TYPE == "bf16":
+        q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
+                   K_GROUP, tl.bfloat16)
+    else:
+        q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
+                   K_GROUP, tl.float16)
+    m_i = tl.full([G_PAD], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    if V_GROUP:
+        acc = tl.zeros([NG, G_PAD, 32], tl.float32)
+    else:
+        acc = tl.zeros([G_PAD, D], tl.float32)
+
+    table_row = table_ptr + b * stride_tb
+    lane = tl.arange(0, BLOCK_N)
+    if PAGED:
+        # Block ids run one tile ahead of the rows they address, so that the table
+        # lookup's latency hides behind the current tile instead of preceding it.
+        ids_next = tl.load(table_row + (tok_lo + lane) // BS, mask=tok_lo + lane < tok_hi,
+                           other=-1)
+    else:
+        block0 = tl.load(table_row)
+        block0_ok = (block0 >= 0) & (block0 < num_blocks)
+    for start in range(tok_lo, tok_hi, BLOCK_N):
+        tok = start + lane
+        valid = tok < tok_hi
+        if PAGED:
+            ids = ids_next
+            ahead = tok + BLOCK_N
+            ids_next = tl.load(table_row + ahead // BS, mask=ahead < tok_hi, other=-1)
+            row = tok % BS
+        else:
+            ids = tl.zeros([BLOCK_N], tl.int32) + block0
+            row = tok
+            valid = valid & block0_ok
+        # An invalid id masks its rows: never read outside the pool.
+        valid = valid & (ids >= 0) & (ids < num_blocks)
+        ids = tl.where(valid, ids, 0).to(tl.int64)
+        row = tl.where(valid, row, 0).to(tl.int64)
+        k_row = ids * k_sb + h * k_sh + row * k_sr
+        ks_row = ids * ks_sb + h * ks_sh + row * ks_sr
+        v_row = ids * v_sb + h * v_sh + row * v_sr
+        vs_row = ids * vs_sb + h * vs_sh + row * vs_sr
+
+        s = tile_scores(q, kd_ptr, ks_ptr, k_row, ks_row, valid, K_TYPE, D, NG, QUANT_DOT,
+                        NATIVE_BF16)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = rescale(acc, alpha, V_GROUP)
+        acc = tile_pv(acc, p, vd_ptr, vs_ptr, v_row, vs_row, valid, V_TYPE, D, NG, QUANT_DOT,
+                      NATIVE_BF16)
+        m_i = m_new
+
+    if seq_chunks == 1:
+        # The common short-sequence case: no partials, no merge.
+        # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
+        inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1.0), 0.0)
+        store_rows(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, acc, inv,
+                   G, G_PAD, D, NG, V_GROUP)
+    else:
+        head_acc = part_acc_ptr + h * max_chunks * G * D
+        head_ml = part_ml_ptr + h * max_chunks * G * 2
+        ones = tl.full([G_PAD], 1.0, tl.float32)
+        store_rows(head_acc + pid * G * D, D, acc, ones, G, G_PAD, D, NG, V_GROUP)
+        rows = tl.arange(0, G_PAD)
+        ml = head_ml + (pid * G + rows) * 2
+        tl.store(ml, m_i, mask=rows < G)
+        tl.store(ml + 1, l_i, mask=rows < G)
+        _finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
+                      head_ml, group_counter_ptr + h * max_chunks,
+                      seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
+                      G, GP, D, MERGE_CHUNKS, MERGE_GROUP)
+
+
+# Scratch for callers that pass no workspace, one per (device, Hq, Hkv, D), grown to the
+# largest batch seen. Its counters return to zero after every launch, so reuse is safe on
+# one stream; CUDA graphs must bring their own (a buffer first allocated inside a capture
+# would belong to that graph's memory pool).
+_DEFAULT_WORKSPACES: dict[tuple, DecodeWorkspace] = {}
+
+
+def _default_workspace(
+    batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+) -> DecodeWorkspace:
+    key = (device, num_q_heads, num_kv_heads, head_dim)
+    ws = _DEFAULT_WORKSPACES.get(key)
+    if ws is None or ws.max_batch < batch:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "paged_decode_attention needs an explicit workspace= while a CUDA graph is "
+                "being captured (allocate a DecodeWorkspace before capture and keep it)"
+            )
+        ws = DecodeWorkspace(max(batch, 8), num_q_heads, num_kv_heads, head_dim, device)
+        _DEFAULT_WORKSPACES[key] = ws
+    return ws
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _scale_strides(cache: KVBlockStorage) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    if cache.scales is None:
+        return cache.data, (0, 0, 0)
+    st = cache.scales.stride()
+    return cache.scales, (st[0], st[1], st[2])
+
+
+def paged_decode_attention(
+    q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+    workspace: DecodeWorkspace | None = None, out: torch.Tensor | None = None,
+    config: DecodeConfig | None = None, validate: bool | None = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence, Triton.
+
+    Args:
+        q: ``[B, Hq, D]`` float16/bfloat16/float32, last dim contiguous; D in 64/128/256.
+        cache_k, cache_v: ``KVBlockStorage`` of one layer over the same pool
+            ``[num_blocks, Hkv, block_size, *]``; their types are independent.
+        block_tables: int32 ``[B, max_blocks]``; entries past a sequence's last block are
+            ignored (-1 by convention). One column means the contiguous layout.
+        seq_lens: int32 ``[B]``; clamped on the device to ``[0, max_blocks * block_size]``.
+        scale: softmax scale.
+        workspace: buffers of the partition plan; keep one per stream, and pass it when
+            capturing CUDA graphs. ``None`` uses a cached one for this device and shape.
+        out: ``[B, Hq, D]`` in ``q.dtype`` to write into (a CUDA graph's static output).
+        config: tile choices; default ``default_config(K type, V type)``.
+        validate: full check of block ids and lengths (one sync); default from
+            ``PAGEDSERVE_VALIDATE``.
+
+    Returns:
+        ``out``: ``[B, Hq, D]`` in ``q.dtype``; a zero-length sequence yields zeros.
+    """
+    guards.check_decode_args(q, cache_k, cache_v, block_tables, seq_lens, out)
+    B, Hq, D = q.shape
+    Hkv, bs, num_blocks = cache_k.num_kv_heads, cache_k.block_size, cache_k.num_blocks
+    max_blocks = block_tables.shape[1]
+    capacity = max_blocks * bs
+    if B * capacity >= 2**31:
+        raise ValueError(
+            f"batch {B} x table capacity {capacity} tokens overflows the plan's int32 sums"
+        )
+    if guards.validate_requested(validate):
+        guards.check_block_tables(block_tables, seq_lens, num_blocks, bs)
+    if workspace is None:
+        workspace = _default_workspace(B, Hq, Hkv, D, q.device)
+    else:
+        workspace.check_fits(B, Hq, Hkv, D, q.device)
+    cfg = config or default_config(cache_k.kv_type, cache_v.kv_type)
+    if out is None:
+        out = torch.empty_like(q)
+    if B == 0:
+        return out
+
+    G = Hq // Hkv
+    k_quant = cache_k.scales is not None
+    v_quant = cache_v.scales is not None
+    ks, ks_st = _scale_strides(cache_k)
+    vs, vs_st = _scale_strides(cache_v)
+    kd_st, vd_st = cache_k.data.stride(), cache_v.data.stride()
+    paged = max_blocks > 1
+    # Merge tiles of [MERGE_CHUNKS, GP, D] float32: about 64 registers per thread.
+    gp = _next_pow2(G)
+    merge_chunks = max(1, min(16, (64 * 32 * cfg.num_warps) // (gp * D)))
+    # The plan never makes more than max(W, B) chunks per head (decode_plan).
+    grid = (max(workspace.chunk_budget, B), Hkv)
+    _paged_decode_kernel[grid](
+        q, out, cache_k.data, ks, cache_v.data, vs, block_tables, seq_lens,
+        workspace.part_acc, workspace.part_ml, workspace.group_counters,
+        workspace.seq_counters,
+        B, num_blocks, capacity, workspace.chunk_budget, workspace.max_chunks, Hkv,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        kd_st[0], kd_st[1], kd_st[2], *ks_st,
+        vd_st[0], vd_st[1], vd_st[2], *vs_st,
+        scale * LOG2E,
+        G=G, G_PAD=max(16, gp), GP=gp, D=D, BS=bs if paged else 1,
+        # The plan's vectors span the workspace's max batch: one compile for all batches.
+        B_PAD=max(2, _next_pow2(workspace.max_batch)), BLOCK_N=cfg.block_n,
+        MIN_PARTITION=cfg.min_partition,
+        K_TYPE=cache_k.kv_type, V_TYPE=cache_v.kv_type, QUANT_DOT=cfg.quant_dot,
+        K_GROUP=k_quant and cfg.quant_dot == "group",
+        V_GROUP=v_quant and cfg.quant_dot == "group",
+        PAGED=paged, MERGE_CHUNKS=merge_chunks, MERGE_GROUP=MERGE_GROUP,
+        NATIVE_BF16=q.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+

@@ -1,0 +1,270 @@
+"""Paged decode attention against a float64 oracle: reference and Triton backends.
+
+Error bounds (``kernel_oracle.BOUNDS``, max |out - oracle| / max |oracle|): 2e-3 when K
+and V are f16, q8_0 or q4_0; 1e-2 when either is bf16. Outputs are poisoned with NaN
+before every run, so an element a kernel forgets to write fails the test.
+
+The Triton cases run on small shapes under ``TRITON_INTERPRET=1`` on the CPU, and on
+CUDA when present; ``test_paged_decode_gpu.py`` holds the real-size GPU grid.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from kernel_oracle import (
+    TRITON_DEVICE,
+    bound,
+    build_pool,
+    decode_oracle,
+    needs_triton,
+    q_dtype_for,
+    rel_error,
+)
+
+from pagedserve.kernels import ops
+from pagedserve.kernels.decode_plan import MERGE_GROUP, DecodeConfig, DecodeWorkspace, plan_chunks
+
+TYPES = ["f16", "q8_0", "q4_0"]
+COMBOS = [*itertools.product(TYPES, TYPES), ("bf16", "bf16")]
+# With a budget of 20 chunks per head, 16-token partitions: every sequence longer than 16
+# tokens is split, and one of 150 tokens (10 chunks) merges in two levels.
+SPLIT = DecodeConfig(block_n=16, min_partition=16)
+BUDGET = 20
+
+
+def chunks_of(lens, budget=BUDGET):
+    """Chunks per sequence under the forced-split plan (the tests' premise)."""
+    _, chunks = plan_chunks(lens, 1 << 20, budget, 16, 16)
+    return [sum(1 for c in chunks if c[0] == b) for b in range(len(lens))]
+
+
+def run(k_type, v_type, lens, *, hkv=2, group=2, d=64, backend="triton", config=SPLIT,
+        chunks_per_head=BUDGET, seed=0, validate=None, table_cols=None):
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    ck, cv, table, tables = build_pool(k_type, v_type, lens, num_kv_heads=hkv, head_dim=d,
+                                       seed=seed, device=device, table_cols=table_cols)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(lens), hkv * group, d, generator=gen).to(q_dtype_for(k_type, v_type))
+    scale = d**-0.5
+    ws = DecodeWorkspace(len(lens), hkv * group, hkv, d, device,
+                         chunks_per_head=chunks_per_head)
+    ws.part_acc.fill_(float("nan"))
+    ws.part_ml.fill_(float("nan"))
+    out = torch.full_like(q, float("nan")).to(device)
+    ops.paged_decode_attention(
+        q.to(device), ck, cv, table, torch.tensor(lens, dtype=torch.int32, device=device),
+        scale, workspace=ws, out=out, config=config, backend=backend, validate=validate,
+    )
+    ref = decode_oracle(q, ck, cv, tables, lens, scale)
+    assert ws.counters_clear(), "merge counters must be reset"
+    return out, ref
+
+
+@pytest.mark.parametrize("k_type,v_type", COMBOS)
+def test_reference_matches_oracle(k_type, v_type):
+    out, ref = run(k_type, v_type, [0, 1, 17, 40], backend="reference")
+    assert rel_error(out, ref) <= bound(k_type, v_type)
+
+
+@needs_triton
+@pytest.mark.parametrize("k_type,v_type", COMBOS)
+def test_triton_all_type_pairs_split_and_merge(k_type, v_type):
+    lens = [0, 1, 50, 150]
+    # 0 and 1 take the direct path; 50 merges 4 partials; 150 merges 10 in two levels.
+    assert chunks_of(lens) == [1, 1, 4, 10] and 10 > MERGE_GROUP
+    out, ref = run(k_type, v_type, lens)
+    assert rel_error(out, ref) <= bound(k_type, v_type)
+    assert float(out[0].abs().max()) == 0.0  # zero length -> zeros
+
+
+@needs_triton
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("q4_0", "q8_0")])
+def test_triton_block_boundary_lengths(k_type, v_type):
+    lens = [1, 15, 16, 17, 31, 32, 33]
+    assert chunks_of(lens) == [1, 1, 1, 2, 2, 2, 3]
+    out, ref = run(k_type, v_type, lens)
+    assert rel_error(out, ref) <= bound(k_type, v_type)
+
+
+@needs_triton
+@pytest.mark.parametrize("group", [1, 2, 6, 8])
+def test_triton_gqa_ratios(group):
+    out, ref = run("q4_0", "q8_0", [9, 40], hkv=1, group=group)
+    assert rel_error(out, ref) <= bound("q4_0", "q8_0")
+
+
+@needs_triton
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("q8_0", "q4_0")])
+def test_triton_head_dims(d, k_type, v_type):
+    out, ref = run(k_type, v_type, [20, 37], hkv=1, group=6, d=d)
+    assert rel_error(out, ref) <= bound(k_type, v_type)
+
+
+@needs_triton
+@pytest.mark.parametrize("k_type,v_type", [("q4_0", "q8_0"), ("q8_0", "f16")])
+def test_triton_element_mode(k_type, v_type):
+    cfg = DecodeConfig(block_n=16, min_partition=16, quant_dot="element")
+    out, ref = run(k_type, v_type, [3, 45], config=cfg)
+    assert rel_error(out, ref) <= bound(k_type, v_type)
+
+
+@needs_triton
+def test_triton_many_partials_merge_in_several_tiles():
+    # 300 tokens in 16-token chunks: 19 partials in 3 groups (8, 8, 3); D=128 with G=6
+    # merges in tiles of 2 chunks, so every merge loops.
+    assert chunks_of([300, 2]) == [19, 1]
+    out, ref = run("f16", "q4_0", [300, 2], d=128, group=6, hkv=1)
+    assert rel_error(out, ref) <= bound("f16", "q4_0")
+
+
+@needs_triton
+def test_triton_default_config():
+    out, ref = run("q4_0", "q4_0", [70, 5], config=None, chunks_per_head=None)
+    assert rel_error(out, ref) <= bound("q4_0", "q4_0")
+
+
+@needs_triton
+def test_triton_all_zero_lengths():
+    out, ref = run("q8_0", "f16", [0, 0, 0])
+    assert float(out.abs().max()) == 0.0 and not bool(out.isnan().any())
+
+
+@needs_triton
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("q4_0", "q4_0")])
+def test_triton_contiguous_layout(k_type, v_type):
+    """One block per sequence of the padded length: the PAGED=False tile path."""
+    lens = [0, 5, 64, 40]
+    ck, cv, _, _ = build_pool(k_type, v_type, [64] * 4, num_kv_heads=2, head_dim=64,
+                              block_size=64, extra_blocks=0, device=TRITON_DEVICE)
+    table = torch.tensor([[2], [0], [3], [1]], dtype=torch.int32)
+    tables = table.tolist()
+    q = torch.randn(4, 12, 64).to(q_dtype_for(k_type, v_type))
+    ws = DecodeWorkspace(4, 12, 2, 64, TRITON_DEVICE, chunks_per_head=BUDGET)
+    out = torch.full_like(q, float("nan")).to(TRITON_DEVICE)
+    ops.paged_decode_attention(
+        q.to(TRITON_DEVICE), ck, cv, table.to(TRITON_DEVICE),
+        torch.tensor(lens, dtype=torch.int32, device=TRITON_DEVICE), 0.125,
+        workspace=ws, out=out, config=SPLIT, backend="triton",
+    )
+    ref = decode_oracle(q, ck, cv, tables, lens, 0.125)
+    assert rel_error(out, ref) <= bound(k_type, v_type)
+
+
+@needs_triton
+def test_triton_masks_invalid_block_ids_without_validate(monkeypatch):
+    """Garbage ids inside a sequence are skipped, never read; the rest is exact."""
+    monkeypatch.delenv("PAGEDSERVE_VALIDATE", raising=False)
+    lens = [48, 20]
+    ck, cv, table, tables = build_pool("q4_0", "f16", lens, num_kv_heads=2, head_dim=64,
+                                       device=TRITON_DEVICE)
+    table[0, 1] = 10**6
+    table[1, 0] = -3
+    q = torch.randn(2, 4, 64).half()
+    ws = DecodeWorkspace(2, 4, 2, 64, TRITON_DEVICE, chunks_per_head=BUDGET)
+    out = torch.full_like(q, float("nan")).to(TRITON_DEVICE)
+    ops.paged_decode_attention(q.to(TRITON_DEVICE), ck, cv, table,
+                               torch.tensor(lens, dtype=torch.int32, device=TRITON_DEVICE),
+                               0.125, workspace=ws, out=out, config=SPLIT, backend="triton")
+    live = [[p // 16 != 1 for p in range(48)], [p >= 16 for p in range(20)]]
+    ref = decode_oracle(q, ck, cv, tables, lens, 0.125, live=live)
+    assert rel_error(out, ref) <= bound("q4_0", "f16")
+
+
+@needs_triton
+def test_triton_clamps_lengths_beyond_the_table(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_VALIDATE", raising=False)
+    ck, cv, table, tables = build_pool("f16", "q8_0", [32], num_kv_heads=1, head_dim=64,
+                                       device=TRITON_DEVICE)
+    q = torch.randn(1, 2, 64).half()
+    out = torch.full_like(q, float("nan")).to(TRITON_DEVICE)
+    ws = DecodeWorkspace(1, 2, 1, 64, TRITON_DEVICE, chunks_per_head=BUDGET)
+    ops.paged_decode_attention(q.to(TRITON_DEVICE), ck, cv, table,
+                               torch.tensor([10**6], dtype=torch.int32, device=TRITON_DEVICE),
+                               0.125, workspace=ws, out=out, config=SPLIT, backend="triton")
+    ref = decode_oracle(q, ck, cv, tables, [32], 0.125)
+    assert rel_error(out, ref) <= bound("f16", "q8_0")
+
+
+@needs_triton
+def test_triton_workspace_reuse_with_new_lengths():
+    """A second call on the same workspace (as a CUDA-graph replay would) is exact too."""
+    lens_a, lens_b = [70, 3], [5, 66]
+    ck, cv, table, tables = build_pool("q8_0", "q8_0", [80, 80], num_kv_heads=1,
+                                       head_dim=64, device=TRITON_DEVICE)
+    q = torch.randn(2, 2, 64).half()
+    ws = DecodeWorkspace(2, 2, 1, 64, TRITON_DEVICE, chunks_per_head=BUDGET)
+    for lens in (lens_a, lens_b):
+        out = torch.full_like(q, float("nan")).to(TRITON_DEVICE)
+        ops.paged_decode_attention(
+            q.to(TRITON_DEVICE), ck, cv, table,
+            torch.tensor(lens, dtype=torch.int32, device=TRITON_DEVICE), 0.125,
+            workspace=ws, out=out, config=SPLIT, backend="triton")
+        assert rel_error(out, decode_oracle(q, ck, cv, tables, lens, 0.125)) <= 2e-3
+
+
+# ---- bounds guard -----------------------------------------------------------------------
+
+BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
+
+
+def guarded_call(backend, mutate, validate=True):
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    lens = [20, 40]
+    ck, cv, table, _ = build_pool("q4_0", "q4_0", lens, num_kv_heads=2, head_dim=64,
+                                  device=device, table_cols=4)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(2, 4, 64, dtype=torch.float16, device=device)
+    mutate(table, seq_lens)
+    return ops.paged_decode_attention(q, ck, cv, table, seq_lens, 0.125, backend=backend,
+                                      validate=validate)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mutate,message", [
+    (lambda t, s: t.__setitem__((1, 2), 8), r"block_tables\[1, 2\] = 8 is outside the pool "
+                                            r"of 8 blocks \(sequence 1 has 40 tokens in 3"),
+    (lambda t, s: t.__setitem__((0, 0), -1), r"block_tables\[0, 0\] = -1 is outside"),
+    (lambda t, s: s.__setitem__(1, 65), r"seq_lens\[1\] = 65 is outside \[0, 64\]: the table "
+                                        r"holds 4 blocks of 16 tokens"),
+    (lambda t, s: s.__setitem__(0, -2), r"seq_lens\[0\] = -2 is outside"),
+], ids=["id-past-pool", "id-negative", "len-past-table", "len-negative"])
+def test_validate_rejects_bad_metadata(backend, mutate, message):
+    with pytest.raises(ValueError, match=message):
+        guarded_call(backend, mutate)
+
+
+def test_validate_env_var_turns_the_check_on(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_VALIDATE", "1")
+    with pytest.raises(ValueError, match="outside the pool"):
+        guarded_call("reference", lambda t, s: t.__setitem__((1, 1), 99), validate=None)
+
+
+def test_entries_past_the_last_block_are_not_checked():
+    guarded_call("reference", lambda t, s: t.__setitem__((0, 3), 12345))
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(table_dtype=torch.int64), "block_tables must be int32"),
+    (dict(lens_dtype=torch.int64), "seq_lens must be contiguous int32"),
+    (dict(hq=6), r"Hq \(6\) must be a multiple of Hkv \(4\)"),
+    (dict(d=128), "cache_k.head_dim 64 != q head_dim 128"),
+])
+def test_hot_path_checks_name_the_problem(change, message):
+    ck, cv, table, _ = build_pool("f16", "f16", [8], num_kv_heads=4, head_dim=64)
+    table = table.to(change.get("table_dtype", torch.int32))
+    seq_lens = torch.tensor([8], dtype=change.get("lens_dtype", torch.int32))
+    q = torch.randn(1, change.get("hq", 8), change.get("d", 64)).half()
+    with pytest.raises(ValueError, match=message):
+        ops.paged_decode_attention(q, ck, cv, table, seq_lens, 0.1, backend="reference")
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ck, cv, table, _ = build_pool("f16", "f16", [8], num_kv_heads=1, head_dim=64)
+    with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
+        ops.paged_decode_attention(torch.randn(1, 1, 64).half(), ck, cv, table,
+                                   torch.tensor([8], dtype=torch.int32), 0.1, backend="triton")

@@ -1,0 +1,160 @@
+"""The decode grid at real sizes on a GPU, and CUDA-graph capture and replay.
+
+Same float64 oracle and bounds as ``test_paged_decode.py`` (``kernel_oracle.BOUNDS``).
+Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from kernel_oracle import bound, build_pool, decode_oracle, needs_cuda, q_dtype_for, rel_error
+
+from pagedserve.kernels import ops
+from pagedserve.kernels.decode_plan import DecodeConfig, DecodeWorkspace
+
+pytestmark = [pytest.mark.gpu, needs_cuda]
+
+TYPES = ["f16", "q8_0", "q4_0"]
+COMBOS = [*itertools.product(TYPES, TYPES), ("bf16", "bf16"), ("bf16", "q4_0")]
+EDGE_LENS = [0, 1, 15, 16, 17, 31, 32, 33, 1000, 4097, 20000]
+
+
+def check(k_type, v_type, lens, *, hkv=4, group=6, d=256, config=None, ws_kwargs=None,
+          block_size=16, seed=0):
+    ck, cv, table, tables = build_pool(k_type, v_type, lens, num_kv_heads=hkv, head_dim=d,
+                                       block_size=block_size, seed=seed, device="cuda")
+    q = torch.randn(len(lens), hkv * group, d, generator=torch.Generator().manual_seed(seed))
+    q = q.to(q_dtype_for(k_type, v_type))
+    ws = DecodeWorkspace(len(lens), hkv * group, hkv, d, "cuda", **(ws_kwargs or {}))
+    ws.part_acc.fill_(float("nan"))
+    out = torch.full_like(q, float("nan"), device="cuda")
+    ops.paged_decode_attention(q.cuda(), ck, cv, table,
+                               torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                               d**-0.5, workspace=ws, out=out, config=config, validate=True)
+    torch.cuda.synchronize()
+    ref = decode_oracle(q, ck, cv, tables, lens, d**-0.5)
+    err = rel_error(out, ref)
+    assert err <= bound(k_type, v_type), f"error {err:.2e}"
+    assert ws.counters_clear()
+    return out
+
+
+@pytest.mark.parametrize("k_type,v_type", COMBOS)
+def test_qwen_shape_all_type_pairs(k_type, v_type):
+    check(k_type, v_type, EDGE_LENS)
+
+
+@pytest.mark.parametrize("hkv,group,d", [(8, 1, 64), (4, 2, 128), (2, 8, 128), (1, 6, 64)])
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("q4_0", "q4_0"), ("q8_0", "f16")])
+def test_gqa_and_head_dims(hkv, group, d, k_type, v_type):
+    check(k_type, v_type, [3, 700, 5000], hkv=hkv, group=group, d=d)
+
+
+@pytest.mark.parametrize("k_type,v_type", [("q4_0", "q4_0"), ("q8_0", "q4_0")])
+def test_element_mode(k_type, v_type):
+    check(k_type, v_type, EDGE_LENS, config=DecodeConfig(block_n=64, quant_dot="element"))
+
+
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("q4_0", "q4_0")])
+def test_forced_many_partitions(k_type, v_type):
+    # 64-token chunks: the 20000-token sequence merges 313 partials.
+    check(k_type, v_type, EDGE_LENS, config=DecodeConfig(block_n=64, min_partition=64),
+          ws_kwargs=dict(chunks_per_head=1024))
+
+
+@pytest.mark.parametrize("config", [
+    DecodeConfig(block_n=32, num_warps=4, num_stages=1),
+    DecodeConfig(block_n=128, num_warps=8, num_stages=2, min_partition=512),
+], ids=["bn32-w4-s1", "bn128-w8-s2"])
+def test_tile_configs(config):
+    check("q4_0", "f16", [17, 9000, 33], config=config)
+
+
+def test_ragged_many_sequences():
+    """More sequences than the chunk budget can split: most get one chunk, one long one
+    many; the batch is wider than the plan's default vectors."""
+    lens = [int(x) for x in torch.randint(0, 2000, (40,), generator=torch.Generator()
+                                          .manual_seed(5))]
+    lens[7] = 30000
+    lens[8] = 0
+    check("q4_0", "q8_0", lens)
+
+
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("q4_0", "q4_0")])
+def test_contiguous_layout(k_type, v_type):
+    lens = [4096, 1, 0, 2500]
+    ck, cv, _, _ = build_pool(k_type, v_type, [4096] * 4, num_kv_heads=4, head_dim=256,
+                              block_size=4096, extra_blocks=0, device="cuda")
+    table = torch.tensor([[3], [1], [0], [2]], dtype=torch.int32)
+    q = torch.randn(4, 24, 256).half()
+    out = ops.paged_decode_attention(q.cuda(), ck, cv, table.cuda(),
+                                     torch.tensor(lens, dtype=torch.int32, device="cuda"), 0.0625)
+    torch.cuda.synchronize()
+    ref = decode_oracle(q, ck, cv, table.tolist(), lens, 0.0625)
+    assert rel_error(out, ref) <= bound(k_type, v_type)
+
+
+def test_write_then_read_on_gpu():
+    """Triton kv_write into a shuffled pool, then Triton decode, against the oracle."""
+    from pagedserve.kv.formats import KVBlockStorage
+
+    lens, bs = [300, 17], 16
+    ids = torch.randperm(40, generator=torch.Generator().manual_seed(2))[:21].tolist()
+    tables = [ids[:19], ids[19:]]  # 19 and 2 blocks, scattered over the pool
+    ck = KVBlockStorage.allocate("q4_0", 40, bs, 4, 256, device="cuda")
+    cv = KVBlockStorage.allocate("q8_0", 40, bs, 4, 256, device="cuda")
+    for b, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = torch.tensor(tables[b])[pos // bs] * bs + pos % bs
+        ops.kv_write(ck, torch.randn(n, 4, 256, device="cuda"), slots.cuda())
+        ops.kv_write(cv, torch.randn(n, 4, 256, device="cuda"), slots.cuda())
+    table = torch.full((2, 19), -1, dtype=torch.int32)
+    for b, t in enumerate(tables):
+        table[b, :len(t)] = torch.tensor(t)
+    q = torch.randn(2, 24, 256).bfloat16()
+    out = ops.paged_decode_attention(q.cuda(), ck, cv, table.cuda(),
+                                     torch.tensor(lens, dtype=torch.int32, device="cuda"), 0.0625)
+    torch.cuda.synchronize()
+    assert rel_error(out, decode_oracle(q, ck, cv, tables, lens, 0.0625)) <= 1e-2
+
+
+def test_cuda_graph_capture_and_replay():
+    """Capture once; replay with other lengths and other table contents: exact each time."""
+    B, hkv, group, d = 8, 4, 6, 256
+    cap_lens = [8192] + [512] * 7
+    ck, cv, table, tables = build_pool("q4_0", "q4_0", cap_lens, num_kv_heads=hkv,
+                                       head_dim=d, device="cuda")
+    q = torch.randn(B, hkv * group, d).bfloat16().cuda()
+    seq_lens = torch.tensor(cap_lens, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    ws = DecodeWorkspace(B, hkv * group, hkv, d, "cuda")
+    run = lambda: ops.paged_decode_attention(q, ck, cv, table, seq_lens, d**-0.5,  # noqa: E731
+                                             workspace=ws, out=out)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(2):
+        order = torch.randperm(B, generator=gen)  # other sequences' tables, same pool
+        table.copy_(table[order.cuda()])
+        tables = [tables[i] for i in order.tolist()]
+        caps = [len(t) * 16 for t in tables]
+        lens = [int(torch.randint(0, cap + 1, (1,), generator=gen)) for cap in caps]
+        lens[caps.index(max(caps))] = max(caps)
+        lens[(caps.index(max(caps)) + 1) % B] = 0
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.copy_(torch.randn(B, hkv * group, d, generator=gen).bfloat16())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = decode_oracle(q.cpu(), ck, cv, tables, lens, d**-0.5)
+        assert rel_error(out, ref) <= bound("q4_0", "q4_0")
+        assert ws.counters_clear()
