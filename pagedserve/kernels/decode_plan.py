@@ -181,7 +181,7 @@ class DecodeWorkspace:
             raise ValueError(
                 f"chunks_per_head must be in [1, 65536] or None, got {chunks_per_head}"
             )
-        self.device = torch.device(device)
+        self.device = _with_index(torch.device(device))
         self.num_sms = num_sms if num_sms is not None else device_num_sms(self.device)
         if chunks_per_head is None:
             chunks_per_head = max(1, math.ceil(occupancy * self.num_sms / num_kv_heads))
@@ -213,7 +213,7 @@ class DecodeWorkspace:
         want = (self.num_q_heads, self.num_kv_heads, self.head_dim)
         if got != want:
             raise ValueError(f"(Hq, Hkv, D) = {got} does not match the workspace's {want}")
-        if device != self.device:
+        if _with_index(torch.device(device)) != self.device:
             raise ValueError(f"tensors on {device}, workspace on {self.device}")
 
 
@@ -298,3 +298,10 @@ def locate_chunk(
     tok_lo = (pid - first_chunk) * part
     tok_hi = tl.minimum(tok_lo + part, seq_len)
     return num_chunks, seq, seq_chunks, first_chunk, tok_lo, tok_hi
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:N`` (the current device), so equal devices compare equal."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

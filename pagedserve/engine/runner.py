@@ -1,0 +1,260 @@
+"""``ModelRunner``: the model's weights and every tensor a step reads or writes.
+
+It owns the decoder, one K and one V ``KVBlockStorage`` per full-attention layer, and the
+``StatePool`` of the linear-attention layers. ``execute(batch)`` runs one ``ForwardBatch``
+and returns the logits of each sequence's last new token. Decode-only batches on CUDA
+replay a captured CUDA graph (``DecodeGraphs``); everything else runs eagerly, and on the
+CPU everything is eager with the torch reference ops.
+
+Layouts (``CacheConfig.kv_layout``)::
+
+    paged       num_blocks blocks of block_size rows; a sequence owns ceil(len / block_size)
+                blocks through its block-table row (max_blocks_per_seq columns)
+    contiguous  one block of max_model_len rows per sequence (num_blocks = max_num_seqs,
+                max_blocks_per_seq = 1): the padded baseline, on the same storage and ops
+
+The runner does not decide who runs; the engine builds batches with a ``KVCacheManager``
+(``create_kv_manager``) and state slots from ``state_pool``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.config import CacheConfig
+from pagedserve.engine.decode_graphs import DecodeGraphs
+from pagedserve.kernels.decode_plan import DecodeWorkspace
+from pagedserve.kv.block_pool import BlockPool
+from pagedserve.kv.formats import KVBlockStorage
+from pagedserve.kv.kv_manager import BlockCopy, KVCacheManager
+from pagedserve.kv.memory import KVFootprint
+from pagedserve.kv.state_pool import StatePool, StateShapes
+from pagedserve.model import elementwise
+from pagedserve.model.forward_batch import ForwardBatch
+from pagedserve.model.qwen3_5 import ModelCaches, Qwen3_5Model
+
+log = logging.getLogger(__name__)
+
+# Memory kept free on CUDA for activations of the largest eager step and the allocator.
+DEFAULT_ACTIVATION_RESERVE = 2 << 30
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Capacity of the runner.
+
+    Attributes:
+        max_model_len: most tokens (prompt + generated) one sequence may hold.
+        max_num_seqs: live sequences at once: state slots and block-table rows.
+        num_blocks: paged layout only: blocks in the pool. ``None`` sizes the pool to hold
+            every sequence at ``max_model_len`` on the CPU, and from free memory on CUDA
+            (``gpu_memory_utilization``), capped at that same size.
+        gpu_memory_utilization: fraction of the GPU's memory the process may use in total.
+        cuda_graphs: capture decode-only steps as CUDA graphs (CUDA only).
+        compile_elementwise: run the norms, RoPE and gates as ``torch.compile``d fused
+            kernels (CUDA only; falls back to eager, with a warning, if compiling fails).
+            This changes the model passed in, for every runner that shares it.
+        max_graph_batch_size: largest decode batch run as a graph (default ``max_num_seqs``).
+    """
+
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    num_blocks: int | None = None
+    gpu_memory_utilization: float = 0.90
+    cuda_graphs: bool = True
+    compile_elementwise: bool = True
+    max_graph_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_graph_batch_size is not None and self.max_graph_batch_size <= 0:
+            raise ValueError(
+                f"max_graph_batch_size must be > 0, got {self.max_graph_batch_size}"
+            )
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """Bytes on the device, by owner."""
+
+    weights_bytes: int
+    kv_bytes: int
+    state_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.state_bytes
+
+
+class ModelRunner:
+    """Runs steps of one model on one device.
+
+    Args:
+        model: the decoder with its weights loaded (``loader.load_model(...).model``).
+        cache_config: K/V types, block size and layout.
+        config: capacity (``RunnerConfig``).
+    """
+
+    def __init__(
+        self, model: Qwen3_5Model, cache_config: CacheConfig, config: RunnerConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.model_config = cfg = model.config
+        self.cache_config = cache_config
+        self.config = config = config or RunnerConfig()
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        cache_config.check_head_dim(cfg.head_dim)
+        if config.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {cfg.max_position_embeddings}"
+            )
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+        contiguous = cache_config.kv_layout == "contiguous"
+        self.block_size = config.max_model_len if contiguous else cache_config.block_size
+        self.max_blocks_per_seq = 1 if contiguous else -(-config.max_model_len // self.block_size)
+        self.state_pool = StatePool(
+            StateShapes.for_model(cfg, self.dtype), config.max_num_seqs, self.device
+        )
+        self.num_blocks = config.max_num_seqs if contiguous else self._paged_num_blocks()
+        # One (K, V) storage pair per full-attention layer, all over the same block ids.
+        self.kv_caches = [
+            tuple(
+                KVBlockStorage.allocate(
+                    kv_type, self.num_blocks, self.block_size, cfg.num_key_value_heads,
+                    cfg.head_dim, self.device,
+                )
+                for kv_type in (cache_config.cache_type_k, cache_config.cache_type_v)
+            )
+            for _ in range(cfg.num_full_attention_layers)
+        ]
+        workspace = None
+        if self.device.type == "cuda":
+            workspace = DecodeWorkspace(
+                config.max_num_seqs, cfg.num_attention_heads, cfg.num_key_value_heads,
+                cfg.head_dim, self.device,
+            )
+        self.caches = ModelCaches(
+            self.kv_caches, self.state_pool.conv_state, self.state_pool.recurrent_state,
+            workspace,
+        )
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            self._prepare_cuda()
+
+    def _prepare_cuda(self) -> None:
+        """Compile the elementwise ops, then capture the decode graphs (each optional)."""
+        config = self.config
+        if config.compile_elementwise:
+            ops = elementwise.compiled_ops()
+            # Steps run in inference mode; compile (and so guard) under the same mode.
+            with torch.inference_mode():
+                compiled_ok = elementwise.check_compiled(ops, self.device, self.dtype)
+            if compiled_ok:
+                self.model.use_compiled_elementwise(ops)
+        if config.cuda_graphs:
+            self.graphs = DecodeGraphs.try_capture(
+                self._forward_logits, self.device,
+                min(config.max_graph_batch_size or config.max_num_seqs, config.max_num_seqs),
+                self.max_blocks_per_seq, self.state_pool.null_slot,
+            )
+
+    # ---- sizing ---------------------------------------------------------------------------
+    def _kv_footprint(self, block_size: int) -> KVFootprint:
+        cfg = self.model_config
+        return KVFootprint(
+            max(cfg.num_full_attention_layers, 1), cfg.num_key_value_heads, cfg.head_dim,
+            self.cache_config.cache_type_k, self.cache_config.cache_type_v, block_size,
+        )
+
+    def _paged_num_blocks(self) -> int:
+        enough = self.config.max_num_seqs * self.max_blocks_per_seq
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        if self.device.type != "cuda":
+            return enough
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        budget = int(total * self.config.gpu_memory_utilization) - used
+        budget -= DEFAULT_ACTIVATION_RESERVE
+        per_block = self._kv_footprint(self.block_size).bytes_per_block
+        if budget < per_block * self.max_blocks_per_seq:
+            raise ValueError(
+                f"not enough GPU memory for one sequence of max_model_len "
+                f"{self.config.max_model_len}: {budget / 2**30:.2f} GiB left for K/V after "
+                f"weights, state and a {DEFAULT_ACTIVATION_RESERVE >> 30} GiB activation "
+                f"reserve at gpu_memory_utilization {self.config.gpu_memory_utilization}"
+            )
+        return min(enough, budget // per_block)
+
+    def create_kv_manager(self) -> KVCacheManager:
+        """A sequence manager whose block ids and table width match this runner's storage."""
+        return KVCacheManager(
+            BlockPool(self.num_blocks, self.block_size), self.config.max_num_seqs,
+            self.max_blocks_per_seq,
+        )
+
+    def memory_usage(self) -> MemoryUsage:
+        kv = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+        state = sum(
+            t.numel() * t.element_size()
+            for t in (self.state_pool.conv_state, self.state_pool.recurrent_state)
+        )
+        return MemoryUsage(self.weights_bytes, kv, state)
+
+    # ---- steps ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step. Returns float32 logits ``[B, vocab]``, one row per sequence (the
+        logits of its last new token). K/V rows and state slots are updated in place."""
+        if self.graphs is not None and batch.is_decode_only:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits
+        return self._forward_logits(batch)
+
+    def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(batch, self.caches)  # [T, H]
+        return self.model.compute_logits(hidden[batch.logits_indices])  # [B, vocab]
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """Copy-on-write: copy block ``src`` to ``dst`` in every layer's K and V storage.
+
+        Run it before the step that writes into ``dst`` (``KVCacheManager.pending_copies``).
+        """
+        if not copies:
+            return
+        src = torch.tensor([c.src for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c.dst for c in copies], dtype=torch.long, device=self.device)
+        for pair in self.kv_caches:
+            for storage in pair:
+                storage.data[dst] = storage.data[src]
+                if storage.scales is not None:
+                    storage.scales[dst] = storage.scales[src]
+
+    @torch.inference_mode()
+    def copy_state_slot(self, src: int, dst: int) -> None:
+        """Copy one sequence's conv and recurrent state (every linear layer) to another slot:
+        the recurrent half of a fork, next to ``KVCacheManager.fork`` for the K/V half."""
+        self.state_pool.conv_state[:, dst] = self.state_pool.conv_state[:, src]
+        self.state_pool.recurrent_state[:, dst] = self.state_pool.recurrent_state[:, src]
+
+    def apply_pending_copies(self, kv: KVCacheManager) -> None:
+        """Run and clear the manager's pending copy-on-write copies."""
+        self.copy_blocks(kv.pending_copies)
+        kv.pending_copies.clear()

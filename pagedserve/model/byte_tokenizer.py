@@ -1,0 +1,78 @@
+"""A byte-level tokenizer in Hugging Face format, built without any download.
+
+Token ``b`` (0..255) is the byte ``b``, spelled with GPT-2's printable byte alphabet, so any
+UTF-8 text round-trips; three ChatML special tokens follow. The BPE model has no merges, so
+nothing here depends on training data and the files are the same on every machine. The
+embedded default model and the tests' tiny checkpoints both use it.
+
+    ids 0..255   the 256 bytes
+    id  256      <|endoftext|>   (pad)
+    id  257      <|im_start|>
+    id  258      <|im_end|>      (end of turn: EOS)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258
+NUM_TOKENS = 256 + len(SPECIAL_TOKENS)
+
+# ChatML, as Qwen's own templates lay out turns (without tools or thinking blocks).
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from each byte to a printable character (the ByteLevel alphabet)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, (chr(c) for c in chars)))
+
+
+def build_tokenizer() -> Tokenizer:
+    """The byte-level tokenizer (``tokenizers.Tokenizer``)."""
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
+    )
+    return tok
+
+
+def write_tokenizer(directory: Path, model_max_length: int) -> None:
+    """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template)."""
+    build_tokenizer().save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(directory / "tokenizer_config.json", "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)

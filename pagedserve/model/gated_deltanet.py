@@ -1,0 +1,108 @@
+"""Qwen3.5 Gated DeltaNet (linear attention) layer over per-sequence state slots.
+
+Per token: one fused projection yields the conv inputs (q, k, v), the output gate z, and the
+per-head write strength ``b`` and decay input ``a``; q/k/v pass the causal depthwise conv
+(state carried in the sequence's conv-state slot) and SiLU; the gated delta rule updates
+the sequence's recurrent-state slot; a gated RMSNorm and ``out_proj`` close the layer.
+
+Fused projection (``in_proj.weight``, rows)::
+
+    [ in_proj_qkv: q (Hk*Dk) | k (Hk*Dk) | v (Hv*Dv) ][ in_proj_z: Hv*Dv ][ b: Hv ][ a: Hv ]
+
+Decay and write strength, as transformers computes them::
+
+    g    = -exp(A_log) * softplus(a + dt_bias)     float32 [T, Hv], log-space decay <= 0
+    beta = sigmoid(b)                              model dtype [T, Hv]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.config import ModelConfig
+from pagedserve.kernels import gdn
+from pagedserve.model.elementwise import EAGER, ElementwiseOps
+from pagedserve.model.forward_batch import ForwardBatch
+
+
+class GatedRMSNorm(nn.Module):
+    """``w * norm(x) * silu(z)`` over one value head (weight used as is, not ``1 + w``)."""
+
+    ew: ElementwiseOps = EAGER
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``x``, ``z``: ``[..., Dv]``; returns ``x``'s shape in ``x.dtype``."""
+        return self.ew.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer. Its state lives in the state pool, not in the module."""
+
+    PACKED = {
+        "in_proj.weight": (
+            "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+        )
+    }
+    ew: ElementwiseOps = EAGER
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_k_heads = cfg.linear_num_key_heads
+        self.num_v_heads = cfg.linear_num_value_heads
+        self.head_k_dim = cfg.linear_key_head_dim
+        self.head_v_dim = cfg.linear_value_head_dim
+        self.key_dim = cfg.linear_key_dim
+        self.value_dim = cfg.linear_value_dim
+        conv_dim = cfg.conv_dim
+        self.split = (conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads)
+        self.in_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
+        # Depthwise taps [conv_dim, 1, K], the checkpoint's own layout.
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, cfg.linear_conv_kernel_dim, groups=conv_dim, bias=False
+        )
+        self.conv1d.weight.requires_grad_(False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """One step.
+
+        Args:
+            x: ``[T, H]``.
+            conv_state: ``[S + 1, conv_dim, K - 1]``, this layer's conv states (model dtype).
+            recurrent_state: float32 ``[S + 1, Hv, Dk, Dv]``, this layer's delta-rule states.
+            batch: the step; ``batch.state_slots`` picks each sequence's slot.
+
+        Returns:
+            ``[T, H]``; both states of every sequence in the batch are advanced in place.
+        """
+        T = x.shape[0]
+        mixed, z, b, a = self.in_proj(x).split(self.split, dim=-1)
+        mixed = gdn.causal_conv1d_varlen(
+            mixed, self.conv1d.weight[:, 0], conv_state, batch.query_start_loc,
+            batch.query_start_loc_cpu, batch.state_slots, batch.num_decode_seqs,
+        )  # [T, conv_dim], SiLU applied
+        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = q.view(T, self.num_k_heads, self.head_k_dim)
+        k = k.view(T, self.num_k_heads, self.head_k_dim)
+        v = v.view(T, self.num_v_heads, self.head_v_dim)
+
+        g, beta = self.ew.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
+        o = gdn.gated_delta_rule_varlen(
+            q, k, v, g, beta, recurrent_state, batch.query_start_loc,
+            batch.query_start_loc_cpu, batch.state_slots, batch.num_decode_seqs,
+        )  # [T, Hv, Dv]
+
+        o = self.norm(o, z.view(T, self.num_v_heads, self.head_v_dim))  # [T, Hv, Dv]
+        return self.out_proj(o.reshape(T, self.value_dim))

@@ -1,0 +1,176 @@
+"""Load a Qwen3.5/3.6 checkpoint: config, weights, tokenizer, generation defaults.
+
+``load_model`` is the one entry point: it resolves ``--model`` (a directory or a cached hub
+id; ``None`` means the embedded default model), checks everything the kernels cannot serve
+before touching the weights, builds the decoder on the meta device, and streams the
+safetensors straight into parameters on the target device and dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedserve import presets
+from pagedserve.config import ModelConfig
+from pagedserve.model.generation_defaults import GenerationDefaults, merge_ids
+from pagedserve.model.qwen3_5 import Qwen3_5Model
+from pagedserve.model.random_weights import random_model
+from pagedserve.model.resolve import resolve_checkpoint
+from pagedserve.model.weights import load_weights
+
+# Model dtypes each device's kernels are built and tested for.
+SUPPORTED_DTYPES = {
+    "cpu": (torch.float32, torch.bfloat16),
+    "cuda": (torch.bfloat16, torch.float16),
+}
+DEFAULT_DTYPE = {"cpu": torch.float32, "cuda": torch.bfloat16}
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+}
+SUPPORTED_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A checkpoint ready to serve.
+
+    Attributes:
+        path: the checkpoint directory.
+        config: the decoder's shape.
+        model: the decoder, weights on ``device`` in ``dtype``.
+        tokenizer: the transformers tokenizer (with its chat template), or ``None`` when the
+            checkpoint ships none (token-id prompts still work).
+        generation: sampling defaults; ``eos_token_ids`` merges generation_config.json,
+            config.json and the tokenizer's EOS.
+        weights_bytes: bytes of parameters on the device.
+    """
+
+    path: Path
+    config: ModelConfig
+    model: Qwen3_5Model
+    tokenizer: Any
+    generation: GenerationDefaults
+    weights_bytes: int
+    device: torch.device
+    dtype: torch.dtype
+
+    def require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"checkpoint {self.path} has no tokenizer; pass token ids instead of text"
+            )
+        return self.tokenizer
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """The model dtype: ``None`` gives the device default (float32 on CPU, bf16 on CUDA)."""
+    if dtype is None:
+        return DEFAULT_DTYPE[device.type]
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; accepted: {sorted(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[dtype]
+
+
+def check_supported(cfg: ModelConfig, raw: dict[str, Any], device: torch.device,
+                    dtype: torch.dtype) -> None:
+    """Reject, before any weight is read, what pagedserve's kernels cannot run."""
+    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {cfg.architecture!r}; accepted: {SUPPORTED_ARCHITECTURES}"
+        )
+    text = raw.get("text_config") or raw
+    if raw.get("quantization_config") or text.get("quantization_config"):
+        method = (raw.get("quantization_config") or text["quantization_config"]).get(
+            "quant_method", "?"
+        )
+        raise ValueError(
+            f"quantized checkpoints ({method}) are not supported; use the bf16 weights"
+        )
+    if text.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {text['hidden_act']!r} is not supported; accepted: 'silu'")
+    if text.get("attention_bias"):
+        raise ValueError("attention_bias=true is not supported by Qwen3.5 attention")
+    if device.type not in SUPPORTED_DTYPES:
+        raise ValueError(f"device {device} is not supported; accepted: cpu, cuda")
+    if dtype not in SUPPORTED_DTYPES[device.type]:
+        raise ValueError(
+            f"dtype {dtype} is not supported on {device.type}; accepted: "
+            f"{[str(d) for d in SUPPORTED_DTYPES[device.type]]}"
+        )
+
+
+def _read_raw_config(path: Path) -> dict[str, Any]:
+    with open(path / "config.json") as f:
+        return json.load(f)
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The checkpoint's tokenizer (transformers ``AutoTokenizer``), or ``None`` if absent."""
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(
+    model: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    progress: bool = True,
+    revision: str | None = None,
+) -> LoadedModel:
+    """Load ``model`` (directory, cached hub id, or ``None`` for the embedded default)."""
+    device = torch.device(device)
+    dtype = parse_dtype(dtype, device)
+    if model is not None and str(model).startswith(presets.PRESET_PREFIX):
+        return load_preset(str(model)[len(presets.PRESET_PREFIX):], device, dtype)
+    if model is None:
+        from pagedserve.model.default_model import default_model_path
+
+        path = default_model_path()
+    else:
+        path = resolve_checkpoint(model, revision=revision)
+    raw = _read_raw_config(path)
+    cfg = ModelConfig.from_hf_dict(raw)
+    check_supported(cfg, raw, device, dtype)
+
+    with torch.device("meta"):
+        decoder = Qwen3_5Model(cfg)
+    weights_bytes = load_weights(
+        decoder, path, cfg.weight_prefix, cfg.tie_word_embeddings, device, dtype, progress
+    )
+    decoder.to(device)  # the buffers (RoPE frequencies); parameters are already there
+    decoder.eval()
+
+    tokenizer = load_tokenizer(path)
+    generation = GenerationDefaults.from_checkpoint(path)
+    tok_eos = () if tokenizer is None or tokenizer.eos_token_id is None else (
+        tokenizer.eos_token_id,
+    )
+    eos = merge_ids(generation.eos_token_ids, cfg.eos_token_ids, tok_eos)
+    generation = dataclasses.replace(generation, eos_token_ids=eos)
+    return LoadedModel(path, cfg, decoder, tokenizer, generation, weights_bytes, device, dtype)
+
+
+def load_preset(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """A preset shape with seeded random weights built on ``device``; no tokenizer, so
+    prompts must be token ids. For benchmarks of real shapes without their checkpoints."""
+    path = presets.config_path(name)
+    with open(path) as f:
+        raw = json.load(f)
+    cfg = ModelConfig.from_hf_dict(raw)
+    check_supported(cfg, raw, device, dtype)
+    decoder = random_model(cfg, device, dtype)
+    weights_bytes = sum(p.numel() * p.element_size() for p in decoder.parameters())
+    return LoadedModel(path.parent, cfg, decoder, None, GenerationDefaults(), weights_bytes,
+                       device, dtype)

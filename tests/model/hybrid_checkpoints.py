@@ -1,0 +1,166 @@
+"""Tiny random Qwen3.5 checkpoints saved by transformers, and transformers' own outputs on them.
+
+Every checkpoint is built by ``Qwen3_5ForCausalLM(config)`` and ``save_pretrained``, with the
+byte-level tokenizer beside it, so the loader sees exactly the files a real checkpoint has.
+Norm weights, ``dt_bias`` and ``A_log`` are perturbed away from their initial values so that a
+wrong convention (``w`` vs ``1 + w``, a missing bias) cannot hide behind zeros and ones.
+
+The reference numbers (``HFReference``) come from transformers alone: a full forward over the
+prompt and a greedy ``generate`` with its own cache, in float32.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+from pagedserve.model.byte_tokenizer import write_tokenizer
+
+LIN, FULL = "linear_attention", "full_attention"
+VOCAB = 320
+PROMPT_LEN = 37  # crosses two 16-row block boundaries, not a multiple of 7 or 16
+NEW_TOKENS = 48
+
+# name -> Qwen3_5TextConfig overrides. Together: head_dim 256 and 64, GQA 3:1 and 1:1,
+# three layer_types patterns, tied and untied heads, two RoPE fractions.
+SHAPES: dict[str, dict] = {
+    "d256-gqa3-untied": dict(
+        hidden_size=96, intermediate_size=192, num_attention_heads=3, num_key_value_heads=1,
+        head_dim=256, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32,
+        layer_types=[LIN, LIN, LIN, FULL], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                         "partial_rotary_factor": 0.25},
+    ),
+    "d64-mha-tied": dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=2,
+        linear_key_head_dim=32, linear_value_head_dim=32,
+        layer_types=[FULL, LIN, FULL, LIN], tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0,
+                         "partial_rotary_factor": 0.5},
+    ),
+    "d64-gqa3-untied": dict(
+        hidden_size=64, intermediate_size=160, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=64, linear_num_key_heads=1, linear_num_value_heads=3,
+        linear_key_head_dim=32, linear_value_head_dim=64,
+        layer_types=[LIN, FULL, FULL, LIN, LIN], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                         "partial_rotary_factor": 0.25},
+    ),
+}
+
+
+def hf_config(shape: str) -> Qwen3_5TextConfig:
+    kw = dict(SHAPES[shape])
+    return Qwen3_5TextConfig(
+        vocab_size=VOCAB, num_hidden_layers=len(kw["layer_types"]), rms_norm_eps=1e-6,
+        max_position_embeddings=4096, linear_conv_kernel_dim=4, pad_token_id=256, **kw,
+    )
+
+
+def build_hf_model(shape: str, seed: int = 0) -> Qwen3_5ForCausalLM:
+    """A float32 random model of ``shape`` with perturbed norms and GDN gates."""
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(hf_config(shape)).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "dt_bias", "A_log")):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.1)
+    model.generation_config.eos_token_id = None  # generate exactly NEW_TOKENS
+    model.generation_config.pad_token_id = 256
+    return model
+
+
+def save_checkpoint(model: Qwen3_5ForCausalLM, directory: Path) -> Path:
+    model.save_pretrained(directory)
+    write_tokenizer(directory, 4096)
+    return directory
+
+
+def prompt_ids(seed: int = 0, length: int = PROMPT_LEN) -> list[int]:
+    gen = torch.Generator().manual_seed(1000 + seed)
+    return torch.randint(0, 256, (length,), generator=gen).tolist()
+
+
+@dataclass
+class HFReference:
+    """transformers' outputs for one prompt.
+
+    prompt_logits: float32 ``[P, vocab]`` from one forward over the prompt.
+    tokens: the ``NEW_TOKENS`` greedy tokens of ``generate``.
+    step_logits: float32 ``[NEW_TOKENS, vocab]``; row i chose ``tokens[i]``.
+    """
+
+    prompt_logits: torch.Tensor
+    tokens: list[int]
+    step_logits: torch.Tensor
+
+
+@torch.no_grad()
+def hf_reference(
+    model: Qwen3_5ForCausalLM, prompt: list[int], new_tokens: int = NEW_TOKENS
+) -> HFReference:
+    """transformers' prompt logits and greedy generation (on the model's device; results
+    on the CPU)."""
+    ids = torch.tensor([prompt], device=model.device)
+    prompt_logits = model(ids).logits[0].float().cpu()
+    out = model.generate(
+        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+        output_logits=True, return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt):].tolist()
+    step_logits = torch.cat([x.float() for x in out.logits], dim=0).cpu()
+    return HFReference(prompt_logits, tokens, step_logits)
+
+
+def to_published_layout(text_dir: Path, out_dir: Path) -> Path:
+    """Rewrite a text-only checkpoint as Qwen's published ``Qwen3_5ForConditionalGeneration``
+    layout: nested ``text_config``, ``model.language_model.*`` names, and dummy
+    ``model.visual.*`` and ``mtp.*`` tensors that a text-only server must skip."""
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(text_dir / "config.json") as f:
+        text = json.load(f)
+    text["model_type"] = "qwen3_5_text"
+    text.pop("architectures", None)
+    tie = text.pop("tie_word_embeddings", False)
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2,
+                          "out_hidden_size": text["hidden_size"]},
+        "tie_word_embeddings": tie,
+        "dtype": "float32",
+    }
+    with open(out_dir / "config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    weights = {}
+    for name, t in load_file(str(text_dir / "model.safetensors")).items():
+        if name.startswith("model."):
+            name = "model.language_model." + name[len("model."):]
+        weights[name] = t
+    weights["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(96, 32)
+    weights["model.visual.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 16, 16)
+    weights["mtp.fc.weight"] = torch.randn(text["hidden_size"], 2 * text["hidden_size"])
+    weights["mtp.layers.0.mlp.up_proj.weight"] = torch.randn(8, text["hidden_size"])
+    # Two shards with an index, as published checkpoints are laid out.
+    names = sorted(weights)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half],
+              "model-00002-of-00002.safetensors": names[half:]}
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_file({k: weights[k].contiguous() for k in keys}, str(out_dir / shard))
+        weight_map.update({k: shard for k in keys})
+    with open(out_dir / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    write_tokenizer(out_dir, 4096)
+    return out_dir

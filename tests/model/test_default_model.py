@@ -1,0 +1,88 @@
+"""The embedded default model: deterministic, atomic, a real checkpoint transformers can load."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from greedy_driver import greedy
+from transformers import Qwen3_5ForCausalLM
+
+from pagedserve.config import CacheConfig
+from pagedserve.engine.runner import ModelRunner, RunnerConfig
+from pagedserve.model import default_model
+from pagedserve.model.loader import load_model
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.iterdir())
+    }
+
+
+@pytest.fixture(scope="module")
+def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pagedserve-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDSERVE_CACHE", str(root))
+        return default_model.default_model_path()
+
+
+def test_created_once_atomically_and_deterministically(default_dir, tmp_path, monkeypatch):
+    assert default_dir.name == default_model.NAME
+    # Nothing but the final directory is left in the cache root (no temporary leftovers).
+    assert [p.name for p in default_dir.parent.iterdir()] == [default_model.NAME]
+    files = _digests(default_dir)
+    assert set(files) == {
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json",
+    }
+    # A second use reuses it; a fresh cache gets byte-identical files.
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(default_dir.parent))
+    assert default_model.default_model_path() == default_dir
+    other = tmp_path / "other"
+    other.mkdir()
+    default_model.write_checkpoint(other)
+    assert _digests(other) == files
+
+
+def test_loads_as_a_real_hybrid(default_dir, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(default_dir.parent))
+    lm = load_model(None, progress=False)
+    cfg = lm.config
+    assert lm.path == default_dir
+    assert cfg.num_full_attention_layers >= 2 and cfg.num_linear_attention_layers >= 2
+    assert cfg.num_attention_heads > cfg.num_key_value_heads  # GQA
+    assert lm.generation.eos_token_ids[:2] == (258, 256)
+    assert lm.generation.temperature == 0.7
+    chat = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Grüße 👋"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat == "<|im_start|>user\nGrüße 👋<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize(
+    "text", ["", "plain ascii", "ünïcödé ✓ 新年快乐 🎉\x00\t\r\n", "<|im_end|>"]
+)
+def test_tokenizer_round_trips_utf8(default_dir, text: str) -> None:
+    lm_tok = load_model(default_dir, progress=False).tokenizer
+    assert lm_tok.decode(lm_tok.encode(text, add_special_tokens=False)) == text
+
+
+@torch.no_grad()
+def test_transformers_loads_it_and_agrees(default_dir) -> None:
+    hf, info = Qwen3_5ForCausalLM.from_pretrained(
+        default_dir, dtype=torch.float32, output_loading_info=True
+    )
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    hf.eval()
+    hf.generation_config.eos_token_id = None
+    prompt = list(b"Hello, pagedserve!")
+    ids = torch.tensor([prompt])
+    want = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    lm = load_model(default_dir, progress=False)
+    runner = ModelRunner(lm.model, CacheConfig(), RunnerConfig(max_model_len=64, max_num_seqs=1))
+    assert greedy(runner, prompt, 24, chunk=7).tokens == want
