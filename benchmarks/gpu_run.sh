@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Everything the H200 runs, in named stages, in one call of the device tool:
+#   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
+# Stages: tests-kernels tests-gdn tests-model bench-attention bench-model bench-engine
+#         bench-serve. Each stage has its own time limit, logs to $OUT/<stage>.log, and a
+# one-line status goes to the summary printed last.
+# Needs: wheels in .whl/ (fla-core, and the server's fastapi/uvicorn/pydantic stack, which
+# the GPU image lacks), PAGEDSERVE_COMMIT set by the caller (the tree travels without .git).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+  .whl/*.whl >/dev/null || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+summary=()
+run_stage() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) \
+    "$(grep -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-90)")")
+  tail -n 25 "$OUT/$name.log"
+}
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
+for spec in "$@"; do
+  stage=${spec%%:*}; limit=${spec##*:}
+  echo "=== $stage (limit ${limit}s)"
+  case $stage in
+    tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
+                     tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
+    tests-gdn)     run_stage "$stage" "$limit" $PYTEST tests/kernels/test_gdn_triton.py ;;
+    tests-model)   run_stage "$stage" "$limit" $PYTEST tests/model/test_gpu.py -s ;;
+    bench-attention) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --out "$OUT" ;;
+    bench-attention-quick) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --quick --out "$OUT" ;;
+    bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
+    bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --out "$OUT" ;;
+    bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \
+                     --model preset:qwen3.5-27b --device cuda --max-num-seqs 16 \
+                     --cache-type-k q4_0 --cache-type-v q4_0 --out-dir "$OUT" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
+done
+echo; echo "=== summary"; printf '%s\n' "${summary[@]}"
