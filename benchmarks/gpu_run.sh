@@ -24,21 +24,24 @@ run_stage() {
     "$(grep -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-90)")")
   tail -n 25 "$OUT/$name.log"
 }
-PYTEST="python3 -m pytest -q -p no:cacheprovider -rs"
+PYTEST="python3 -m pytest -q -p no:cacheprovider -rs -x --tb=short"
 for spec in "$@"; do
   stage=${spec%%:*}; limit=${spec##*:}
   echo "=== $stage (limit ${limit}s)"
   case $stage in
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
+    tests-graph)   run_stage "$stage" "$limit" $PYTEST \
+                     tests/kernels/test_paged_decode_gpu.py::test_cuda_graph_capture_and_replay ;;
     tests-gdn)     run_stage "$stage" "$limit" $PYTEST tests/kernels/test_gdn_triton.py ;;
     tests-model)   run_stage "$stage" "$limit" $PYTEST tests/model/test_gpu.py -s ;;
     bench-attention) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --out "$OUT" ;;
     bench-attention-quick) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --quick --out "$OUT" ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
-    bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --out "$OUT" ;;
+    bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \
                      --model preset:qwen3.5-27b --device cuda --max-num-seqs 16 \
+                     --num-prompts 32 --output-len 64 --max-model-len 4096 \
                      --cache-type-k q4_0 --cache-type-v q4_0 --out-dir "$OUT" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
