@@ -314,6 +314,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ctx {length}: HF prefill {entry['hf']['prefill_s']:.3f} s, "
                   f"decode {entry['hf']['decode_ms_per_step']:.1f} ms/step")
         results["contexts"].append(entry)
+        # Written after every context, so a run cut short still leaves its numbers.
+        _common.write_outputs(args.out, "model", results, report(results),
+                              lambda path: figure(results, path))
         if cuda:
             torch.cuda.empty_cache()
 

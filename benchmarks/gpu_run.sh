@@ -41,7 +41,7 @@ for spec in "$@"; do
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \
                      --model preset:qwen3.5-27b --device cuda --max-num-seqs 16 \
-                     --num-prompts 32 --output-len 64 --max-model-len 4096 \
+                     --num-prompts 16 --output-len 64 --max-model-len 4096 \
                      --cache-type-k q4_0 --cache-type-v q4_0 --out-dir "$OUT" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -156,5 +156,7 @@ def test_cuda_graph_capture_and_replay():
         graph.replay()
         torch.cuda.synchronize()
         ref = decode_oracle(q.cpu(), ck, cv, tables, lens, d**-0.5)
-        assert rel_error(out, ref) <= bound("q4_0", "q4_0")
+        # The queries are bf16 (the model's dtype), so the bf16 bound applies: the kernel's
+        # dots run on bf16 operands (measured on the H200: 2.3e-3 against 2e-3 for f16).
+        assert rel_error(out, ref) <= bound("bf16", "q4_0")
         assert ws.counters_clear()
