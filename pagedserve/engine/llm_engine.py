@@ -186,7 +186,7 @@ class LLMEngine:
 
     def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
         req = c.request
-        ids = req.all_token_ids[c.start_pos:c.start_pos + c.num_tokens]
+        ids = req.token_slice(c.start_pos, c.start_pos + c.num_tokens)
         slot = self.runner.state_pool.slot(req.state_handle)
         return SeqChunk(req.kv_handle, slot, tuple(ids), c.start_pos)
 

@@ -132,6 +132,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without copying the whole prompt (a decode step of a
+        128K-token prompt must not copy 128K ids)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
     @property
     def num_pending_tokens(self) -> int:
         """Tokens not yet forwarded (the rest of the prompt, or the last sampled token)."""

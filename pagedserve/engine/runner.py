@@ -203,9 +203,10 @@ class ModelRunner:
 
     def create_kv_manager(self) -> KVCacheManager:
         """A sequence manager whose block ids and table width match this runner's storage."""
+        bytes_per_block = self._kv_footprint(self.block_size).bytes_per_block
         return KVCacheManager(
-            BlockPool(self.num_blocks, self.block_size), self.config.max_num_seqs,
-            self.max_blocks_per_seq,
+            BlockPool(self.num_blocks, self.block_size, bytes_per_block),
+            self.config.max_num_seqs, self.max_blocks_per_seq,
         )
 
     def memory_usage(self) -> MemoryUsage:

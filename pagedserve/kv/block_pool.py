@@ -11,18 +11,39 @@ pool exactly as it was. ``None`` is the only out-of-memory signal; callers queue
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """A snapshot of the pool's accounting."""
+
+    num_total_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    utilization: float  # in [0, 1]
+    bytes_per_block: int  # K and V of one block id across every full-attention layer
+    used_bytes: int
+    total_bytes: int
 
 
 class BlockPool:
-    """``num_blocks`` blocks, handed out least-recently-freed first."""
+    """``num_blocks`` blocks, handed out least-recently-freed first.
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    ``bytes_per_block`` (from ``KVFootprint.bytes_per_block``: the configured K and V types
+    times the full-attention layers) only feeds the accounting; 0 when unknown.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, bytes_per_block: int = 0) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if bytes_per_block < 0:
+            raise ValueError(f"bytes_per_block must be >= 0, got {bytes_per_block}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
         self._free: deque[int] = deque(range(num_blocks))
         self._refcount = [0] * num_blocks
 
@@ -39,6 +60,12 @@ class BlockPool:
     def utilization(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
         return self.num_used_blocks / self.num_blocks
+
+    def usage(self) -> PoolUsage:
+        used = self.num_used_blocks
+        return PoolUsage(self.num_blocks, used, self.num_free_blocks, self.utilization,
+                         self.bytes_per_block, used * self.bytes_per_block,
+                         self.num_blocks * self.bytes_per_block)
 
     def refcount(self, block_id: int) -> int:
         self._check_id(block_id)

@@ -188,3 +188,16 @@ def test_fork_of_a_block_aligned_sequence_needs_no_copy():
     assert kv.append(child, 1)
     assert kv.block_ids(child) == [0, 1, 2]
     assert kv.pending_copies == []
+
+
+def test_accounting_reports_blocks_bytes_and_utilisation():
+    from pagedserve.kv.memory import KVFootprint
+
+    per_block = KVFootprint(16, 4, 256, "q4_0", "f16", 16).bytes_per_block
+    assert per_block == 16 * 16 * 4 * (144 + 512)
+    pool = BlockPool(10, 16, per_block)
+    pool.allocate(4)
+    u = pool.usage()
+    assert (u.num_total_blocks, u.num_used_blocks, u.num_free_blocks) == (10, 4, 6)
+    assert u.utilization == 0.4
+    assert u.used_bytes == 4 * per_block and u.total_bytes == 10 * per_block
