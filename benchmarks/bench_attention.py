@@ -407,9 +407,6 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("TRITON_INTERPRET") != "1":
             print("--dry-run needs TRITON_INTERPRET=1", file=sys.stderr)
             return 2
-        from pagedserve.kernels import interpreter_compat
-
-        interpreter_compat.apply()
         sizes, device, methods = DRY, "cpu", ("eager",)
         out = args.out or Path("/tmp/pagedserve_bench_dry_run")
     elif not torch.cuda.is_available():

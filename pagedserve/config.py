@@ -209,7 +209,7 @@ class ModelConfig:
             tie_word_embeddings=tie,
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
             torch_dtype=str(dtype).replace("torch.", ""),
-            eos_token_ids=_as_id_tuple(eos),
+            eos_token_ids=as_id_tuple(eos),
             architecture=architectures[0] if architectures else "Qwen3_5ForCausalLM",
             weight_prefix=prefix,
         )
@@ -237,7 +237,8 @@ def _reject_moe(text: dict[str, Any], architectures: tuple[str, ...]) -> None:
     )
 
 
-def _as_id_tuple(value: Any) -> tuple[int, ...]:
+def as_id_tuple(value: Any) -> tuple[int, ...]:
+    """An id, a list of ids or None (as config files spell token ids) -> a tuple."""
     if value is None:
         return ()
     if isinstance(value, int):

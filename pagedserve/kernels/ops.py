@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from pagedserve.kernels import guards, interpreter_compat, reference
+from pagedserve.kernels import guards, reference
 from pagedserve.kernels.decode_plan import DecodeConfig, DecodeWorkspace
 from pagedserve.kv.formats import KVBlockStorage
 
@@ -30,7 +30,6 @@ def _pick(backend: str | None, device: torch.device) -> str:
                 f"backend 'triton' on {device} tensors needs TRITON_INTERPRET=1 (the Triton "
                 "interpreter); use CUDA tensors or the 'reference' backend"
             )
-        interpreter_compat.apply()
     return backend
 
 

@@ -12,13 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-def _ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+from pagedserve.config import as_id_tuple
 
 
 def merge_ids(*groups: tuple[int, ...]) -> tuple[int, ...]:
@@ -67,7 +61,7 @@ class GenerationDefaults:
             return None if raw.get(key) is None else kind(raw[key])
 
         return cls(
-            eos_token_ids=_ids(raw.get("eos_token_id")),
+            eos_token_ids=as_id_tuple(raw.get("eos_token_id")),
             bos_token_id=num("bos_token_id", int),
             pad_token_id=num("pad_token_id", int),
             do_sample=None if raw.get("do_sample") is None else bool(raw["do_sample"]),

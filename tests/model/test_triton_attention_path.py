@@ -15,16 +15,11 @@ import torch
 from greedy_driver import greedy
 
 from pagedserve.config import CacheConfig
-from pagedserve.kernels import interpreter_compat, ops
+from pagedserve.kernels import ops
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1"
 )
-
-
-@pytest.fixture(autouse=True)
-def _interpreter_fix() -> None:
-    interpreter_compat.apply()  # Triton 3.6's interpreter with NumPy >= 2.4
 
 
 @pytest.mark.parametrize("kv_type, layout", [("f16", "paged"), ("q4_0", "contiguous")])
