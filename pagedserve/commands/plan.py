@@ -36,8 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(model: str) -> ModelConfig:
-    if model.startswith(presets.PRESET_PREFIX):
-        return ModelConfig.from_path(presets.config_path(model[len(presets.PRESET_PREFIX):]))
+    preset = presets.preset_name(model)
+    if preset is not None:
+        return ModelConfig.from_path(presets.config_path(preset))
     return ModelConfig.from_path(model)
 
 

@@ -93,11 +93,14 @@ class Scheduler:
 
     # ---- queue management -------------------------------------------------------------
     @property
+    def kv_capacity(self) -> int:
+        """Most tokens of K/V one sequence can ever hold: the whole pool, or its table."""
+        return min(self.kv.pool.num_blocks * self.kv.block_size, self.kv.max_tokens_per_seq)
+
+    @property
     def token_capacity(self) -> int:
-        """Most tokens one sequence can ever hold here."""
-        return min(self.config.max_model_len,
-                   self.kv.pool.num_blocks * self.kv.block_size,
-                   self.kv.max_tokens_per_seq)
+        """Most tokens (prompt + generated) one sequence can ever hold here."""
+        return min(self.config.max_model_len, self.kv_capacity)
 
     def check_fits(self, request: Request) -> None:
         """Raise ``ValueError`` if ``request`` could never run, whatever else finishes."""
@@ -111,8 +114,7 @@ class Scheduler:
                 f"must be shorter than {self.config.max_model_len} tokens"
             )
         need = min(n + request.params.max_tokens, self.config.max_model_len)
-        capacity = min(self.kv.pool.num_blocks * self.kv.block_size,
-                       self.kv.max_tokens_per_seq)
+        capacity = self.kv_capacity
         if need > capacity:
             raise ValueError(
                 f"the request needs up to {need} tokens of K/V (prompt {n} + max_tokens "

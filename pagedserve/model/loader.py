@@ -132,8 +132,9 @@ def load_model(
     """Load ``model`` (directory, cached hub id, or ``None`` for the embedded default)."""
     device = torch.device(device)
     dtype = parse_dtype(dtype, device)
-    if model is not None and str(model).startswith(presets.PRESET_PREFIX):
-        return load_preset(str(model)[len(presets.PRESET_PREFIX):], device, dtype)
+    preset = presets.preset_name(str(model)) if model is not None else None
+    if preset is not None:
+        return load_preset(preset, device, dtype)
     if model is None:
         from pagedserve.model.default_model import default_model_path
 

@@ -16,6 +16,11 @@ def names() -> list[str]:
     return sorted(p.stem for p in _DIR.glob("*.json"))
 
 
+def preset_name(model: str) -> str | None:
+    """``"preset:NAME"`` -> ``"NAME"``; any other ``--model`` value -> ``None``."""
+    return model[len(PRESET_PREFIX):] if model.startswith(PRESET_PREFIX) else None
+
+
 def config_path(name: str) -> Path:
     """Path of preset ``name``'s config.json; ``ValueError`` lists the known presets."""
     path = _DIR / f"{name}.json"
