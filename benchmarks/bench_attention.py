@@ -59,11 +59,13 @@ TYPES = ("q4_0", "q8_0", "f16")
 CHECK_BOUND = 5e-3
 RAGGED = (131072,) + (8192,) * 7
 
+# Coordinate descent in this order: the quantized-dot mode first, since it decides how
+# many registers a tile holds and so which tile sizes are worth trying.
 SWEEP_SPACE = (
+    ("quant_dot", ("group", "element", "packed")),
     ("block_n", (32, 64, 128)),
     ("num_warps", (4, 8)),
     ("num_stages", (1, 2, 3)),
-    ("quant_dot", ("group", "element")),
     ("min_partition", (128, 256, 512)),
     ("occupancy", (1.0, 2.0, 4.0)),
 )
@@ -84,9 +86,10 @@ class Sizes:
 FULL = Sizes((1, 2, 4, 8), (4096, 16384, 65536, 131072), RAGGED,
              (RAGGED, (4096,), (16384,) * 8), SWEEP_SPACE)
 QUICK = Sizes((1, 8), (4096, 131072), RAGGED, (RAGGED, (4096,)),
-              tuple(s for s in SWEEP_SPACE if s[0] in ("block_n", "num_warps", "quant_dot")))
+              tuple(s for s in SWEEP_SPACE
+                    if s[0] in ("quant_dot", "block_n", "num_warps", "min_partition")))
 DRY = Sizes((1, 2), (64, 96), (256,) + (32,) * 7, ((256,) + (32,) * 7, (64,)),
-            (("block_n", (16, 32)), ("quant_dot", ("group", "element"))), max_copies=1)
+            (("quant_dot", ("group", "element", "packed")), ("block_n", (16, 32))), max_copies=1)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything the H200 runs, in named stages, in one call of the device tool:
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
-# Stages: tests-kernels tests-gdn tests-model bench-attention bench-model bench-engine
-#         bench-serve. Each stage has its own time limit, logs to $OUT/<stage>.log, and a
+# Stages: tests-kernels tests-packed tests-graph tests-gdn tests-model bench-attention
+#         bench-attention-quick profile-engine bench-model bench-engine bench-serve. Each stage has its own time limit, logs to $OUT/<stage>.log, and a
 # one-line status goes to the summary printed last.
 # Needs: wheels in .whl/ (fla-core, and the server's fastapi/uvicorn/pydantic stack, which
 # the GPU image lacks), PAGEDSERVE_COMMIT set by the caller (the tree travels without .git).
@@ -31,12 +31,15 @@ for spec in "$@"; do
   case $stage in
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
+    tests-packed)  run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
+                     -k "quant_dot_modes or packed" ;;
     tests-graph)   run_stage "$stage" "$limit" $PYTEST \
                      tests/kernels/test_paged_decode_gpu.py::test_cuda_graph_capture_and_replay ;;
     tests-gdn)     run_stage "$stage" "$limit" $PYTEST tests/kernels/test_gdn_triton.py ;;
     tests-model)   run_stage "$stage" "$limit" $PYTEST tests/model/test_gpu.py -s ;;
     bench-attention) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --out "$OUT" ;;
     bench-attention-quick) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --quick --out "$OUT" ;;
+    profile-engine) run_stage "$stage" "$limit" python3 benchmarks/profile_engine.py --out "$OUT" ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \

@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-QUANT_DOT_MODES = ("group", "element")
+QUANT_DOT_MODES = ("group", "element", "packed")
 # Chunks per first-level merge group (see "Merging" above).
 MERGE_GROUP = 8
 # Programs per SM the chunk budget aims for; benchmarks/bench_attention.py sweeps it.
@@ -87,7 +87,9 @@ class DecodeConfig:
         quant_dot: how q8_0/q4_0 meet the tensor cores. ``"group"``: one dot per 32-value
             group on exact integer values, the group scale applied to the per-group partial
             scores (K) and folded into p (V). ``"element"``: dequantize each element to
-            f16 (one multiply) and run one full-width dot.
+            f16 (one multiply) and run one full-width dot. ``"packed"``: the same values
+            as ``element``, from 16-byte row loads, two per instruction (f16x2 PTX) on a
+            GPU (``kv_tiles``).
 
     The chunk budget W is not here: it sizes the grid and the buffers, so it belongs to
     the ``DecodeWorkspace``.

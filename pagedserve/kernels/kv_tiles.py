@@ -26,13 +26,26 @@ Both results are exact in f16. Group scales are applied in one of two ways
   ``s = sum_g d_g * (q_g . k_g)``; for V it is folded into p,
   ``o_g = (p * d_g) @ v_g``. No per-element scale multiply at all.
 - ``element``: one multiply per element dequantizes to f16, then one full-width dot.
+- ``packed``: as ``element``, but two values per instruction. Rows are loaded as 16-byte
+  vectors; on a GPU a few PTX lines (``prmt``, ``lop3``, ``sub.f16x2``, ``mul.f16x2``)
+  turn each 4-byte word into four (q8_0) or eight (q4_0) scaled f16 values, about two
+  instructions per value where the generic path spends several per value. The values
+  are the same bit for bit: ``(int - offset)`` is exact and the one multiply by the scale
+  rounds once either way. For q4_0 a byte's two nibbles stay side by side, so a group's
+  columns come out in *pair order* (below); the dot is indifferent to the order of its
+  reduction axis as long as q uses the same one (``load_q(PERM=True)``), and an output
+  in pair order is written back in natural order (``store_rows(PERM=True)``)::
+
+      q4_0 group g, pair order:  column g*32 + 2j + h  holds value  g*32 + 16h + j
+                                 (byte j of the group, h = 0: low nibble, 1: high)
 
 GQA: the dots take the query heads of one K/V head as rows, padded to ``G_PAD >= 16``
 rows for ``tl.dot``; every K/V row is loaded once for all of them.
 
-``NATIVE_BF16=False`` is for the Triton interpreter, which keeps bfloat16 as raw uint16
-and has no bfloat16 arithmetic: bf16 operands are widened to float32 (exactly) and
-multiplied in IEEE float32 there. On a GPU bf16 tiles go to the tensor cores as they are.
+``NATIVE=False`` is for the Triton interpreter, which runs no inline PTX and keeps
+bfloat16 as raw uint16 without bfloat16 arithmetic: the packed dequantization takes the
+generic path there, and bf16 operands are widened to float32 (exactly) and multiplied in
+IEEE float32. On a GPU bf16 tiles go to the tensor cores as they are.
 """
 
 from __future__ import annotations
@@ -113,12 +126,124 @@ def load_group_tile(
     return ints, sc.to(tl.float32)
 
 
+# One asm invocation takes 4 payload bytes (one 32-bit register) and their group scale
+# (two f16x2 registers) and returns f16x2 registers. Constants go through registers.
+_Q4_PAIRS_ASM = """
+{
+.reg .b32 t, u, z, nib, magic, off;
+mov.b32 z, 0;
+mov.b32 nib, 0x000f000f;
+mov.b32 magic, 0x64006400;
+mov.b32 off, 0x64086408;
+prmt.b32 t, $4, z, 0x3120;
+lop3.b32 $0, t, nib, magic, 0xea;
+shr.b32 u, t, 8;
+lop3.b32 $1, u, nib, magic, 0xea;
+shr.b32 u, t, 4;
+lop3.b32 $2, u, nib, magic, 0xea;
+shr.b32 u, t, 12;
+lop3.b32 $3, u, nib, magic, 0xea;
+sub.f16x2 $0, $0, off;
+sub.f16x2 $1, $1, off;
+sub.f16x2 $2, $2, off;
+sub.f16x2 $3, $3, off;
+mul.f16x2 $0, $0, $5;
+mul.f16x2 $1, $1, $6;
+mul.f16x2 $2, $2, $5;
+mul.f16x2 $3, $3, $6;
+}
+"""
+# q4_0, bytes b0..b3 -> t = [b0 b2 b1 b3] so that one lop3 with 0x000f000f | 0x6400 6400
+# picks the low nibbles of b0 and b1 into two halves (f16 1024 + nibble); shifts by 8, 4
+# and 12 give (b2, b3) low and (b0, b1), (b2, b3) high; minus 1032 -> nibble - 8; times d.
+
+_Q8_PAIRS_ASM = """
+{
+.reg .b32 t, z, sign, magic, off;
+mov.b32 z, 0;
+mov.b32 sign, 0x00800080;
+mov.b32 magic, 0x64006400;
+mov.b32 off, 0x64806480;
+prmt.b32 t, $2, z, 0x4140;
+lop3.b32 t, t, sign, magic, 0xbe;
+sub.f16x2 t, t, off;
+mul.f16x2 $0, t, $3;
+prmt.b32 t, $2, z, 0x4342;
+lop3.b32 t, t, sign, magic, 0xbe;
+sub.f16x2 t, t, off;
+mul.f16x2 $1, t, $4;
+}
+"""
+# q8_0, bytes b0..b3 -> [b0 0 b1 0] and [b2 0 b3 0]; (x ^ 0x80) | 0x6400 is the f16
+# 1024 + (qs + 128); minus 1152 -> qs; times d.
+
+
+@triton.jit
+def _q4_pairs(byte, scale, NATIVE: tl.constexpr):
+    """q4_0 bytes ``[..., 16]`` (uint8) and their group scale (f16, broadcastable) ->
+    ``(lo, hi)`` f16 ``[..., 16]``: ``(nibble - 8) * d`` of the low and high nibbles."""
+    if NATIVE:
+        return tl.inline_asm_elementwise(
+            _Q4_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [byte, scale],
+            dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
+        )
+    else:
+        b = byte.to(tl.int16)
+        lo = ((b & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        hi = (((b >> 4) & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        return lo * scale, hi * scale
+
+
+@triton.jit
+def _q8_values(qs, scale, NATIVE: tl.constexpr):
+    """q8_0 payload ``[...]`` (int8) and its group scale (f16, broadcastable) ->
+    ``qs * d`` in f16."""
+    if NATIVE:
+        return tl.inline_asm_elementwise(
+            _Q8_PAIRS_ASM, "=r,=r,r,r,r", [qs, scale],
+            dtype=tl.float16, is_pure=True, pack=4,
+        )
+    else:
+        bits = (qs.to(tl.int16) + 0x6480).to(tl.int16)
+        return (bits.to(tl.float16, bitcast=True) - 1152.0) * scale
+
+
+@triton.jit
+def load_packed_tile(
+    data_ptr, scale_ptr, row_off, scale_off, valid,
+    KV_TYPE: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """Quantized rows dequantized to f16 ``[N, D]``, two values per instruction on a GPU;
+    q4_0 columns in pair order (module docstring), q8_0 in natural order."""
+    grp = tl.arange(0, NG)
+    d = tl.load(scale_ptr + scale_off[:, None] + grp[None, :], mask=valid[:, None],
+                other=0.0)[:, :, None]  # [N, NG, 1] f16
+    if KV_TYPE == "q8_0":
+        lane = tl.arange(0, 32)
+        offs = row_off[:, None, None] + grp[None, :, None] * 32 + lane[None, None, :]
+        qs = tl.load(data_ptr + offs, mask=valid[:, None, None], other=0)  # [N, NG, 32]
+        return tl.reshape(_q8_values(qs, d, NATIVE), (row_off.shape[0], D))
+    else:
+        j = tl.arange(0, 16)
+        offs = row_off[:, None, None] + grp[None, :, None] * 16 + j[None, None, :]
+        byte = tl.load(data_ptr + offs, mask=valid[:, None, None], other=0x88)  # [N, NG, 16]
+        lo, hi = _q4_pairs(byte, d, NATIVE)
+        return tl.reshape(tl.join(lo, hi), (row_off.shape[0], D))  # [N, NG, 16, 2]
+
+
+@triton.jit
+def pair_order(c):
+    """Natural column of pair-order column ``c`` (q4_0, ``packed``)."""
+    return (c // 32) * 32 + (c % 2) * 16 + (c % 32) // 2
+
+
 @triton.jit
 def load_q(
     q_ptr, row_stride, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-    NG: tl.constexpr, K_GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    NG: tl.constexpr, K_GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, PERM: tl.constexpr,
 ):
-    """The query heads of one K/V head as dot rows (rows >= G are zero).
+    """The query heads of one K/V head as dot rows (rows >= G are zero); ``PERM``: columns
+    in q4_0 pair order, to meet K tiles from ``load_packed_tile``.
 
     Returns:
         ``[NG, G_PAD, 32]`` (``K_GROUP``: per-group slices) or ``[G_PAD, D]``, in
@@ -132,6 +257,8 @@ def load_q(
         q = tl.load(q_ptr + offs, mask=(rows < G)[None, :, None], other=0.0)
     else:
         cols = tl.arange(0, D)
+        if PERM:
+            cols = pair_order(cols)
         q = tl.load(q_ptr + rows[:, None] * row_stride + cols[None, :],
                     mask=(rows < G)[:, None], other=0.0)
     # Through float32 (exact from f16/bf16): the interpreter converts bf16 only from fp32.
@@ -142,7 +269,7 @@ def load_q(
 def tile_scores(
     q, k_data, k_scale, k_row, ks_row, valid,
     K_TYPE: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, QUANT_DOT: tl.constexpr,
-    NATIVE_BF16: tl.constexpr,
+    NATIVE: tl.constexpr,
 ):
     """Raw scores ``q . k`` of a tile: float32 ``[G_PAD, N]``.
 
@@ -151,12 +278,15 @@ def tile_scores(
         k_row, ks_row: int64 ``[N]`` offsets of each row's payload and scales.
         valid: ``[N]`` rows to read; others contribute 0 (the caller masks them to -inf).
     """
-    if K_TYPE == "f16" or (K_TYPE == "bf16" and NATIVE_BF16):
+    if K_TYPE == "f16" or (K_TYPE == "bf16" and NATIVE):
         k = load_float_tile(k_data, k_row, valid, D)  # [N, D]
         return tl.dot(q, tl.trans(k))
     elif K_TYPE == "bf16":
         k = load_float_tile(k_data, k_row, valid, D).to(tl.float32)
         return tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+    elif QUANT_DOT == "packed":
+        k = load_packed_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, D, NG, NATIVE)
+        return tl.dot(q, tl.trans(k))
     elif QUANT_DOT == "group":
         k, dk = load_group_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, NG, True)
         s = tl.dot(q, tl.trans(k, (0, 2, 1)))  # [NG, G_PAD, N] per-group partial scores
@@ -171,7 +301,7 @@ def tile_scores(
 def tile_pv(
     acc, p, v_data, v_scale, v_row, vs_row, valid,
     V_TYPE: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, QUANT_DOT: tl.constexpr,
-    NATIVE_BF16: tl.constexpr,
+    NATIVE: tl.constexpr,
 ):
     """``acc + p @ v`` for one tile.
 
@@ -179,13 +309,16 @@ def tile_pv(
         acc: float32 ``[NG, G_PAD, 32]`` (quantized V, ``group`` mode) or ``[G_PAD, D]``.
         p: float32 ``[G_PAD, N]`` softmax numerators (0 on masked rows).
     """
-    if V_TYPE == "f16" or (V_TYPE == "bf16" and NATIVE_BF16):
+    if V_TYPE == "f16" or (V_TYPE == "bf16" and NATIVE):
         v = load_float_tile(v_data, v_row, valid, D)  # [N, D]
         return tl.dot(p.to(v.dtype), v, acc)
     elif V_TYPE == "bf16":
         v = load_float_tile(v_data, v_row, valid, D).to(tl.float32)
         p16 = p.to(tl.bfloat16).to(tl.float32)  # the rounding a GPU applies to p
         return tl.dot(p16, v, acc, input_precision="ieee")
+    elif QUANT_DOT == "packed":
+        v = load_packed_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, D, NG, NATIVE)
+        return tl.dot(p.to(tl.float16), v, acc)
     elif QUANT_DOT == "group":
         v, dv = load_group_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, NG, True)
         pd = (p[None, :, :] * dv[:, None, :]).to(tl.float16)  # [NG, G_PAD, N]
@@ -208,9 +341,10 @@ def rescale(acc, alpha, ACC3: tl.constexpr):
 @triton.jit
 def store_rows(
     ptr, row_stride, acc, row_scale, G: tl.constexpr, G_PAD: tl.constexpr,
-    D: tl.constexpr, NG: tl.constexpr, ACC3: tl.constexpr,
+    D: tl.constexpr, NG: tl.constexpr, ACC3: tl.constexpr, PERM: tl.constexpr,
 ):
     """Write rows ``r < G`` of ``acc * row_scale[r]`` to ``ptr + r * row_stride + col``.
+    ``PERM``: ``acc``'s columns are in q4_0 pair order; they land in natural order.
 
     A 3-D accumulator ``[NG, G_PAD, 32]`` lands in natural column order
     ``col = g * 32 + lane``.
@@ -224,6 +358,8 @@ def store_rows(
         tl.store(ptr + offs, val.to(ptr.dtype.element_ty), mask=(rows < G)[None, :, None])
     else:
         cols = tl.arange(0, D)
+        if PERM:
+            cols = pair_order(cols)
         val = acc * row_scale[:, None]
         tl.store(ptr + rows[:, None] * row_stride + cols[None, :],
                  val.to(ptr.dtype.element_ty), mask=(rows < G)[:, None])

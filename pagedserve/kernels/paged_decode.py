@@ -170,11 +170,14 @@ def _paged_decode_kernel(
     BS: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QUANT_DOT: tl.constexpr,
     K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, PAGED: tl.constexpr,
-    MERGE_CHUNKS: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE_BF16: tl.constexpr,
+    MERGE_CHUNKS: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // 32
+    # q4_0 V in packed mode accumulates in pair order; partials and outputs are stored in
+    # natural order, so the merge never sees it.
+    V_PERM: tl.constexpr = V_TYPE == "q4_0" and QUANT_DOT == "packed"
     num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
         lens_ptr, batch, capacity, chunk_budget, pid, B_PAD, BLOCK_N, MIN_PARTITION
     )
@@ -183,10 +186,10 @@ def _paged_decode_kernel(
 
     if K_TYPE == "bf16":
         q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
-                   K_GROUP, tl.bfloat16)
+                   K_GROUP, tl.bfloat16, False)
     else:
         q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
-                   K_GROUP, tl.float16)
+                   K_GROUP, tl.float16, K_TYPE == "q4_0" and QUANT_DOT == "packed")
     m_i = tl.full([G_PAD], _NEG_BIG, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     if V_GROUP:
@@ -226,7 +229,7 @@ def _paged_decode_kernel(
         vs_row = ids * vs_sb + h * vs_sh + row * vs_sr
 
         s = tile_scores(q, kd_ptr, ks_ptr, k_row, ks_row, valid, K_TYPE, D, NG, QUANT_DOT,
-                        NATIVE_BF16)
+                        NATIVE)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -234,7 +237,7 @@ def _paged_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = rescale(acc, alpha, V_GROUP)
         acc = tile_pv(acc, p, vd_ptr, vs_ptr, v_row, vs_row, valid, V_TYPE, D, NG, QUANT_DOT,
-                      NATIVE_BF16)
+                      NATIVE)
         m_i = m_new
 
     if seq_chunks == 1:
@@ -242,12 +245,12 @@ def _paged_decode_kernel(
         # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
         inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1.0), 0.0)
         store_rows(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, acc, inv,
-                   G, G_PAD, D, NG, V_GROUP)
+                   G, G_PAD, D, NG, V_GROUP, V_PERM)
     else:
         head_acc = part_acc_ptr + h * max_chunks * G * D
         head_ml = part_ml_ptr + h * max_chunks * G * 2
         ones = tl.full([G_PAD], 1.0, tl.float32)
-        store_rows(head_acc + pid * G * D, D, acc, ones, G, G_PAD, D, NG, V_GROUP)
+        store_rows(head_acc + pid * G * D, D, acc, ones, G, G_PAD, D, NG, V_GROUP, V_PERM)
         rows = tl.arange(0, G_PAD)
         ml = head_ml + (pid * G + rows) * 2
         tl.store(ml, m_i, mask=rows < G)
@@ -368,7 +371,7 @@ def paged_decode_attention(
         K_GROUP=k_quant and cfg.quant_dot == "group",
         V_GROUP=v_quant and cfg.quant_dot == "group",
         PAGED=paged, MERGE_CHUNKS=merge_chunks, MERGE_GROUP=MERGE_GROUP,
-        NATIVE_BF16=q.is_cuda,
+        NATIVE=q.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -105,9 +105,12 @@ def test_triton_head_dims(d, k_type, v_type):
 
 
 @needs_triton
-@pytest.mark.parametrize("k_type,v_type", [("q4_0", "q8_0"), ("q8_0", "f16")])
-def test_triton_element_mode(k_type, v_type):
-    cfg = DecodeConfig(block_n=16, min_partition=16, quant_dot="element")
+@pytest.mark.parametrize("mode", ["element", "packed"])
+@pytest.mark.parametrize("k_type,v_type", [("q4_0", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "q4_0"),
+                                           ("q8_0", "f16")])
+def test_triton_quant_dot_modes(mode, k_type, v_type):
+    # Split into 3 chunks, so partials of q4_0 V (pair order in packed mode) are merged.
+    cfg = DecodeConfig(block_n=16, min_partition=16, quant_dot=mode)
     out, ref = run(k_type, v_type, [3, 45], config=cfg)
     assert rel_error(out, ref) <= bound(k_type, v_type)
 

@@ -53,9 +53,17 @@ def test_gqa_and_head_dims(hkv, group, d, k_type, v_type):
     check(k_type, v_type, [3, 700, 5000], hkv=hkv, group=group, d=d)
 
 
-@pytest.mark.parametrize("k_type,v_type", [("q4_0", "q4_0"), ("q8_0", "q4_0")])
-def test_element_mode(k_type, v_type):
-    check(k_type, v_type, EDGE_LENS, config=DecodeConfig(block_n=64, quant_dot="element"))
+@pytest.mark.parametrize("mode", ["group", "element", "packed"])
+@pytest.mark.parametrize("k_type,v_type", [("q4_0", "q4_0"), ("q8_0", "q4_0"), ("q4_0", "q8_0"),
+                                           ("q8_0", "f16")])
+def test_quant_dot_modes(mode, k_type, v_type):
+    check(k_type, v_type, EDGE_LENS, config=DecodeConfig(block_n=64, quant_dot=mode))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_mode_head_dims(d):
+    check("q4_0", "q8_0", [3, 700, 5000], hkv=2, group=8, d=d,
+          config=DecodeConfig(block_n=64, quant_dot="packed"))
 
 
 @pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("q4_0", "q4_0")])

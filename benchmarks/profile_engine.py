@@ -1,0 +1,182 @@
+"""Where an engine step's time goes: host phases and GPU kernels, per workload.
+
+A diagnostic, not a benchmark of record: it answers "why is 8 ragged not 8x one
+sequence" and "why is a short prefill slower than HF" with a torch.profiler trace of a few
+steps through ``LLMEngine.step()`` on the Qwen3.5-27B shape (random bf16 weights, contexts
+filled synthetically as in ``bench_engine.py``).
+
+For each (K/V type, workload) it prints:
+- wall ms per step (no profiler) and GPU busy ms per step (sum of kernel times, profiled);
+- host ms per step in each phase of ``step()`` (schedule, batch build, execute, sample,
+  post-process), from ``record_function`` ranges the script wraps around them;
+- the top kernels by GPU time per step.
+
+    python benchmarks/profile_engine.py [--types q4_0,f16] [--steps 5] [--out DIR]
+
+Writes DIR/profile_engine.json (DIR defaults to $OUT, else the current directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_engine  # noqa: E402
+
+from pagedserve.engine import llm_engine as llm_engine_mod  # noqa: E402
+from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from pagedserve.engine.request import SamplingParams  # noqa: E402
+from pagedserve.model.loader import load_model  # noqa: E402
+
+K = 1024
+WORKLOADS = {"1 x 8K": [8 * K], "8 ragged": [128 * K] + [8 * K] * 7}
+PHASES = ("schedule", "build_batch", "execute", "sample", "post_process")
+
+
+def instrument(engine: LLMEngine) -> None:
+    """Wrap the phases of ``step()`` in profiler ranges named ``phase:<name>``."""
+
+    def ranged(name, fn):
+        def wrapper(*args, **kwargs):
+            with record_function(f"phase:{name}"):
+                return fn(*args, **kwargs)
+        return wrapper
+
+    engine.scheduler.schedule = ranged("schedule", engine.scheduler.schedule)
+    engine.runner.execute = ranged("execute", engine.runner.execute)
+    engine._sample = ranged("sample", engine._sample)
+    engine._post_process = ranged("post_process", engine._post_process)
+    if not hasattr(llm_engine_mod.build_forward_batch, "profiled"):
+        llm_engine_mod.build_forward_batch = ranged("build_batch",
+                                                    llm_engine_mod.build_forward_batch)
+        llm_engine_mod.build_forward_batch.profiled = True
+
+
+def summarize(prof, steps: int, top: int = 12) -> dict:
+    kernels, phases = {}, {}
+    for evt in prof.key_averages():
+        if evt.key.startswith("phase:"):
+            phases[evt.key[6:]] = evt.cpu_time_total / 1e3 / steps
+        dev = getattr(evt, "self_device_time_total", None)
+        if dev is None:
+            dev = evt.self_cuda_time_total
+        if dev > 0 and evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[evt.key] = (dev / 1e3 / steps, evt.count // steps)
+    busy = sum(ms for ms, _ in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"gpu_busy_ms": busy, "phases_ms": phases,
+            "top_kernels": [{"name": k[:110], "ms": ms, "calls": n} for k, (ms, n) in ranked]}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def profile_steps(engine: LLMEngine, steps: int) -> dict:
+    _sync()
+    wall = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        wall.append(1e3 * (time.perf_counter() - t))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync()
+    out = summarize(prof, steps)
+    out["wall_ms"] = sorted(wall)[len(wall) // 2]
+    return out
+
+
+def profile_prefill(engine: LLMEngine, prompt_len: int) -> dict:
+    """One request of ``prompt_len`` tokens to its first token, after a warm-up request."""
+    def one(rid):
+        prompt = torch.randint(0, engine.vocab_size, (prompt_len,)).tolist()
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        n = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            n += 1
+        return n
+
+    one("warm")
+    _sync()
+    t = time.perf_counter()
+    steps = one("timed")
+    _sync()
+    wall = 1e3 * (time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one("profiled")
+        _sync()
+    out = summarize(prof, 1)
+    out.update(wall_ms=wall, steps=steps)
+    return out
+
+
+def print_case(title: str, r: dict) -> None:
+    phases = "  ".join(f"{p} {r['phases_ms'].get(p, 0.0):.2f}" for p in PHASES)
+    print(f"\n## {title}: wall {r['wall_ms']:.2f} ms, GPU busy {r['gpu_busy_ms']:.2f} ms")
+    print(f"   host phases (ms): {phases}")
+    for k in r["top_kernels"]:
+        print(f"   {k['ms']:8.3f} ms  x{k['calls']:<4d} {k['name']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="q4_0,f16")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--prefill", type=int, default=512, help="prompt length to profile (0: none)")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the embedded default model on the CPU, short contexts (checks the script)")
+    args = ap.parse_args(argv)
+    model, device, dtype = "preset:qwen3.5-27b", "cuda", "bfloat16"
+    workloads = WORKLOADS
+    if args.dry_run:
+        model, device, dtype = None, "cpu", "float32"
+        workloads = {"1 x 40": [40], "3 ragged": [100, 20, 20]}
+    loaded = load_model(model, device, dtype)
+    results = {}
+    for kv_type in args.types.split(","):
+        cfg = EngineConfig(model=model, device=device, dtype=dtype,
+                           cache_type_k=kv_type, cache_type_v=kv_type, kv_layout="paged",
+                           max_model_len=512 if args.dry_run else bench_engine.MAX_MODEL_LEN,
+                           max_num_seqs=8,
+                           max_num_batched_tokens=8192, prefill_chunk=4096,
+                           gpu_memory_utilization=0.92, progress=False,
+                           **({"num_blocks": 64} if args.dry_run else {}))
+        engine = LLMEngine(cfg, loaded=loaded)
+        instrument(engine)
+        bench_engine.fill_pool(engine)
+        for name, contexts in workloads.items():
+            for i, c in enumerate(contexts):
+                bench_engine.admit_with_context(engine, f"s{i}", c, engine.vocab_size)
+            for _ in range(2):
+                engine.step()
+            r = profile_steps(engine, args.steps)
+            for rid in list(engine.requests):
+                engine.abort_request(rid)
+            results[f"{kv_type} {name}"] = r
+            print_case(f"{kv_type} decode {name}", r)
+        if args.prefill:
+            r = profile_prefill(engine, args.prefill)
+            results[f"{kv_type} prefill {args.prefill}"] = r
+            print_case(f"{kv_type} prefill {args.prefill} ({r['steps']} steps)", r)
+        del engine
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile_engine.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
