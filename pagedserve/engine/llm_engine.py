@@ -194,8 +194,10 @@ class LLMEngine:
         if not reqs:
             return None
         st = SamplingTensors.from_requests(reqs, self.vocab_size, logits.device)
-        index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
-        out = sample(logits.index_select(0, index), st)
+        if len(rows) != logits.shape[0]:  # some rows end a prefill chunk mid-prompt
+            index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
+            logits = logits.index_select(0, index)
+        out = sample(logits, st)
         return _to_host(out)  # the step's one device -> host sync
 
     def _post_process(self, chunks, sampling, sampled) -> list[RequestOutput]:

@@ -26,7 +26,7 @@ import torch
 
 from pagedserve.config import CacheConfig
 from pagedserve.engine.decode_graphs import DecodeGraphs
-from pagedserve.kernels.decode_plan import DecodeWorkspace
+from pagedserve.kernels.decode_plan import DecodeWorkspace, default_occupancy
 from pagedserve.kv.block_pool import BlockPool
 from pagedserve.kv.formats import KVBlockStorage
 from pagedserve.kv.kv_manager import BlockCopy, KVCacheManager
@@ -147,6 +147,7 @@ class ModelRunner:
             workspace = DecodeWorkspace(
                 config.max_num_seqs, cfg.num_attention_heads, cfg.num_key_value_heads,
                 cfg.head_dim, self.device,
+                occupancy=default_occupancy(cache_config.cache_type_k, cache_config.cache_type_v),
             )
         self.caches = ModelCaches(
             self.kv_caches, self.state_pool.conv_state, self.state_pool.recurrent_state,

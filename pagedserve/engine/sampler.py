@@ -64,31 +64,28 @@ class SamplingTensors:
         cls, requests: list[Request], vocab_size: int, device: torch.device | str
     ) -> SamplingTensors:
         ps = [r.params for r in requests]
-
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
-
-        def i64(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
+        seeds = [r.sample_seed for r in requests]
+        # Two host->device copies for all the per-row settings (each copy has a fixed cost).
+        floats = torch.tensor(
+            [[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
+             [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps],
+             [p.repetition_penalty for p in ps]], dtype=torch.float32,
+        ).to(device, non_blocking=True)  # [6, B]
+        longs = torch.tensor(
+            [[max(p.top_k, 0) for p in ps], [s & _M32 for s in seeds],
+             [(s >> 32) & _M32 for s in seeds], [len(r.output_token_ids) for r in requests]],
+            dtype=torch.long,
+        ).to(device, non_blocking=True)  # [4, B]
         any_rep = any(p.repetition_penalty != 1.0 for p in ps)
         any_out = any(p.presence_penalty or p.frequency_penalty for p in ps) or any_rep
         prompt_ids = _pad([r.prompt_token_ids for r in requests], vocab_size, device) \
             if any_rep else None
         output_ids = _pad([r.output_token_ids for r in requests], vocab_size, device) \
             if any_out else None
-        seeds = [r.sample_seed for r in requests]
         return cls(
-            temperature=f32([p.temperature for p in ps]),
-            top_p=f32([p.top_p for p in ps]),
-            top_k=i64([max(p.top_k, 0) for p in ps]),
-            min_p=f32([p.min_p for p in ps]),
-            presence=f32([p.presence_penalty for p in ps]),
-            frequency=f32([p.frequency_penalty for p in ps]),
-            repetition=f32([p.repetition_penalty for p in ps]),
-            seed_lo=i64([s & _M32 for s in seeds]),
-            seed_hi=i64([(s >> 32) & _M32 for s in seeds]),
-            step=i64([len(r.output_token_ids) for r in requests]),
+            temperature=floats[0], top_p=floats[1], min_p=floats[2], presence=floats[3],
+            frequency=floats[4], repetition=floats[5],
+            top_k=longs[0], seed_lo=longs[1], seed_hi=longs[2], step=longs[3],
             prompt_ids=prompt_ids,
             output_ids=output_ids,
             all_greedy=all(p.greedy for p in ps),

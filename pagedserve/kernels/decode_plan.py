@@ -135,6 +135,13 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
     return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=256)
 
 
+@functools.cache
+def default_occupancy(k_type: str, v_type: str) -> float:
+    """Programs per SM that a ``DecodeWorkspace`` should aim for with these K/V types (the
+    sweep's winner, as ``default_config``)."""
+    return DEFAULT_OCCUPANCY
+
+
 def device_num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

@@ -64,6 +64,12 @@ def check_decode_args(
     _require(cache_k.data.shape[:3] == cache_v.data.shape[:3],
              f"K and V pools differ: [num_blocks, Hkv, block_size] "
              f"{tuple(cache_k.data.shape[:3])} vs {tuple(cache_v.data.shape[:3])}")
+    for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
+        # The kernel addresses rows by one int32 index over contiguous storage.
+        _require(c.data.is_contiguous() and (c.scales is None or c.scales.is_contiguous()),
+                 f"{name} storage must be contiguous for decode")
+        rows = c.data.shape[0] * c.data.shape[1] * c.data.shape[2]
+        _require(rows < 2**31, f"{name} holds {rows} rows; decode addresses at most 2**31 - 1")
     Hkv = cache_k.num_kv_heads
     _require(Hq % Hkv == 0, f"Hq ({Hq}) must be a multiple of Hkv ({Hkv})")
     _require(block_tables.dtype == torch.int32 and block_tables.dim() == 2,

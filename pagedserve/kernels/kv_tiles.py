@@ -26,18 +26,22 @@ Both results are exact in f16. Group scales are applied in one of two ways
   ``s = sum_g d_g * (q_g . k_g)``; for V it is folded into p,
   ``o_g = (p * d_g) @ v_g``. No per-element scale multiply at all.
 - ``element``: one multiply per element dequantizes to f16, then one full-width dot.
-- ``packed``: as ``element``, but two values per instruction. Rows are loaded as 16-byte
+- ``packed``: as ``element``, but two values per instruction. Rows arrive in 16-byte
   vectors; on a GPU a few PTX lines (``prmt``, ``lop3``, ``sub.f16x2``, ``mul.f16x2``)
   turn each 4-byte word into four (q8_0) or eight (q4_0) scaled f16 values, about two
-  instructions per value where the generic path spends several per value. The values
-  are the same bit for bit: ``(int - offset)`` is exact and the one multiply by the scale
-  rounds once either way. For q4_0 a byte's two nibbles stay side by side, so a group's
-  columns come out in *pair order* (below); the dot is indifferent to the order of its
-  reduction axis as long as q uses the same one (``load_q(PERM=True)``), and an output
-  in pair order is written back in natural order (``store_rows(PERM=True)``)::
+  instructions per value where the generic path spends several. The values are the same
+  bit for bit: ``int - offset`` is exact and the one multiply by the scale rounds once
+  either way. A q4_0 *K* tile keeps each byte's two nibbles side by side, so a group's
+  columns come out in *pair order*; the score dot does not care about the order of its
+  reduction axis as long as q is loaded in the same order (``load_q(PERM=True)``). This
+  keeps the K tile in registers all the way into the tensor-core operand. A q4_0 *V* tile
+  is produced in natural order (its columns are the output's)::
 
       q4_0 group g, pair order:  column g*32 + 2j + h  holds value  g*32 + 16h + j
                                  (byte j of the group, h = 0: low nibble, 1: high)
+
+  The choice between orders and modes came from instruction counts of the compiled
+  tile loop (sm_90 SASS, see ``docs/benchmarks/README.md``) and the H200 sweep.
 
 GQA: the dots take the query heads of one K/V head as rows, padded to ``G_PAD >= 16``
 rows for ``tl.dot``; every K/V row is loaded once for all of them.
@@ -126,9 +130,48 @@ def load_group_tile(
     return ints, sc.to(tl.float32)
 
 
-# One asm invocation takes 4 payload bytes (one 32-bit register) and their group scale
-# (two f16x2 registers) and returns f16x2 registers. Constants go through registers.
-_Q4_PAIRS_ASM = """
+# Each asm invocation takes 4 q4_0 bytes, each present twice (the input is the byte tile
+# joined with itself, so that its shape is the output's: two registers [b0 b0 b1 b1] and
+# [b2 b2 b3 b3]), and their group scale (four f16x2 registers). For byte b it builds one
+# register whose low half is 0x6400 | (b & 15) and whose high half is 0x6400 | (b >> 4):
+# u = w >> 4 puts each byte's high nibble in the low bits of that byte position, prmt
+# gathers b (byte 0) and its high nibble (byte 2), and one lop3 masks and sets the
+# exponent, giving the f16 pair (1024 + lo, 1024 + hi). Minus 1032 -> nibble - 8; times d.
+# Output: the values of b0..b3 in pair order (lo, hi, lo, hi, ...), four f16x2 registers.
+_Q4_PAIRS_ASM = tl.constexpr("""
+{
+.reg .b32 t, u0, u1, nib, magic, off;
+mov.b32 nib, 0x000f000f;
+mov.b32 magic, 0x64006400;
+mov.b32 off, 0x64086408;
+shr.b32 u0, $4, 4;
+shr.b32 u1, $5, 4;
+prmt.b32 t, $4, u0, 0x0400;
+lop3.b32 $0, t, nib, magic, 0xea;
+prmt.b32 t, $4, u0, 0x0602;
+lop3.b32 $1, t, nib, magic, 0xea;
+prmt.b32 t, $5, u1, 0x0400;
+lop3.b32 $2, t, nib, magic, 0xea;
+prmt.b32 t, $5, u1, 0x0602;
+lop3.b32 $3, t, nib, magic, 0xea;
+sub.f16x2 $0, $0, off;
+sub.f16x2 $1, $1, off;
+sub.f16x2 $2, $2, off;
+sub.f16x2 $3, $3, off;
+mul.f16x2 $0, $0, $6;
+mul.f16x2 $1, $1, $7;
+mul.f16x2 $2, $2, $8;
+mul.f16x2 $3, $3, $9;
+}
+""")
+
+# Each asm invocation takes 4 q4_0 bytes (one register) and their group scale (two f16x2
+# registers). t = [b0 b2 b1 b3] (prmt), so that one lop3 with 0x000f000f | 0x64006400
+# picks the low nibbles of b0 and b1 into the two halves of a register (f16 1024 +
+# nibble); shifts by 8, 4 and 12 give the low nibbles of (b2, b3) and the high nibbles of
+# (b0, b1) and (b2, b3). Minus 1032 -> nibble - 8; times d. Outputs: the low-nibble
+# values of b0..b3, then the high-nibble values (two f16x2 registers each).
+_Q4_HALVES_ASM = tl.constexpr("""
 {
 .reg .b32 t, u, z, nib, magic, off;
 mov.b32 z, 0;
@@ -152,12 +195,9 @@ mul.f16x2 $1, $1, $6;
 mul.f16x2 $2, $2, $5;
 mul.f16x2 $3, $3, $6;
 }
-"""
-# q4_0, bytes b0..b3 -> t = [b0 b2 b1 b3] so that one lop3 with 0x000f000f | 0x6400 6400
-# picks the low nibbles of b0 and b1 into two halves (f16 1024 + nibble); shifts by 8, 4
-# and 12 give (b2, b3) low and (b0, b1), (b2, b3) high; minus 1032 -> nibble - 8; times d.
+""")
 
-_Q8_PAIRS_ASM = """
+_Q8_PAIRS_ASM = tl.constexpr("""
 {
 .reg .b32 t, z, sign, magic, off;
 mov.b32 z, 0;
@@ -173,7 +213,7 @@ lop3.b32 t, t, sign, magic, 0xbe;
 sub.f16x2 t, t, off;
 mul.f16x2 $1, t, $4;
 }
-"""
+""")
 # q8_0, bytes b0..b3 -> [b0 0 b1 0] and [b2 0 b3 0]; (x ^ 0x80) | 0x6400 is the f16
 # 1024 + (qs + 128); minus 1152 -> qs; times d.
 
@@ -181,10 +221,27 @@ mul.f16x2 $1, t, $4;
 @triton.jit
 def _q4_pairs(byte, scale, NATIVE: tl.constexpr):
     """q4_0 bytes ``[..., 16]`` (uint8) and their group scale (f16, broadcastable) ->
+    f16 ``[..., 16, 2]``: ``(nibble - 8) * d`` of each byte's low and high nibble."""
+    if NATIVE:
+        return tl.inline_asm_elementwise(
+            _Q4_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r,r,r",
+            [tl.join(byte, byte), tl.expand_dims(scale, -1)],
+            dtype=tl.float16, is_pure=True, pack=8,
+        )
+    else:
+        b = byte.to(tl.int16)
+        lo = ((b & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        hi = (((b >> 4) & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+        return tl.join(lo * scale, hi * scale)
+
+
+@triton.jit
+def _q4_halves(byte, scale, NATIVE: tl.constexpr):
+    """q4_0 bytes ``[..., 16]`` (uint8) and their group scale (f16, broadcastable) ->
     ``(lo, hi)`` f16 ``[..., 16]``: ``(nibble - 8) * d`` of the low and high nibbles."""
     if NATIVE:
         return tl.inline_asm_elementwise(
-            _Q4_PAIRS_ASM, "=r,=r,=r,=r,r,r,r", [byte, scale],
+            _Q4_HALVES_ASM, "=r,=r,=r,=r,r,r,r", [byte, scale],
             dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
         )
     else:
@@ -212,9 +269,11 @@ def _q8_values(qs, scale, NATIVE: tl.constexpr):
 def load_packed_tile(
     data_ptr, scale_ptr, row_off, scale_off, valid,
     KV_TYPE: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, NATIVE: tl.constexpr,
+    PAIR_ORDER: tl.constexpr,
 ):
     """Quantized rows dequantized to f16 ``[N, D]``, two values per instruction on a GPU;
-    q4_0 columns in pair order (module docstring), q8_0 in natural order."""
+    q4_0 columns in pair order (``PAIR_ORDER``: K tiles, module docstring) or natural
+    order (V tiles); q8_0 always natural."""
     grp = tl.arange(0, NG)
     d = tl.load(scale_ptr + scale_off[:, None] + grp[None, :], mask=valid[:, None],
                 other=0.0)[:, :, None]  # [N, NG, 1] f16
@@ -227,8 +286,13 @@ def load_packed_tile(
         j = tl.arange(0, 16)
         offs = row_off[:, None, None] + grp[None, :, None] * 16 + j[None, None, :]
         byte = tl.load(data_ptr + offs, mask=valid[:, None, None], other=0x88)  # [N, NG, 16]
-        lo, hi = _q4_pairs(byte, d, NATIVE)
-        return tl.reshape(tl.join(lo, hi), (row_off.shape[0], D))  # [N, NG, 16, 2]
+        if PAIR_ORDER:
+            pairs = _q4_pairs(byte, d, NATIVE)  # [N, NG, 16, 2]
+            return tl.reshape(pairs, (row_off.shape[0], D))
+        else:
+            lo, hi = _q4_halves(byte, d, NATIVE)  # [N, NG, 16] each
+            vals = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [N, NG, 2, 16]
+            return tl.reshape(vals, (row_off.shape[0], D))
 
 
 @triton.jit
@@ -285,7 +349,7 @@ def tile_scores(
         k = load_float_tile(k_data, k_row, valid, D).to(tl.float32)
         return tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
     elif QUANT_DOT == "packed":
-        k = load_packed_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, D, NG, NATIVE)
+        k = load_packed_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, D, NG, NATIVE, True)
         return tl.dot(q, tl.trans(k))
     elif QUANT_DOT == "group":
         k, dk = load_group_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, NG, True)
@@ -317,7 +381,7 @@ def tile_pv(
         p16 = p.to(tl.bfloat16).to(tl.float32)  # the rounding a GPU applies to p
         return tl.dot(p16, v, acc, input_precision="ieee")
     elif QUANT_DOT == "packed":
-        v = load_packed_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, D, NG, NATIVE)
+        v = load_packed_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, D, NG, NATIVE, False)
         return tl.dot(p.to(tl.float16), v, acc)
     elif QUANT_DOT == "group":
         v, dv = load_group_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, NG, True)
@@ -341,10 +405,9 @@ def rescale(acc, alpha, ACC3: tl.constexpr):
 @triton.jit
 def store_rows(
     ptr, row_stride, acc, row_scale, G: tl.constexpr, G_PAD: tl.constexpr,
-    D: tl.constexpr, NG: tl.constexpr, ACC3: tl.constexpr, PERM: tl.constexpr,
+    D: tl.constexpr, NG: tl.constexpr, ACC3: tl.constexpr,
 ):
     """Write rows ``r < G`` of ``acc * row_scale[r]`` to ``ptr + r * row_stride + col``.
-    ``PERM``: ``acc``'s columns are in q4_0 pair order; they land in natural order.
 
     A 3-D accumulator ``[NG, G_PAD, 32]`` lands in natural column order
     ``col = g * 32 + lane``.
@@ -358,8 +421,6 @@ def store_rows(
         tl.store(ptr + offs, val.to(ptr.dtype.element_ty), mask=(rows < G)[None, :, None])
     else:
         cols = tl.arange(0, D)
-        if PERM:
-            cols = pair_order(cols)
         val = acc * row_scale[:, None]
         tl.store(ptr + rows[:, None] * row_stride + cols[None, :],
                  val.to(ptr.dtype.element_ty), mask=(rows < G)[:, None])

@@ -39,6 +39,7 @@ from pagedserve.kernels.decode_plan import (
     DecodeConfig,
     DecodeWorkspace,
     default_config,
+    default_occupancy,
     locate_chunk,
 )
 from pagedserve.kernels.kv_tiles import (
@@ -163,8 +164,6 @@ def _paged_decode_kernel(
     part_acc_ptr, part_ml_ptr, group_counter_ptr, seq_counter_ptr,  # workspace
     batch, num_blocks, capacity, chunk_budget, max_chunks, num_kv_heads,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
-    k_sb, k_sh, k_sr, ks_sb, ks_sh, ks_sr,
-    v_sb, v_sh, v_sr, vs_sb, vs_sh, vs_sr,
     qk_scale,  # softmax scale * log2(e)
     G: tl.constexpr, G_PAD: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
@@ -175,9 +174,6 @@ def _paged_decode_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     NG: tl.constexpr = D // 32
-    # q4_0 V in packed mode accumulates in pair order; partials and outputs are stored in
-    # natural order, so the merge never sees it.
-    V_PERM: tl.constexpr = V_TYPE == "q4_0" and QUANT_DOT == "packed"
     num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
         lens_ptr, batch, capacity, chunk_budget, pid, B_PAD, BLOCK_N, MIN_PARTITION
     )
@@ -199,12 +195,17 @@ def _paged_decode_kernel(
 
     table_row = table_ptr + b * stride_tb
     lane = tl.arange(0, BLOCK_N)
+    # Payload elements per row: q4_0 packs two values per byte.
+    K_WIDTH: tl.constexpr = D // 2 if K_TYPE == "q4_0" else D
+    V_WIDTH: tl.constexpr = D // 2 if V_TYPE == "q4_0" else D
     if PAGED:
+        rows_per_block = BS
         # Block ids run one tile ahead of the rows they address, so that the table
         # lookup's latency hides behind the current tile instead of preceding it.
         ids_next = tl.load(table_row + (tok_lo + lane) // BS, mask=tok_lo + lane < tok_hi,
                            other=-1)
     else:
+        rows_per_block = capacity  # one block per sequence, padded to the longest
         block0 = tl.load(table_row)
         block0_ok = (block0 >= 0) & (block0 < num_blocks)
     for start in range(tok_lo, tok_hi, BLOCK_N):
@@ -221,12 +222,13 @@ def _paged_decode_kernel(
             valid = valid & block0_ok
         # An invalid id masks its rows: never read outside the pool.
         valid = valid & (ids >= 0) & (ids < num_blocks)
-        ids = tl.where(valid, ids, 0).to(tl.int64)
-        row = tl.where(valid, row, 0).to(tl.int64)
-        k_row = ids * k_sb + h * k_sh + row * k_sr
-        ks_row = ids * ks_sb + h * ks_sh + row * ks_sr
-        v_row = ids * v_sb + h * v_sh + row * v_sr
-        vs_row = ids * vs_sb + h * vs_sh + row * vs_sr
+        # Storage is contiguous [num_blocks, Hkv, rows per block, W] (guards), so one int32
+        # row index addresses payloads and scales of K and V alike.
+        row_idx = tl.where(valid, (ids * num_kv_heads + h) * rows_per_block + row, 0).to(tl.int64)
+        k_row = row_idx * K_WIDTH
+        v_row = row_idx * V_WIDTH
+        ks_row = row_idx * NG
+        vs_row = row_idx * NG
 
         s = tile_scores(q, kd_ptr, ks_ptr, k_row, ks_row, valid, K_TYPE, D, NG, QUANT_DOT,
                         NATIVE)
@@ -245,12 +247,12 @@ def _paged_decode_kernel(
         # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
         inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1.0), 0.0)
         store_rows(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, acc, inv,
-                   G, G_PAD, D, NG, V_GROUP, V_PERM)
+                   G, G_PAD, D, NG, V_GROUP)
     else:
         head_acc = part_acc_ptr + h * max_chunks * G * D
         head_ml = part_ml_ptr + h * max_chunks * G * 2
         ones = tl.full([G_PAD], 1.0, tl.float32)
-        store_rows(head_acc + pid * G * D, D, acc, ones, G, G_PAD, D, NG, V_GROUP, V_PERM)
+        store_rows(head_acc + pid * G * D, D, acc, ones, G, G_PAD, D, NG, V_GROUP)
         rows = tl.arange(0, G_PAD)
         ml = head_ml + (pid * G + rows) * 2
         tl.store(ml, m_i, mask=rows < G)
@@ -261,7 +263,7 @@ def _paged_decode_kernel(
                       G, GP, D, MERGE_CHUNKS, MERGE_GROUP)
 
 
-# Scratch for callers that pass no workspace, one per (device, Hq, Hkv, D), grown to the
+# Scratch for callers that pass no workspace, one per (device, Hq, Hkv, D, occupancy), grown to the
 # largest batch seen. Its counters return to zero after every launch, so reuse is safe on
 # one stream; CUDA graphs must bring their own (a buffer first allocated inside a capture
 # would belong to that graph's memory pool).
@@ -270,8 +272,9 @@ _DEFAULT_WORKSPACES: dict[tuple, DecodeWorkspace] = {}
 
 def _default_workspace(
     batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
+    occupancy: float,
 ) -> DecodeWorkspace:
-    key = (device, num_q_heads, num_kv_heads, head_dim)
+    key = (device, num_q_heads, num_kv_heads, head_dim, occupancy)
     ws = _DEFAULT_WORKSPACES.get(key)
     if ws is None or ws.max_batch < batch:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -279,20 +282,14 @@ def _default_workspace(
                 "paged_decode_attention needs an explicit workspace= while a CUDA graph is "
                 "being captured (allocate a DecodeWorkspace before capture and keep it)"
             )
-        ws = DecodeWorkspace(max(batch, 8), num_q_heads, num_kv_heads, head_dim, device)
+        ws = DecodeWorkspace(max(batch, 8), num_q_heads, num_kv_heads, head_dim, device,
+                             occupancy=occupancy)
         _DEFAULT_WORKSPACES[key] = ws
     return ws
 
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-def _scale_strides(cache: KVBlockStorage) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    if cache.scales is None:
-        return cache.data, (0, 0, 0)
-    st = cache.scales.stride()
-    return cache.scales, (st[0], st[1], st[2])
 
 
 def paged_decode_attention(
@@ -333,7 +330,8 @@ def paged_decode_attention(
     if guards.validate_requested(validate):
         guards.check_block_tables(block_tables, seq_lens, num_blocks, bs)
     if workspace is None:
-        workspace = _default_workspace(B, Hq, Hkv, D, q.device)
+        workspace = _default_workspace(
+            B, Hq, Hkv, D, q.device, default_occupancy(cache_k.kv_type, cache_v.kv_type))
     else:
         workspace.check_fits(B, Hq, Hkv, D, q.device)
     cfg = config or default_config(cache_k.kv_type, cache_v.kv_type)
@@ -345,9 +343,8 @@ def paged_decode_attention(
     G = Hq // Hkv
     k_quant = cache_k.scales is not None
     v_quant = cache_v.scales is not None
-    ks, ks_st = _scale_strides(cache_k)
-    vs, vs_st = _scale_strides(cache_v)
-    kd_st, vd_st = cache_k.data.stride(), cache_v.data.stride()
+    ks = cache_k.scales if k_quant else cache_k.data
+    vs = cache_v.scales if v_quant else cache_v.data
     paged = max_blocks > 1
     # Merge tiles of [MERGE_CHUNKS, GP, D] float32: about 64 registers per thread.
     gp = _next_pow2(G)
@@ -360,8 +357,6 @@ def paged_decode_attention(
         workspace.seq_counters,
         B, num_blocks, capacity, workspace.chunk_budget, workspace.max_chunks, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kd_st[0], kd_st[1], kd_st[2], *ks_st,
-        vd_st[0], vd_st[1], vd_st[2], *vs_st,
         scale * LOG2E,
         G=G, G_PAD=max(16, gp), GP=gp, D=D, BS=bs if paged else 1,
         # The plan's vectors span the workspace's max batch: one compile for all batches.

@@ -240,6 +240,18 @@ class KVCacheManager:
         lens = torch.tensor([self._seqs[r].num_tokens for r in rows], dtype=torch.int32)
         return tables, lens
 
+    def slot_of(self, handle: Handle, pos: int) -> int:
+        """Pool slot of position ``pos``, which must be reserved (the decode fast path of
+        ``slot_mapping``: plain ints, no tensor ops)."""
+        index = self._handles.validate(handle)
+        if not 0 <= pos < self._seqs[index].num_reserved:
+            raise ValueError(
+                f"position {pos} is outside the reserved range "
+                f"[0, {self._seqs[index].num_reserved})"
+            )
+        return self._blocks[index][pos // self.block_size] * self.block_size \
+            + pos % self.block_size
+
     def slot_mapping(self, handle: Handle, start: int, end: int) -> torch.Tensor:
         """int64 ``[end - start]``: pool slot of each position in ``[start, end)``, which
         must be reserved."""
@@ -250,8 +262,9 @@ class KVCacheManager:
                 f"[0, {self._seqs[index].num_reserved})"
             )
         pos = torch.arange(start, end, dtype=torch.long)
-        table = self.block_tables_cpu[index].to(torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        first, last = start // self.block_size, -(-end // self.block_size)
+        table = self.block_tables_cpu[index, first:last].to(torch.long)  # only the blocks used
+        return table[pos // self.block_size - first] * self.block_size + pos % self.block_size
 
     # ---- checking -------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -91,33 +91,43 @@ def build_forward_batch(
     if any(len(c.token_ids) == 0 for c in chunks):
         raise ValueError("every sequence in a batch needs at least one new token")
     ids: list[int] = []
-    positions: list[torch.Tensor] = []
-    slots: list[torch.Tensor] = []
+    positions: list[int] = []
+    slots: list[int] = []  # the leading decode rows
+    prefill_slots: list[torch.Tensor] = []  # then the other chunks, in order
     qsl = [0]
     seq_lens: list[int] = []
-    for c in chunks:
+    for i, c in enumerate(chunks):
         n = len(c.token_ids)
         ids.extend(c.token_ids)
-        positions.append(torch.arange(c.start_pos, c.start_pos + n, dtype=torch.long))
-        slots.append(kv.slot_mapping(c.kv_handle, c.start_pos, c.start_pos + n))
+        positions.extend(range(c.start_pos, c.start_pos + n))
+        if i < num_decode:
+            slots.append(kv.slot_of(c.kv_handle, c.start_pos))
+        else:
+            prefill_slots.append(kv.slot_mapping(c.kv_handle, c.start_pos, c.start_pos + n))
         qsl.append(qsl[-1] + n)
         seq_lens.append(c.start_pos + n)
     handles = [c.kv_handle for c in chunks]
     width = max(len(kv.block_table(h)) for h in handles)
     tables, _ = kv.batch_view(handles, num_table_cols or width)
+    B, T = len(chunks), len(ids)
 
-    def put(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device, non_blocking=True)
-
+    # Two host->device copies for all the small vectors (each copy has a fixed cost):
+    #   int64 [3T + B]:     input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [B]
+    #   int32 [3B + 1]:     query_start_loc [B + 1] | seq_lens [B] | state_slots [B]
+    longs = torch.cat([torch.tensor(ids + positions + slots, dtype=torch.long),
+                       *prefill_slots, torch.tensor(qsl[1:], dtype=torch.long) - 1])
+    ints = torch.tensor(qsl + seq_lens + [c.state_slot for c in chunks], dtype=torch.int32)
+    longs = longs.to(device, non_blocking=True)
+    ints = ints.to(device, non_blocking=True)
     return ForwardBatch(
-        input_ids=put(torch.tensor(ids, dtype=torch.long)),
-        positions=put(torch.cat(positions)),
-        query_start_loc=put(torch.tensor(qsl, dtype=torch.int32)),
-        seq_lens=put(torch.tensor(seq_lens, dtype=torch.int32)),
-        block_tables=put(tables.contiguous()),
-        slot_mapping=put(torch.cat(slots)),
-        state_slots=put(torch.tensor([c.state_slot for c in chunks], dtype=torch.int32)),
-        logits_indices=put(torch.tensor(qsl[1:], dtype=torch.long) - 1),
+        input_ids=longs[:T],
+        positions=longs[T:2 * T],
+        slot_mapping=longs[2 * T:3 * T],
+        logits_indices=longs[3 * T:],
+        query_start_loc=ints[:B + 1],
+        seq_lens=ints[B + 1:2 * B + 1],
+        state_slots=ints[2 * B + 1:],
+        block_tables=tables.contiguous().to(device, non_blocking=True),
         num_decode_seqs=num_decode,
         query_start_loc_cpu=qsl,
         seq_lens_cpu=seq_lens,
