@@ -19,8 +19,11 @@ Writes DIR/profile_engine.json (DIR defaults to $OUT, else the current directory
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -75,8 +78,10 @@ def instrument(engine: LLMEngine, clock: PhaseClock) -> None:
 
 
 def summarize(prof, steps: int, top: int = 12) -> dict:
-    kernels = {}
+    kernels, host = {}, {}
     for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CPU and not evt.key.startswith("phase:"):
+            host[evt.key] = (evt.self_cpu_time_total / 1e3 / steps, evt.count / steps)
         dev = getattr(evt, "self_device_time_total", None)
         if dev is None:
             dev = evt.self_cuda_time_total
@@ -84,9 +89,12 @@ def summarize(prof, steps: int, top: int = 12) -> dict:
                 and not evt.key.startswith("phase:")):
             kernels[evt.key] = (dev / 1e3 / steps, evt.count / steps)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    ranked_host = sorted(host.items(), key=lambda kv: -kv[1][0])[:top]
     return {"gpu_kernel_ms": sum(ms for ms, _ in kernels.values()),
             "kernels_per_step": sum(n for _, n in kernels.values()),
-            "top_kernels": [{"name": k[:110], "ms": ms, "calls": n} for k, (ms, n) in ranked]}
+            "top_kernels": [{"name": k[:110], "ms": ms, "calls": n} for k, (ms, n) in ranked],
+            "top_host_ops": [{"name": k[:110], "ms": ms, "calls": n}
+                             for k, (ms, n) in ranked_host]}
 
 
 def _sync() -> None:
@@ -136,6 +144,15 @@ def profile_prefill(engine: LLMEngine, clock: PhaseClock, prompt_len: int) -> di
         one("profiled")
         _sync()
     out = summarize(prof, 1)
+    # Python functions by own time: where the host spends a prefill outside aten ops.
+    py = cProfile.Profile()
+    py.enable()
+    one("python-profiled")
+    _sync()
+    py.disable()
+    text = io.StringIO()
+    pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(15)
+    out["python_tottime"] = text.getvalue()
     out.update(wall_ms=wall, steps=steps, phases_ms=phases)
     return out
 
@@ -145,8 +162,12 @@ def print_case(title: str, r: dict) -> None:
     print(f"\n## {title}: wall {r['wall_ms']:.2f} ms, GPU kernels {r['gpu_kernel_ms']:.2f} ms"
           f" in {r['kernels_per_step']:.0f} launches")
     print(f"   host wall per phase (ms): {phases}")
+    print("   GPU kernels:")
     for k in r["top_kernels"]:
-        print(f"   {k['ms']:8.3f} ms  x{k['calls']:<4d} {k['name']}")
+        print(f"   {k['ms']:8.3f} ms  x{k['calls']:<6.0f} {k['name']}")
+    print("   host ops (self CPU time):")
+    for k in r["top_host_ops"][:8]:
+        print(f"   {k['ms']:8.3f} ms  x{k['calls']:<6.0f} {k['name']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             r = profile_prefill(engine, clock, args.prefill)
             results[f"{kv_type} prefill {args.prefill}"] = r
             print_case(f"{kv_type} prefill {args.prefill} ({r['steps']} steps)", r)
+            print(r["python_tottime"][-3500:])
         del engine
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
