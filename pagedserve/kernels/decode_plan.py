@@ -122,17 +122,18 @@ class DecodeConfig:
 @functools.cache
 def default_config(k_type: str, v_type: str) -> DecodeConfig:
     """The launch choice per K/V type pair: the winners of ``bench_attention.py``'s sweep on
-    an H200 (2026-11-29, docs/benchmarks/attention.md).
+    an H200 (2026-11-29, commit 28e0a52, docs/benchmarks/attention.md).
 
-    Quantized tiles hold more live registers (integer payload, scales, per-group scores),
-    so they take narrower tiles than f16/bf16. On the H200 the per-element dequantization
-    (``element``) beat the per-group 3-D dots (``group``) by 17% (geomean 164 vs 198 us),
-    and f16 tiles of 128 rows beat 64 by 26% (66 vs 90 us).
+    Quantized: ``packed`` tiles beat ``element`` by 18% and ``group`` by 36% (geomean 160
+    vs 197 vs 251 us at 32-row tiles); then 128-row tiles, no software pipelining (one
+    stage: the dequantization already keeps the loop busy, and a second stage's buffers
+    cost occupancy) and 128-token minimum chunks brought it to 98 us. f16: 128-row tiles,
+    two stages, 128-token minimum chunks (82 us). Two programs per SM won for both.
     """
     if k_type in ("q8_0", "q4_0") or v_type in ("q8_0", "q4_0"):
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=2, min_partition=256,
-                            quant_dot="element")
-    return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=256)
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
+                            quant_dot="packed")
+    return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128)
 
 
 @functools.cache
