@@ -6,7 +6,6 @@ The engine is single-threaded; ``AsyncEngine`` drives it from a background threa
 
 from __future__ import annotations
 
-import gc
 import random
 import time
 from dataclasses import dataclass, field
@@ -115,10 +114,6 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(config.seed)
         self.stats = EngineStats()
-        # The model, tokenizer and pools live as long as the engine: keep them out of the
-        # cyclic collector's full passes, which would otherwise walk them mid-step.
-        gc.collect()
-        gc.freeze()
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(
