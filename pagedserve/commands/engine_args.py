@@ -16,8 +16,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16 or float16 (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--kv-layout", default="paged", choices=("paged", "contiguous"))
-    p.add_argument("--cache-type-k", default="f16", choices=formats.KV_TYPES)
-    p.add_argument("--cache-type-v", default="f16", choices=formats.KV_TYPES)
+    kv_help = "K/V storage type (default f16; f32 is exact and CPU-only)"
+    p.add_argument("--cache-type-k", default="f16", choices=formats.KV_TYPES, help=kv_help)
+    p.add_argument("--cache-type-v", default="f16", choices=formats.KV_TYPES, help=kv_help)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=default_max_num_seqs)

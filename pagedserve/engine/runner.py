@@ -27,6 +27,7 @@ import torch
 from pagedserve.config import CacheConfig
 from pagedserve.engine.decode_graphs import DecodeGraphs
 from pagedserve.kernels.decode_plan import DecodeWorkspace, default_occupancy
+from pagedserve.kv import formats
 from pagedserve.kv.block_pool import BlockPool
 from pagedserve.kv.formats import KVBlockStorage
 from pagedserve.kv.kv_manager import BlockCopy, KVCacheManager
@@ -117,6 +118,8 @@ class ModelRunner:
         first = next(model.parameters())
         self.device, self.dtype = first.device, first.dtype
         cache_config.check_head_dim(cfg.head_dim)
+        for kv_type in (cache_config.cache_type_k, cache_config.cache_type_v):
+            formats.check_device_support(kv_type, self.device)
         if config.max_model_len > cfg.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's "

@@ -14,7 +14,7 @@ import torch
 
 from pagedserve.kernels import guards, reference
 from pagedserve.kernels.decode_plan import DecodeConfig, DecodeWorkspace
-from pagedserve.kv.formats import KVBlockStorage
+from pagedserve.kv.formats import GPU_KV_TYPES, KVBlockStorage
 
 BACKENDS = ("triton", "reference")
 
@@ -33,6 +33,15 @@ def _pick(backend: str | None, device: torch.device) -> str:
     return backend
 
 
+def _check_triton_types(*caches: KVBlockStorage) -> None:
+    for cache in caches:
+        if cache.kv_type not in GPU_KV_TYPES:
+            raise ValueError(
+                f"the Triton kernels do not take K/V type {cache.kv_type!r}; accepted: "
+                f"{list(GPU_KV_TYPES)} (use the 'reference' backend)"
+            )
+
+
 def kv_write(
     cache: KVBlockStorage, rows: torch.Tensor, slot_mapping: torch.Tensor, *,
     backend: str | None = None, validate: bool | None = None,
@@ -42,6 +51,7 @@ def kv_write(
     if _pick(backend, rows.device) == "triton":
         from pagedserve.kernels import kv_write as triton_kv_write
 
+        _check_triton_types(cache)
         triton_kv_write.kv_write(cache, rows, slot_mapping, validate=validate)
         return
     guards.check_kv_write_args(cache, rows, slot_mapping)
@@ -75,6 +85,7 @@ def paged_decode_attention(
     if _pick(backend, q.device) == "triton":
         from pagedserve.kernels import paged_decode
 
+        _check_triton_types(cache_k, cache_v)
         return paged_decode.paged_decode_attention(
             q, cache_k, cache_v, block_tables, seq_lens, scale, workspace=workspace,
             out=out, config=config, validate=validate,

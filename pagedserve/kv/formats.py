@@ -1,11 +1,15 @@
 """K/V storage types: one place for each type's size, and its quantize/dequantize pair.
 
 Types are data, not classes: a storage type is a name (``"f16"``, ``"bf16"``, ``"q8_0"``,
-``"q4_0"``) that configs carry and kernels take as a ``constexpr``. ``q8_0`` and ``q4_0``
-are GGML's formats: groups of 32 values, each group with one fp16 scale.
+``"q4_0"``, ``"f32"``) that configs carry and kernels take as a ``constexpr``. ``q8_0`` and
+``q4_0`` are GGML's formats: groups of 32 values, each group with one fp16 scale. ``f32``
+stores K/V exactly as a float32 model computes them; it is for the CPU reference path
+(exact comparisons with transformers), and the GPU kernels do not take it
+(``GPU_KV_TYPES``).
 
 Bytes per row (one token, one K/V head) for head_dim D:
 
+    f32       : 4 * D
     f16, bf16 : 2 * D
     q8_0      : (D / 32) * 34     (32 int8 + one fp16 scale per group)
     q4_0      : (D / 32) * 18     (16 bytes of nibbles + one fp16 scale per group)
@@ -50,8 +54,21 @@ _SPECS = {
     "bf16": KVTypeSpec("bf16", False, 1, 2, 0),
     "q8_0": KVTypeSpec("q8_0", True, GROUP_SIZE, 32, 2),
     "q4_0": KVTypeSpec("q4_0", True, GROUP_SIZE, 16, 2),
+    "f32": KVTypeSpec("f32", False, 1, 4, 0),
 }
 KV_TYPES: tuple[str, ...] = tuple(_SPECS)
+# The types the Triton kernels read and write.
+GPU_KV_TYPES: tuple[str, ...] = ("f16", "bf16", "q8_0", "q4_0")
+
+
+def check_device_support(kv_type: str, device: str | torch.device) -> None:
+    """``ValueError`` if K/V of ``kv_type`` cannot live on ``device`` (f32 is CPU-only)."""
+    spec(kv_type)
+    if torch.device(device).type == "cuda" and kv_type not in GPU_KV_TYPES:
+        raise ValueError(
+            f"K/V type {kv_type!r} runs on the CPU only; on cuda accepted: "
+            f"{list(GPU_KV_TYPES)}"
+        )
 
 
 def spec(kv_type: str) -> KVTypeSpec:
@@ -75,6 +92,7 @@ def bytes_per_row(kv_type: str, head_dim: int) -> int:
 # Storage layout, per layer, for K and for V separately (``KVBlockStorage``):
 #
 #   f16 / bf16   data   [num_blocks, Hkv, block_size, D]        float16 / bfloat16
+#   f32          data   [num_blocks, Hkv, block_size, D]        float32 (CPU only)
 #   q8_0         data   [num_blocks, Hkv, block_size, D]        int8    (qs)
 #                scales [num_blocks, Hkv, block_size, D // 32]  float16 (d, one per group)
 #   q4_0         data   [num_blocks, Hkv, block_size, D // 2]   uint8   (packed nibbles)
@@ -150,6 +168,7 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
 
 
 STORAGE_DTYPE = {
+    "f32": torch.float32,
     "f16": torch.float16,
     "bf16": torch.bfloat16,
     "q8_0": torch.int8,

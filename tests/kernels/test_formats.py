@@ -94,7 +94,7 @@ def test_bit_exact_property(kv_type, x):
 
 
 @pytest.mark.parametrize("kv_type,expected", [
-    ("f16", 512), ("bf16", 512), ("q8_0", 272), ("q4_0", 144),
+    ("f16", 512), ("bf16", 512), ("q8_0", 272), ("q4_0", 144), ("f32", 1024),
 ])
 def test_bytes_per_row_at_qwen_head_dim(kv_type, expected):
     assert formats.bytes_per_row(kv_type, 256) == expected
@@ -131,3 +131,13 @@ def test_errors_name_the_bad_value():
         formats.spec("q5_0")
     with pytest.raises(ValueError, match="head_dim 48 .* multiple of 32"):
         formats.bytes_per_row("q4_0", 48)
+
+
+def test_f32_stores_exactly_and_is_cpu_only():
+    x = torch.randn(7, 64, dtype=torch.float64).float()
+    data, scales = formats.quantize(x, "f32")
+    assert scales is None and torch.equal(formats.dequantize(data, None, "f32"), x)
+    formats.check_device_support("f32", "cpu")
+    formats.check_device_support("q4_0", "cuda")
+    with pytest.raises(ValueError, match="'f32' runs on the CPU only.*'f16', 'bf16'"):
+        formats.check_device_support("f32", "cuda")

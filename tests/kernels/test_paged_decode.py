@@ -63,10 +63,16 @@ def run(k_type, v_type, lens, *, hkv=2, group=2, d=64, backend="triton", config=
     return out, ref
 
 
-@pytest.mark.parametrize("k_type,v_type", COMBOS)
+@pytest.mark.parametrize("k_type,v_type", [*COMBOS, ("f32", "f32"), ("f32", "q4_0")])
 def test_reference_matches_oracle(k_type, v_type):
     out, ref = run(k_type, v_type, [0, 1, 17, 40], backend="reference")
     assert rel_error(out, ref) <= bound(k_type, v_type)
+
+
+@needs_triton
+def test_triton_rejects_cpu_only_types():
+    with pytest.raises(ValueError, match="Triton kernels do not take K/V type 'f32'"):
+        run("f32", "f16", [5])
 
 
 @needs_triton

@@ -27,7 +27,6 @@ from hybrid_checkpoints import (  # noqa: E402
 
 from pagedserve.config import CacheConfig  # noqa: E402
 from pagedserve.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
-from pagedserve.kv import formats  # noqa: E402
 from pagedserve.model.loader import LoadedModel, load_model  # noqa: E402
 
 
@@ -74,12 +73,3 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
 def checkpoint(request: pytest.FixtureRequest, checkpoints) -> Checkpoint:
     return checkpoints(request.param)
 
-
-@pytest.fixture
-def exact_kv_storage(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Store "f16" K/V as float32, so that a comparison sees the model's math alone.
-
-    There is no exact (f32) K/V storage type yet; widening f16's storage dtype on the CPU
-    reference path is the smallest change that isolates the model from storage rounding.
-    """
-    monkeypatch.setitem(formats.STORAGE_DTYPE, "f16", torch.float32)

@@ -1,8 +1,9 @@
 """Logits and greedy tokens against transformers' own Qwen3.5, on tiny random checkpoints.
 
 Three checkpoint shapes (``hybrid_checkpoints.SHAPES``), float32 model, transformers with its
-own cache as the reference. The model math is held to 1e-4 with K/V stored exactly; f16
-storage adds its own rounding of K and V (relative 2^-11), measured and bounded separately.
+own cache as the reference. The model math is held to 1e-4 with K/V stored exactly (the
+``f32`` storage type); f16 storage adds its own rounding of K and V (relative 2^-11),
+measured and bounded separately.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hybrid_checkpoints import NEW_TOKENS
 from pagedserve.config import CacheConfig
 
 TOLERANCE = 1e-4
+EXACT = CacheConfig(cache_type_k="f32", cache_type_v="f32")
 # f16 K/V rounding reaches the logits as ~1e-4 on these models (measured 0.6-2.0e-4).
 F16_STORAGE_TOLERANCE = 1e-3
 
@@ -30,8 +32,8 @@ def _max_diffs(checkpoint, cache: CacheConfig) -> tuple[float, float]:
     return prompt, decode
 
 
-def test_logits_match_transformers(checkpoint, exact_kv_storage) -> None:
-    prompt, decode = _max_diffs(checkpoint, CacheConfig())
+def test_logits_match_transformers(checkpoint) -> None:
+    prompt, decode = _max_diffs(checkpoint, EXACT)
     print(f"\n{checkpoint.name} exact K/V: max logit diff prefill {prompt:.2e} decode {decode:.2e}")
     assert prompt <= TOLERANCE
     assert decode <= TOLERANCE
@@ -52,13 +54,13 @@ def test_greedy_tokens_match_transformers(checkpoint, layout: str, chunk: int | 
     assert seq.tokens == checkpoint.reference.tokens
 
 
-def test_prompt_logits_do_not_depend_on_chunk_size(checkpoint, exact_kv_storage) -> None:
+def test_prompt_logits_do_not_depend_on_chunk_size(checkpoint) -> None:
     """With exact storage the last prompt logits agree across chunkings to float noise.
 
     (With f16 storage a 1e-7 difference between chunkings can flip the f16 rounding of a
     K/V element, so there the token tests above carry the chunk-size independence.)"""
     ref = checkpoint.reference
-    runner = checkpoint.runner()
+    runner = checkpoint.runner(EXACT)
     last = [greedy(runner, checkpoint.prompt, 1, chunk=c).step_logits[0] for c in (1, 7, 16, 37)]
     for logits in last[1:]:
         assert torch.allclose(logits, last[0], atol=1e-5, rtol=0)
