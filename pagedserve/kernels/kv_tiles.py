@@ -130,6 +130,14 @@ def load_group_tile(
     return ints, sc.to(tl.float32)
 
 
+def _minus_offset_times_scale(scales: list[str]) -> str:
+    """PTX lines shared by the q4_0 decoders: outputs ``$0..$3`` hold f16 pairs
+    ``1024 + nibble``; subtract ``off`` (1032, so the value is ``nibble - 8``, exact) and
+    multiply by the scale registers ``scales[i]`` (one rounding)."""
+    return "".join([f"sub.f16x2 ${i}, ${i}, off;\n" for i in range(4)]
+                   + [f"mul.f16x2 ${i}, ${i}, {r};\n" for i, r in enumerate(scales)])
+
+
 # Each asm invocation takes 4 q4_0 bytes, each present twice (the input is the byte tile
 # joined with itself, so that its shape is the output's: two registers [b0 b0 b1 b1] and
 # [b2 b2 b3 b3]), and their group scale (four f16x2 registers). For byte b it builds one
@@ -154,16 +162,7 @@ prmt.b32 t, $5, u1, 0x0400;
 lop3.b32 $2, t, nib, magic, 0xea;
 prmt.b32 t, $5, u1, 0x0602;
 lop3.b32 $3, t, nib, magic, 0xea;
-sub.f16x2 $0, $0, off;
-sub.f16x2 $1, $1, off;
-sub.f16x2 $2, $2, off;
-sub.f16x2 $3, $3, off;
-mul.f16x2 $0, $0, $6;
-mul.f16x2 $1, $1, $7;
-mul.f16x2 $2, $2, $8;
-mul.f16x2 $3, $3, $9;
-}
-""")
+""" + _minus_offset_times_scale(["$6", "$7", "$8", "$9"]) + "}")
 
 # Each asm invocation takes 4 q4_0 bytes (one register) and their group scale (two f16x2
 # registers). t = [b0 b2 b1 b3] (prmt), so that one lop3 with 0x000f000f | 0x64006400
@@ -186,16 +185,7 @@ shr.b32 u, t, 4;
 lop3.b32 $2, u, nib, magic, 0xea;
 shr.b32 u, t, 12;
 lop3.b32 $3, u, nib, magic, 0xea;
-sub.f16x2 $0, $0, off;
-sub.f16x2 $1, $1, off;
-sub.f16x2 $2, $2, off;
-sub.f16x2 $3, $3, off;
-mul.f16x2 $0, $0, $5;
-mul.f16x2 $1, $1, $6;
-mul.f16x2 $2, $2, $5;
-mul.f16x2 $3, $3, $6;
-}
-""")
+""" + _minus_offset_times_scale(["$5", "$6", "$5", "$6"]) + "}")
 
 _Q8_PAIRS_ASM = tl.constexpr("""
 {
