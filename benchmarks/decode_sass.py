@@ -1,0 +1,132 @@
+"""Instruction counts of the decode kernel's tile loop, compiled for sm_90 on any machine.
+
+No GPU needed: Triton compiles the kernel for an H100/H200 target (``GPUTarget("cuda", 90,
+32)``) with the launch's divisibility hints (pointers and 16-divisible strides, as the JIT
+would see them for the Qwen3.5 shape), and ``cuobjdump`` from Triton's wheel disassembles
+it. For each configuration it prints registers, spill bytes, the instruction count of
+the main tile loop (the largest backward branch) and its most frequent opcodes and memory
+instructions: a quick way to compare tile formulations before spending device time.
+
+    python benchmarks/decode_sass.py [K:V:MODE:BLOCK_N:WARPS[:STAGES] ...]
+    e.g. python benchmarks/decode_sass.py q4_0:q4_0:packed:64:8 f16:f16:group:128:4
+
+The counts are per thread per loop iteration; compare configurations with the same
+values per thread (``block_n * 256 * 2 / (32 * warps)`` for D = 256).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pagedserve.kernels.paged_decode import _paged_decode_kernel  # noqa: E402
+
+HQ, HKV, D, BS = 24, 4, 256, 16
+POINTER_TYPES = {"f16": "*fp16", "bf16": "*bf16", "q8_0": "*i8", "q4_0": "*u8"}
+DEFAULTS = ["f16:f16:group:128:4:2", "q8_0:q8_0:packed:128:4:1", "q4_0:q4_0:packed:128:4:1"]
+
+
+def compile_decode(k_type: str, v_type: str, mode: str, block_n: int, warps: int,
+                   stages: int):
+    """The compiled kernel for one configuration (Qwen3.5 attention shape, paged)."""
+    names = _paged_decode_kernel.arg_names
+    group = HQ // HKV
+    quant = ("q8_0", "q4_0")
+    const = dict(
+        G=group, G_PAD=16, GP=triton.next_power_of_2(group), D=D, BS=BS, B_PAD=8,
+        BLOCK_N=block_n, MIN_PARTITION=max(128, block_n), K_TYPE=k_type, V_TYPE=v_type,
+        QUANT_DOT=mode, K_GROUP=mode == "group" and k_type in quant,
+        V_GROUP=mode == "group" and v_type in quant, PAGED=True, MERGE_CHUNKS=2,
+        MERGE_GROUP=8, NATIVE=True,
+    )
+    pointers = {
+        "q_ptr": "*fp16", "out_ptr": "*fp16", "kd_ptr": POINTER_TYPES[k_type],
+        "ks_ptr": "*fp16", "vd_ptr": POINTER_TYPES[v_type], "vs_ptr": "*fp16",
+        "table_ptr": "*i32", "lens_ptr": "*i32", "part_acc_ptr": "*fp32",
+        "part_ml_ptr": "*fp32", "group_counter_ptr": "*i32", "seq_counter_ptr": "*i32",
+    }
+    # Strides of q, out and the block table at the Qwen3.5 shape: all multiples of 16.
+    strides16 = {"stride_qb", "stride_qh", "stride_ob", "stride_oh"}
+    signature, attrs = {}, {}
+    for i, name in enumerate(names):
+        if name in pointers:
+            signature[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in const:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+            if name in strides16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=_paged_decode_kernel, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"decode_sass_{os.getpid()}.cubin"
+    path.write_bytes(cubin)
+    try:
+        return subprocess.run([str(tool), flag, str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def loop_stats(kernel) -> dict:
+    """Registers, spills, and the main loop's instruction mix of a compiled kernel."""
+    cubin = kernel.asm["cubin"]
+    regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(cubin, "-res-usage")).groups()
+    code = []
+    for line in _cuobjdump(cubin, "-sass").splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line)
+        if m:
+            code.append((int(m.group(1), 16), m.group(2)))
+    loops = []
+    for addr, text in code:
+        target = re.search(r"BRA .*0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            lo = int(target.group(1), 16)
+            loops.append((sum(1 for a, _ in code if lo <= a <= addr), lo, addr))
+    size, lo, hi = max(loops)
+    ops, mem = collections.Counter(), collections.Counter()
+    for addr, text in code:
+        if lo <= addr <= hi:
+            ops[re.match(r"(@!?U?P\w+\s+)?([A-Z0-9_]+)", text).group(2)] += 1
+            m = re.search(r"\b((?:LDG|LDGSTS|STS|LDS|STSM|LDSM)\S*)", text)
+            if m:
+                mem[m.group(1)] += 1
+    return {"registers": int(regs), "spill_bytes": int(stack), "loop_instructions": size,
+            "top_ops": ops.most_common(8), "memory_ops": dict(mem.most_common(6))}
+
+
+def main(argv: list[str]) -> int:
+    for spec in argv or DEFAULTS:
+        parts = spec.split(":")
+        if len(parts) not in (5, 6):
+            raise SystemExit(f"bad spec {spec!r}: want K:V:MODE:BLOCK_N:WARPS[:STAGES]")
+        k_type, v_type, mode = parts[:3]
+        block_n, warps = int(parts[3]), int(parts[4])
+        stages = int(parts[5]) if len(parts) == 6 else 2
+        st = loop_stats(compile_decode(k_type, v_type, mode, block_n, warps, stages))
+        per_thread = block_n * D * 2 // (32 * warps)
+        print(f"{spec}: {st['registers']} regs, {st['spill_bytes']} B spilled, loop "
+              f"{st['loop_instructions']} instructions for {per_thread} K+V values/thread")
+        print(f"    ops {st['top_ops']}")
+        print(f"    memory {st['memory_ops']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
