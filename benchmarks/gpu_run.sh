@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the H200 runs, in named stages, in one call of the device tool:
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
-# Stages: tests-kernels tests-packed tests-graph tests-gdn tests-model bench-attention
-#         bench-attention-quick profile-engine bench-model bench-engine bench-serve. Each stage has its own time limit, logs to $OUT/<stage>.log, and a
+# Stages: tests-kernels (or tests-kernels-grid + tests-kernels-small) tests-packed
+#         tests-graph tests-gdn tests-model bench-attention bench-attention-quick
+#         profile-engine bench-model bench-engine bench-serve. Each stage has its own time limit, logs to $OUT/<stage>.log, and a
 # one-line status goes to the summary printed last.
 # Needs: wheels in .whl/ (fla-core, and the server's fastapi/uvicorn/pydantic stack, which
 # the GPU image lacks), PAGEDSERVE_COMMIT set by the caller (the tree travels without .git).
@@ -31,6 +32,11 @@ for spec in "$@"; do
   case $stage in
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
+    # The same, in two parts that each fit a call beside other stages (~46 and ~120 tests;
+    # most of their time is Triton compiling each configuration once).
+    tests-kernels-grid) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py ;;
+    tests-kernels-small) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_kv_write.py \
+                     tests/kernels/test_paged_decode.py ;;
     tests-packed)  run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      -k "quant_dot_modes or packed" ;;
     tests-graph)   run_stage "$stage" "$limit" $PYTEST \
