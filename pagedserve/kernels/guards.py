@@ -64,8 +64,10 @@ def check_decode_args(
     _require(cache_k.data.shape[:3] == cache_v.data.shape[:3],
              f"K and V pools differ: [num_blocks, Hkv, block_size] "
              f"{tuple(cache_k.data.shape[:3])} vs {tuple(cache_v.data.shape[:3])}")
+    _require(cache_k.num_blocks >= 1, "the K/V pool has no blocks")
     for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
-        # The kernel addresses rows by one int32 index over contiguous storage.
+        # The kernel addresses rows by one int32 index over contiguous storage, and points
+        # rows outside a sequence at row 0 (so the pool must have one).
         _require(c.data.is_contiguous() and (c.scales is None or c.scales.is_contiguous()),
                  f"{name} storage must be contiguous for decode")
         rows = c.data.shape[0] * c.data.shape[1] * c.data.shape[2]

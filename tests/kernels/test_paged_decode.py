@@ -26,6 +26,7 @@ from kernel_oracle import (
 
 from pagedserve.kernels import ops
 from pagedserve.kernels.decode_plan import MERGE_GROUP, DecodeConfig, DecodeWorkspace, plan_chunks
+from pagedserve.kv.formats import KVBlockStorage
 
 TYPES = ["f16", "q8_0", "q4_0"]
 COMBOS = [*itertools.product(TYPES, TYPES), ("bf16", "bf16")]
@@ -269,6 +270,14 @@ def test_hot_path_checks_name_the_problem(change, message):
     q = torch.randn(1, change.get("hq", 8), change.get("d", 64)).half()
     with pytest.raises(ValueError, match=message):
         ops.paged_decode_attention(q, ck, cv, table, seq_lens, 0.1, backend="reference")
+
+
+def test_empty_pool_is_rejected():
+    ck, cv = (KVBlockStorage.allocate("q4_0", 0, 16, 1, 64) for _ in range(2))
+    with pytest.raises(ValueError, match="the K/V pool has no blocks"):
+        ops.paged_decode_attention(torch.randn(1, 1, 64).half(), ck, cv,
+                                   torch.full((1, 1), -1, dtype=torch.int32),
+                                   torch.zeros(1, dtype=torch.int32), 0.1, backend="reference")
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
