@@ -40,7 +40,7 @@ import _common  # noqa: E402
 
 from pagedserve.config import CacheConfig, ModelConfig  # noqa: E402
 from pagedserve.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
-from pagedserve.model.forward_batch import SeqChunk, build_forward_batch  # noqa: E402
+from pagedserve.model.forward_batch import HostStaging, SeqChunk, build_forward_batch  # noqa: E402
 from pagedserve.model.qwen3_5 import Qwen3_5Model  # noqa: E402
 from pagedserve.model.random_weights import random_model, set_param  # noqa: E402
 from pagedserve.model.weights import packed_sources  # noqa: E402
@@ -106,10 +106,13 @@ def run_ours(runner: ModelRunner, prompt: list[int], steps: int) -> dict:
     slot = runner.state_pool.slot(slot_handle)
     dev = runner.device
     cuda = dev.type == "cuda"
+    # As the engine: reusable pinned buffers for the step's host->device copies.
+    staging = HostStaging(dev, len(prompt), 1, runner.max_blocks_per_seq) if cuda else None
 
     def step(ids: list[int], start: int, events=None) -> int:
         kv.reserve(handle, len(ids))
-        batch = build_forward_batch([SeqChunk(handle, slot, tuple(ids), start)], kv, dev)
+        batch = build_forward_batch([SeqChunk(handle, slot, tuple(ids), start)], kv, dev,
+                                    staging=staging)
         if events is not None:
             events[0].record()
         logits = runner.execute(batch)

@@ -18,7 +18,7 @@ from pagedserve.engine.request import Request, RequestStatus, SamplingParams, To
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
 from pagedserve.engine.sampler import SamplerOutput, SamplingTensors, sample
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from pagedserve.model.forward_batch import SeqChunk, build_forward_batch
+from pagedserve.model.forward_batch import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.model.loader import LoadedModel, load_model
 
 
@@ -108,6 +108,10 @@ class LLMEngine:
                             prefill_chunk=config.prefill_chunk, max_model_len=max_len),
             self.kv, self.runner.state_pool,
         )
+        # Pinned buffers for each step's host->device copies (CUDA only; see HostStaging).
+        self._staging = HostStaging(self.runner.device, budget, config.max_num_seqs,
+                                    self.runner.max_blocks_per_seq) \
+            if self.runner.device.type == "cuda" else None
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = cfg.vocab_size
         self.requests: dict[str, Request] = {}
@@ -178,7 +182,8 @@ class LLMEngine:
             self.runner.copy_blocks(self.kv.pending_copies)
             self.kv.pending_copies.clear()
         batch = build_forward_batch(
-            [self._seq_chunk(c) for c in plan.chunks], self.kv, self.runner.device)
+            [self._seq_chunk(c) for c in plan.chunks], self.kv, self.runner.device,
+            staging=self._staging)
         logits = self.runner.execute(batch)  # [B, V] float32
         sampling = [i for i, c in enumerate(plan.chunks) if c.completes]
         sampled = self._sample(logits, [plan.chunks[i].request for i in sampling], sampling)
