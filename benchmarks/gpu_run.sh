@@ -7,6 +7,7 @@
 # one-line status goes to the summary printed last.
 # Needs: wheels in .whl/ (fla-core, and the server's fastapi/uvicorn/pydantic stack, which
 # the GPU image lacks), PAGEDSERVE_COMMIT set by the caller (the tree travels without .git).
+# Optional: .triton-cache.tar from an earlier call's $OUT (carry it with .whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -14,6 +15,21 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   .whl/*.whl >/dev/null || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+# Triton's cache (compiled kernels and autotune results, fla's included) can travel between
+# calls: a carried .triton-cache.tar is unpacked here, and the cache is packed back into
+# $OUT at the end (bring it home and carry it next time). Optional: nothing fails without it.
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .triton-cache.tar ] && tar -xf .triton-cache.tar -C "$TRITON_CACHE_DIR" 2>/dev/null
+pack_triton_cache() {
+  tar -cf "$OUT/triton-cache.tar" -C "$TRITON_CACHE_DIR" . 2>/dev/null || true
+  local size; size=$(stat -c %s "$OUT/triton-cache.tar" 2>/dev/null || echo 0)
+  # Over the 16 MB a returned file may have: keep only the autotune results.
+  if [ "$size" -gt 16000000 ]; then
+    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -cf "$OUT/triton-cache.tar" -T -) \
+      2>/dev/null || rm -f "$OUT/triton-cache.tar"
+  fi
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 summary=()
 run_stage() {
@@ -55,4 +71,5 @@ for spec in "$@"; do
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
+pack_triton_cache
 echo; echo "=== summary"; printf '%s\n' "${summary[@]}"
