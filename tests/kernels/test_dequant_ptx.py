@@ -1,0 +1,66 @@
+"""The dequantization PTX of ``kv_tiles`` against ``formats.dequantize``, on the host.
+
+The GPU tests run this asm for real; CI cannot, so ``ptx_emulator`` executes it
+instruction by instruction. Every byte value and a spread of scales (negative, tiny,
+large) must give exactly the f16 that ``formats.dequantize`` (itself bit-exact against
+``gguf``) rounds to. Operands are packed the way Triton packs sub-32-bit asm operands:
+consecutive elements, element 0 in the low bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ptx_emulator import pack_bytes, pack_f16, run, unpack_f16
+
+from pagedserve.kernels import kv_tiles
+from pagedserve.kv import formats
+
+SCALES = [1.0, -0.0078125, 0.000123, 3.5e-05, 61.25, -1024.0]
+
+
+def _q4_values(byte_values: list[int], d: float) -> tuple[list[float], list[float]]:
+    """f16 values of the low and high nibbles of bytes placed in one q4_0 group."""
+    group = torch.zeros(1, 16, dtype=torch.uint8)
+    group[0, : len(byte_values)] = torch.tensor(byte_values, dtype=torch.uint8)
+    vals = formats.dequantize(group, torch.tensor([[d]], dtype=torch.float16), "q4_0",
+                              torch.float16)[0].tolist()  # 32 values: lo nibbles, then hi
+    n = len(byte_values)
+    return vals[:n], vals[16:16 + n]
+
+
+@pytest.mark.parametrize("d", SCALES)
+def test_q8_0_pairs(d):
+    for start in range(-128, 128, 4):
+        qs = list(range(start, start + 4))
+        out = run(kv_tiles._Q8_PAIRS_ASM.value, [pack_bytes(qs), *pack_f16([d] * 4)], 2)
+        data = torch.tensor([qs + [0] * 28], dtype=torch.int8)
+        want = formats.dequantize(data, torch.tensor([[d]], dtype=torch.float16), "q8_0",
+                                  torch.float16)[0, :4].tolist()
+        assert unpack_f16(out) == want, qs
+
+
+@pytest.mark.parametrize("d", SCALES)
+def test_q4_0_halves(d):
+    for start in range(0, 256, 4):
+        b = list(range(start, start + 4))
+        out = unpack_f16(run(kv_tiles._Q4_HALVES_ASM.value, [pack_bytes(b), *pack_f16([d] * 4)],
+                             4))
+        lo, hi = _q4_values(b, d)
+        assert out == lo + hi, b
+
+
+@pytest.mark.parametrize("d", SCALES)
+def test_q4_0_pairs(d):
+    for start in range(0, 256, 4):
+        b = list(range(start, start + 4))
+        doubled = [v for v in b for _ in range(2)]  # the byte tile joined with itself
+        regs = [pack_bytes(doubled[:4]), pack_bytes(doubled[4:]), *pack_f16([d] * 8)]
+        out = unpack_f16(run(kv_tiles._Q4_PAIRS_ASM.value, regs, 4))
+        lo, hi = _q4_values(b, d)
+        assert out == [v for pair in zip(lo, hi) for v in pair], b
+
+
+def test_emulator_rejects_what_it_does_not_know():
+    with pytest.raises(NotImplementedError, match="'add.u32'"):
+        run("{ add.u32 $0, $1, 1; }", [5], 1)
