@@ -110,7 +110,7 @@ def markdown(res: dict) -> str:
                  [[t["method"], t["measure"], t["target"], t["value"],
                    "yes" if t["ok"] else "**no**"] for t in res["targets"]]),
         "## Launch configuration (from the sweep)\n",
-        md_table(["family", "config"], [[f, str(c)] for f, c in res["launch"].items()]),
+        md_table(["K/V type", "config"], [[f, str(c)] for f, c in res["launch"].items()]),
     ]
     header = ["K/V", "n", "ctx", "live MB", "paged us", "contig us", "paged / contig",
               "GB/s live", "of copy BW", "SDPA us", "paged vs SDPA", "max err"]
