@@ -4,8 +4,8 @@ One run on one GPU measures, side by side (Qwen3.5/3.6 attention: D=256, Hq=24, 
 16-token blocks; workloads from shared/BENCHMARKS.md):
 
 - the device copy bandwidth (bytes read + written), the denominator of every fraction;
-- a small tuning sweep of the decode launch (tile, warps, stages, quantized-dot mode,
-  partition size, occupancy), whose winner runs everything after it;
+- a small tuning sweep of the decode launch per K/V type (tile, warps, stages,
+  quantized-dot mode, partition size, occupancy), whose winner runs that type's cases;
 - uniform batches n_seq {1,2,4,8} x context {4K,16K,64K,128K} x K/V {q4_0,q8_0,f16}:
   paged and contiguous time, paged / contiguous throughput, GB/s on live K/V bytes and
   its fraction of copy bandwidth; for f16 also torch SDPA (``enable_gqa=True``);
