@@ -18,7 +18,7 @@ the IEEE layout, not copied)::
     q4_0: bits = 0x6400 | nibble           -> 1024 + nibble ; minus 1032 -> nibble - 8
     q8_0: bits = 0x6400 + (128 + qs)       -> 1152 + qs     ; minus 1152 -> qs
 
-Both results are exact in f16. Group scales are applied in one of two ways
+Both results are exact in f16. Group scales are applied in one of three ways
 (``DecodeConfig.quant_dot``):
 
 - ``group``: per-group dots on the exact integers (batched over the D/32 groups). For K
@@ -41,7 +41,8 @@ Both results are exact in f16. Group scales are applied in one of two ways
                                  (byte j of the group, h = 0: low nibble, 1: high)
 
   The choice between orders and modes came from instruction counts of the compiled
-  tile loop (sm_90 SASS, see ``docs/benchmarks/README.md``) and the H200 sweep.
+  tile loop (``benchmarks/decode_sass.py``) and the H200 sweep; the PTX itself is
+  checked on the host by ``tests/kernels/test_dequant_ptx.py``.
 
 GQA: the dots take the query heads of one K/V head as rows, padded to ``G_PAD >= 16``
 rows for ``tl.dot``; every K/V row is loaded once for all of them.
