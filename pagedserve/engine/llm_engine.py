@@ -16,7 +16,7 @@ from pagedserve.config import CacheConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
-from pagedserve.engine.sampler import SamplerOutput, SamplingTensors, sample
+from pagedserve.engine.sampler import SamplerOutput, SamplingTensors, plain_argmax, sample
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pagedserve.model.forward_batch import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.model.loader import LoadedModel, load_model
@@ -198,11 +198,14 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]):
         if not reqs:
             return None
-        st = SamplingTensors.from_requests(reqs, self.vocab_size, logits.device)
         if len(rows) != logits.shape[0]:  # some rows end a prefill chunk mid-prompt
             index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
             logits = logits.index_select(0, index)
-        out = sample(logits, st)
+        if plain_argmax(reqs):
+            out = SamplerOutput(token_ids=logits.argmax(dim=-1))
+        else:
+            out = sample(logits, SamplingTensors.from_requests(reqs, self.vocab_size,
+                                                               logits.device))
         return _to_host(out)  # the step's one device -> host sync
 
     def _post_process(self, chunks, sampling, sampled) -> list[RequestOutput]:

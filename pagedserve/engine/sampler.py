@@ -98,6 +98,17 @@ class SamplingTensors:
         )
 
 
+def plain_argmax(requests: list[Request]) -> bool:
+    """Whether every request takes the plain argmax: greedy, no penalties, no logprobs.
+    ``sample`` would then compute exactly ``logits.argmax(-1)``, so the caller can skip
+    building the per-row settings (their host work and copies)."""
+    return all(
+        p.greedy and p.logprobs is None and not p.presence_penalty
+        and not p.frequency_penalty and p.repetition_penalty == 1.0
+        for p in (r.params for r in requests)
+    )
+
+
 def _pad(rows: list[list[int]], pad: int, device) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), width), pad, dtype=torch.long)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedserve.engine.request import Request, SamplingParams
-from pagedserve.engine.sampler import SamplingTensors, exponential_noise, sample
+from pagedserve.engine.sampler import SamplingTensors, exponential_noise, plain_argmax, sample
 
 V = 12
 
@@ -53,6 +53,19 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     out = draw(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
                         SamplingParams(temperature=0.0)])
     assert out.token_ids[0] == logits[0].argmax() and out.token_ids[2] == logits[2].argmax()
+
+
+def test_plain_argmax_is_exactly_what_sample_does_for_such_rows():
+    # The engine skips building SamplingTensors when this holds; it must not change a token.
+    plain = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, top_k=3)]
+    logits = torch.randn(2, V)
+    assert plain_argmax(requests(plain))
+    assert torch.equal(draw(logits, plain, outputs=[[1, 1], [2]]).token_ids, logits.argmax(-1))
+    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=1),
+                  SamplingParams(temperature=0.0, presence_penalty=0.5),
+                  SamplingParams(temperature=0.0, frequency_penalty=0.5),
+                  SamplingParams(temperature=0.0, repetition_penalty=1.2)):
+        assert not plain_argmax(requests([plain[0], other])), other
 
 
 @pytest.mark.parametrize("p", [
