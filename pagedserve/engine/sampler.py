@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.request import Request
+from pagedserve.engine.request import Request, SamplingParams
 
 _M32 = 0xFFFFFFFF
 
@@ -77,7 +77,7 @@ class SamplingTensors:
             dtype=torch.long,
         ).to(device, non_blocking=True)  # [4, B]
         any_rep = any(p.repetition_penalty != 1.0 for p in ps)
-        any_out = any(p.presence_penalty or p.frequency_penalty for p in ps) or any_rep
+        any_out = _any_penalty(ps)
         prompt_ids = _pad([r.prompt_token_ids for r in requests], vocab_size, device) \
             if any_rep else None
         output_ids = _pad([r.output_token_ids for r in requests], vocab_size, device) \
@@ -98,15 +98,17 @@ class SamplingTensors:
         )
 
 
+def _any_penalty(ps: list[SamplingParams]) -> bool:
+    return any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+               for p in ps)
+
+
 def plain_argmax(requests: list[Request]) -> bool:
     """Whether every request takes the plain argmax: greedy, no penalties, no logprobs.
     ``sample`` would then compute exactly ``logits.argmax(-1)``, so the caller can skip
     building the per-row settings (their host work and copies)."""
-    return all(
-        p.greedy and p.logprobs is None and not p.presence_penalty
-        and not p.frequency_penalty and p.repetition_penalty == 1.0
-        for p in (r.params for r in requests)
-    )
+    ps = [r.params for r in requests]
+    return all(p.greedy and p.logprobs is None for p in ps) and not _any_penalty(ps)
 
 
 def _pad(rows: list[list[int]], pad: int, device) -> torch.Tensor:

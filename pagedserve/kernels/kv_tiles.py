@@ -60,6 +60,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _q4_exact(nibble):
+    """int16 nibbles (0..15) -> ``nibble - 8`` in f16, exactly (the magic-number trick)."""
+    return ((nibble & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
+
+
+@triton.jit
+def _q8_exact(qs):
+    """int8 ``qs`` -> ``qs`` in f16, exactly (the magic-number trick)."""
+    return (qs.to(tl.int16) + 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+
+
+@triton.jit
 def _exact_ints(data_ptr, offs, mask, KV_TYPE: tl.constexpr):
     """Quantized payload at ``offs`` -> its integers (``nibble - 8`` or ``qs``) in f16.
 
@@ -67,15 +79,12 @@ def _exact_ints(data_ptr, offs, mask, KV_TYPE: tl.constexpr):
     of a group: lanes 0..15 read the low nibbles of bytes 0..15, lanes 16..31 the high.
     """
     if KV_TYPE == "q8_0":
-        x = tl.load(data_ptr + offs, mask=mask, other=0)  # int8
-        bits = (x.to(tl.int16) + 0x6480).to(tl.int16)
-        return bits.to(tl.float16, bitcast=True) - 1152.0
+        return _q8_exact(tl.load(data_ptr + offs, mask=mask, other=0))  # int8
     else:
         lane = tl.arange(0, 32)
         shift = ((lane // 16) * 4).to(tl.int16)
         byte = tl.load(data_ptr + offs, mask=mask, other=0x88)  # uint8; masked -> 0
-        bits = ((byte.to(tl.int16) >> shift) & 15) | 0x6400
-        return bits.to(tl.float16, bitcast=True) - 1032.0
+        return _q4_exact(byte.to(tl.int16) >> shift)
 
 
 @triton.jit
@@ -221,9 +230,7 @@ def _q4_pairs(byte, scale, NATIVE: tl.constexpr):
         )
     else:
         b = byte.to(tl.int16)
-        lo = ((b & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        hi = (((b >> 4) & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        return tl.join(lo * scale, hi * scale)
+        return tl.join(_q4_exact(b) * scale, _q4_exact(b >> 4) * scale)
 
 
 @triton.jit
@@ -237,9 +244,7 @@ def _q4_halves(byte, scale, NATIVE: tl.constexpr):
         )
     else:
         b = byte.to(tl.int16)
-        lo = ((b & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        hi = (((b >> 4) & 15) | 0x6400).to(tl.float16, bitcast=True) - 1032.0
-        return lo * scale, hi * scale
+        return _q4_exact(b) * scale, _q4_exact(b >> 4) * scale
 
 
 @triton.jit
@@ -252,8 +257,7 @@ def _q8_values(qs, scale, NATIVE: tl.constexpr):
             dtype=tl.float16, is_pure=True, pack=4,
         )
     else:
-        bits = (qs.to(tl.int16) + 0x6480).to(tl.int16)
-        return (bits.to(tl.float16, bitcast=True) - 1152.0) * scale
+        return _q8_exact(qs) * scale
 
 
 @triton.jit

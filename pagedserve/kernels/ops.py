@@ -14,7 +14,8 @@ import torch
 
 from pagedserve.kernels import guards, reference
 from pagedserve.kernels.decode_plan import DecodeConfig, DecodeWorkspace
-from pagedserve.kv.formats import GPU_KV_TYPES, KVBlockStorage
+from pagedserve.kv import formats
+from pagedserve.kv.formats import KVBlockStorage
 
 BACKENDS = ("triton", "reference")
 
@@ -35,11 +36,7 @@ def _pick(backend: str | None, device: torch.device) -> str:
 
 def _check_triton_types(*caches: KVBlockStorage) -> None:
     for cache in caches:
-        if cache.kv_type not in GPU_KV_TYPES:
-            raise ValueError(
-                f"the Triton kernels do not take K/V type {cache.kv_type!r}; accepted: "
-                f"{list(GPU_KV_TYPES)} (use the 'reference' backend)"
-            )
+        formats.check_gpu_type(cache.kv_type, "the Triton kernels")
 
 
 def kv_write(

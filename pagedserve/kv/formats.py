@@ -61,14 +61,19 @@ KV_TYPES: tuple[str, ...] = tuple(_SPECS)
 GPU_KV_TYPES: tuple[str, ...] = ("f16", "bf16", "q8_0", "q4_0")
 
 
+def check_gpu_type(kv_type: str, what: str) -> None:
+    """``ValueError`` naming ``what`` if the GPU kernels do not take ``kv_type``."""
+    spec(kv_type)
+    if kv_type not in GPU_KV_TYPES:
+        raise ValueError(f"{what} do not take K/V type {kv_type!r}: {kv_type!r} runs on the "
+                         f"CPU only; accepted: {list(GPU_KV_TYPES)}")
+
+
 def check_device_support(kv_type: str, device: str | torch.device) -> None:
     """``ValueError`` if K/V of ``kv_type`` cannot live on ``device`` (f32 is CPU-only)."""
     spec(kv_type)
-    if torch.device(device).type == "cuda" and kv_type not in GPU_KV_TYPES:
-        raise ValueError(
-            f"K/V type {kv_type!r} runs on the CPU only; on cuda accepted: "
-            f"{list(GPU_KV_TYPES)}"
-        )
+    if torch.device(device).type == "cuda":
+        check_gpu_type(kv_type, "CUDA devices")
 
 
 def spec(kv_type: str) -> KVTypeSpec:

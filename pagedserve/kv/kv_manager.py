@@ -240,27 +240,27 @@ class KVCacheManager:
         lens = torch.tensor([self._seqs[r].num_tokens for r in rows], dtype=torch.int32)
         return tables, lens
 
-    def slot_of(self, handle: Handle, pos: int) -> int:
-        """Pool slot of position ``pos``, which must be reserved (the decode fast path of
-        ``slot_mapping``: plain ints, no tensor ops)."""
-        index = self._handles.validate(handle)
-        if not 0 <= pos < self._seqs[index].num_reserved:
-            raise ValueError(
-                f"position {pos} is outside the reserved range "
-                f"[0, {self._seqs[index].num_reserved})"
-            )
-        return self._blocks[index][pos // self.block_size] * self.block_size \
-            + pos % self.block_size
-
-    def slot_mapping(self, handle: Handle, start: int, end: int) -> torch.Tensor:
-        """int64 ``[end - start]``: pool slot of each position in ``[start, end)``, which
-        must be reserved."""
+    def _reserved_row(self, handle: Handle, start: int, end: int) -> int:
+        """The row of ``handle``; ``ValueError`` unless ``[start, end)`` is reserved."""
         index = self._handles.validate(handle)
         if not 0 <= start <= end <= self._seqs[index].num_reserved:
             raise ValueError(
                 f"positions [{start}, {end}) are outside the reserved range "
                 f"[0, {self._seqs[index].num_reserved})"
             )
+        return index
+
+    def slot_of(self, handle: Handle, pos: int) -> int:
+        """Pool slot of position ``pos``, which must be reserved (the decode fast path of
+        ``slot_mapping``: plain ints, no tensor ops)."""
+        index = self._reserved_row(handle, pos, pos + 1)
+        return self._blocks[index][pos // self.block_size] * self.block_size \
+            + pos % self.block_size
+
+    def slot_mapping(self, handle: Handle, start: int, end: int) -> torch.Tensor:
+        """int64 ``[end - start]``: pool slot of each position in ``[start, end)``, which
+        must be reserved."""
+        index = self._reserved_row(handle, start, end)
         pos = torch.arange(start, end, dtype=torch.long)
         first, last = start // self.block_size, -(-end // self.block_size)
         table = self.block_tables_cpu[index, first:last].to(torch.long)  # only the blocks used
