@@ -175,8 +175,11 @@ class Scheduler:
             budget -= n
             (decode if n == 1 else prefill).append(
                 ScheduledChunk(req, n, req.num_computed_tokens))
-        # A request scheduled early in the step can be the victim of a later reservation.
-        chunks = [c for c in decode + prefill if c.request.status is RequestStatus.RUNNING]
+        # A request scheduled early in the step can be the victim of a later reservation,
+        # and can even be re-admitted from the queue's front: keep only chunks that start
+        # where their request now stands.
+        chunks = [c for c in decode + prefill if c.request.status is RequestStatus.RUNNING
+                  and c.start_pos == c.request.num_computed_tokens]
         return SchedulerOutput(chunks, preempted)
 
     def _chunk_len(self, req: Request, budget: int) -> int:

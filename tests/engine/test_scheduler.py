@@ -131,3 +131,16 @@ def test_config_errors_name_the_value():
         SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=2)
     with pytest.raises(ValueError, match="prefill-chunk must be an integer > 0, got 0"):
         SchedulerConfig(prefill_chunk=0)
+
+
+def test_a_victim_readmitted_in_the_same_step_runs_once_from_the_start():
+    # "new" decodes first; "old"'s next prefill chunk then preempts it (the newest), and
+    # the freed blocks let it back in from the queue's front within the same schedule().
+    s = make(num_blocks=6, block_size=4, max_seqs=2, chunk=4, max_len=32)
+    s.add(req("old", 16, max_tokens=6))
+    s.add(req("new", 7, max_tokens=6))
+    for _ in range(3):
+        assert not run_step(s).preempted
+    out = run_step(s)
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert shape(out) == [("old", 4, 12), ("new", 4, 0)]  # its stale decode row is gone
