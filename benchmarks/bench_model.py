@@ -12,13 +12,13 @@ prefill of random token ids):
 
 - prefill: wall time of the whole prompt in one forward (last-token logits only), after a
   warm-up prefill of the same length;
-- decode: ms/step over N greedy steps, host loop included (batch build, forward, argmax
-  and its sync) -- what a generating user waits per token; for pagedserve also the device
-  time of ``runner.execute`` alone (CUDA events);
+- decode: ms/step over N greedy steps, host loop included -- what a generating user waits
+  per token. pagedserve runs one request through ``LLMEngine.step()``, with async
+  scheduling (the default on CUDA) and, in the same run, without it;
 - the weight-read floor: weight bytes / measured copy bandwidth.
 
     python benchmarks/bench_model.py [--quick] [--contexts 512,8192] [--decode-steps N]
-        [--kv-type f16] [--no-compile] [--no-graphs] [--skip-hf] [--out DIR]
+        [--kv-type f16] [--no-graphs] [--skip-hf] [--out DIR]
 
 Writes DIR/model.{md,json,png} (default docs/benchmarks), copies them to $OUT when set, and
 prints a short table last. ``--device cpu --preset FILE`` runs a tiny preset on the CPU
@@ -38,9 +38,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
-from pagedserve.config import CacheConfig, ModelConfig  # noqa: E402
-from pagedserve.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
-from pagedserve.model.forward_batch import HostStaging, SeqChunk, build_forward_batch  # noqa: E402
+from pagedserve.config import ModelConfig  # noqa: E402
+from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from pagedserve.engine.request import SamplingParams  # noqa: E402
+from pagedserve.model.loader import GenerationDefaults, LoadedModel  # noqa: E402
 from pagedserve.model.qwen3_5 import Qwen3_5Model  # noqa: E402
 from pagedserve.model.random_weights import random_model, set_param  # noqa: E402
 from pagedserve.model.weights import packed_sources  # noqa: E402
@@ -99,49 +100,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_ours(runner: ModelRunner, prompt: list[int], steps: int) -> dict:
-    """Prefill ``prompt`` in one chunk, then ``steps`` greedy decode steps."""
-    kv = runner.create_kv_manager()
-    handle, slot_handle = kv.create(), runner.state_pool.acquire()
-    slot = runner.state_pool.slot(slot_handle)
-    dev = runner.device
-    cuda = dev.type == "cuda"
-    # As the engine: reusable pinned buffers for the step's host->device copies.
-    staging = HostStaging(dev, len(prompt), 1, runner.max_blocks_per_seq) if cuda else None
-
-    def step(ids: list[int], start: int, events=None) -> int:
-        kv.reserve(handle, len(ids))
-        batch = build_forward_batch([SeqChunk(handle, slot, tuple(ids), start)], kv, dev,
-                                    staging=staging)
-        if events is not None:
-            events[0].record()
-        logits = runner.execute(batch)
-        if events is not None:
-            events[1].record()
-        kv.commit(handle, len(ids))
-        return int(logits[0].argmax())
-
-    _sync(dev)
+def run_ours(engine: LLMEngine, prompt: list[int], steps: int, lookahead: bool) -> dict:
+    """One greedy request through ``LLMEngine.step()``: the prompt in one prefill chunk,
+    then ``steps`` decode steps, with async scheduling on (``lookahead``) or off."""
+    engine.async_scheduling = lookahead
+    req = engine.add_request(f"r{engine.stats.num_steps}", prompt, SamplingParams(
+        max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
+    _sync(engine.runner.device)
     t0 = time.perf_counter()
-    tok = step(prompt, 0)
-    _sync(dev)
+    while not req.output_token_ids:
+        engine.step()
     prefill_s = time.perf_counter() - t0
-    tokens, pairs = [tok], []
     t0 = time.perf_counter()
-    for i in range(steps):
-        ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
-            if cuda else None
-        tok = step([tok], len(prompt) + i, ev)
-        tokens.append(tok)
-        if ev:
-            pairs.append(ev)
-    _sync(dev)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _sync(engine.runner.device)
     decode_ms = (time.perf_counter() - t0) * 1e3 / max(steps, 1)
-    execute_ms = sum(s.elapsed_time(e) for s, e in pairs) / len(pairs) if pairs else None
-    kv.free(handle)
-    runner.state_pool.release(slot_handle)
     return {"prefill_s": prefill_s, "decode_ms_per_step": decode_ms,
-            "execute_ms_per_step": execute_ms, "tokens": tokens}
+            "tokens": list(req.output_token_ids)}
 
 
 @torch.inference_mode()
@@ -188,14 +164,14 @@ def report(results: dict) -> str:
         hf_ms = hf.get("decode_ms_per_step")
         rows.append([
             r["context"], f"{ours['decode_ms_per_step']:.2f}",
-            f"{ours['execute_ms_per_step']:.2f}" if ours["execute_ms_per_step"] else "-",
+            f"{ours['sync_decode_ms_per_step']:.2f}",
             f"{hf_ms:.1f}" if hf_ms else "-",
             f"{hf_ms / ours['decode_ms_per_step']:.1f}x" if hf_ms else "-",
             f"{floor / ours['decode_ms_per_step']:.0%}" if floor else "-",
             f"{ours['prefill_s']:.3f}", f"{hf['prefill_s']:.3f}" if hf else "-",
             r.get("greedy_same_prefix", "-"),
         ])
-    header = ["context", "ours ms/step", "ours execute ms", "HF ms/step", "speed-up",
+    header = ["context", "ours ms/step", "ours ms/step, sync", "HF ms/step", "speed-up",
               "floor / ours", "ours prefill s", "HF prefill s", "same greedy prefix"]
     meta = results["meta"]
     lines = [
@@ -210,8 +186,11 @@ def report(results: dict) -> str:
         f"bandwidth. Target: <= {TARGET_MS} ms/step and prefill no slower than HF." if floor
         else "", "",
         _common.md_table(header, rows), "",
-        "ms/step counts the host loop (batch build, forward, argmax sync); 'execute' is the "
-        "device time of `ModelRunner.execute` alone. Contexts are filled by a real prefill.",
+        "ours: one greedy request through `LLMEngine.step()` (scheduler, batch build, "
+        "CUDA-graph forward, argmax, read-back), wall time per decode step. 'sync' turns "
+        "async scheduling off: each step's token is read back before the next step is "
+        "launched. Prefill: the whole prompt in one chunk, to the first token. Contexts are "
+        "filled by a real prefill.",
         "",
     ]
     return "\n".join(lines)
@@ -262,7 +241,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-decode-steps", type=int, default=None)
     p.add_argument("--kv-type", default="f16")
     p.add_argument("--layout", default="paged", choices=["paged", "contiguous"])
-    p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--device", default="cuda")
@@ -286,30 +264,35 @@ def main(argv: list[str] | None = None) -> int:
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     print(f"random weights: {weights / 1e9:.1f} GB in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    runner = ModelRunner(
-        model, CacheConfig(cache_type_k=args.kv_type, cache_type_v=args.kv_type,
-                           kv_layout=args.layout),
-        RunnerConfig(max_model_len=max(contexts) + steps + 64, max_num_seqs=1,
-                     cuda_graphs=not args.no_graphs, compile_elementwise=not args.no_compile),
-    )
-    print(f"runner ready in {time.perf_counter() - t0:.1f} s "
-          f"(graphs: {runner.graphs is not None})")
+    loaded = LoadedModel(args.preset.parent, cfg, model, None, GenerationDefaults(), weights,
+                         device, dtype)
+    longest = max(contexts)
+    engine = LLMEngine(EngineConfig(
+        device=str(device), cache_type_k=args.kv_type, cache_type_v=args.kv_type,
+        kv_layout=args.layout, max_model_len=longest + steps + 64, max_num_seqs=1,
+        max_num_batched_tokens=longest, prefill_chunk=longest,
+        cuda_graphs=not args.no_graphs, progress=False), loaded=loaded)
+    graphs = engine.runner.graphs is not None
+    print(f"engine ready in {time.perf_counter() - t0:.1f} s (graphs: {graphs})")
     hf = None if args.skip_hf else hf_sharing_weights(model, raw, device)
 
     results = {
         "meta": meta, "weights_gb": weights / 1e9, "kv_type": args.kv_type,
-        "layout": args.layout, "compile": cuda and not args.no_compile,
-        "cuda_graphs": runner.graphs is not None, "copy_gbs": copy_gbs,
+        "layout": args.layout, "compile": cuda,
+        "cuda_graphs": graphs, "copy_gbs": copy_gbs,
         "floor_ms": weights / (copy_gbs * 1e9) * 1e3 if copy_gbs else None,
         "decode_steps": steps, "hf_decode_steps": hf_steps, "contexts": [],
     }
     for i, length in enumerate(contexts):
         prompt = _prompt(length, cfg.vocab_size, seed=i)
-        run_ours(runner, prompt, 4)  # warm-up: compiles and autotunes for this length
-        ours = run_ours(runner, prompt, steps)
+        run_ours(engine, prompt, 4, lookahead=True)  # warm-up: compiles, autotunes
+        ours = run_ours(engine, prompt, steps, lookahead=True)
+        ours["sync_decode_ms_per_step"] = run_ours(
+            engine, prompt, steps, lookahead=False)["decode_ms_per_step"]
         entry = {"context": length, "ours": ours}
-        print(f"ctx {length}: ours prefill {ours['prefill_s']:.3f} s, "
-              f"decode {ours['decode_ms_per_step']:.2f} ms/step")
+        print(f"ctx {length}: ours prefill {ours['prefill_s']:.3f} s, decode "
+              f"{ours['decode_ms_per_step']:.2f} ms/step "
+              f"({ours['sync_decode_ms_per_step']:.2f} without async scheduling)")
         if hf is not None:
             run_hf(hf, prompt, 2, device)
             entry["hf"] = run_hf(hf, prompt, hf_steps, device)

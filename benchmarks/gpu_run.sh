@@ -2,7 +2,7 @@
 # Everything the H200 runs, in named stages, in one call of the device tool:
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
 # Stages: tests-kernels (or tests-kernels-grid + tests-kernels-small) tests-packed
-#         tests-graph tests-gdn tests-model bench-attention bench-attention-quick
+#         tests-graph tests-gdn tests-engine tests-model bench-attention bench-attention-quick
 #         profile-engine bench-model bench-engine bench-serve. Each stage has its own time limit, logs to $OUT/<stage>.log, and a
 # one-line status goes to the summary printed last.
 # Needs: wheels in .whl/ (fla-core, and the server's fastapi/uvicorn/pydantic stack, which
@@ -58,6 +58,7 @@ for spec in "$@"; do
     tests-graph)   run_stage "$stage" "$limit" $PYTEST \
                      tests/kernels/test_paged_decode_gpu.py::test_cuda_graph_capture_and_replay ;;
     tests-gdn)     run_stage "$stage" "$limit" $PYTEST tests/kernels/test_gdn_triton.py ;;
+    tests-engine)  run_stage "$stage" "$limit" $PYTEST tests/engine/test_engine_gpu.py ;;
     tests-model)   run_stage "$stage" "$limit" $PYTEST tests/model/test_gpu.py -s ;;
     bench-attention) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --out "$OUT" ;;
     bench-attention-quick) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --quick --out "$OUT" ;;

@@ -190,11 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     for kv_type in args.types.split(","):
         cfg = EngineConfig(model=model, device=device, dtype=dtype,
                            cache_type_k=kv_type, cache_type_v=kv_type, kv_layout="paged",
-                           max_model_len=512 if args.dry_run else bench_engine.MAX_MODEL_LEN,
+                           max_model_len=1024 if args.dry_run else bench_engine.MAX_MODEL_LEN,
                            max_num_seqs=8,
                            max_num_batched_tokens=8192, prefill_chunk=4096,
                            gpu_memory_utilization=0.92, progress=False,
-                           **({"num_blocks": 64} if args.dry_run else {}))
+                           **({"num_blocks": 128} if args.dry_run else {}))
         engine = LLMEngine(cfg, loaded=loaded)
         clock = PhaseClock()
         instrument(engine, clock)
@@ -205,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(2):
                 engine.step()
             r = profile_steps(engine, clock, args.steps)
-            for rid in list(engine.requests):
-                engine.abort_request(rid)
+            bench_engine.abort_all(engine)
             results[f"{kv_type} {name}"] = r
             print_case(f"{kv_type} decode {name}", r)
         if args.prefill:

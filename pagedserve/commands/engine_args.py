@@ -28,6 +28,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
                    help="K/V blocks in the pool (default: sized from memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's tokens back before launching the next "
+                        "(async scheduling is on by default on CUDA)")
     p.add_argument("--engine-seed", type=int, default=0,
                    help="seed for requests that bring none")
 
@@ -41,6 +44,7 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
         prefill_chunk=args.prefill_chunk, num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graphs=not args.no_cuda_graphs, seed=args.engine_seed,
+        async_scheduling=False if args.no_async_scheduling else None,
     )
     fields.update(overrides)
     return EngineConfig(**fields)

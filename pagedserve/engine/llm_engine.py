@@ -1,7 +1,9 @@
 """``LLMEngine``: add requests, abort them, and ``step()`` them forward together.
 
 One step reads as: schedule -> prepare inputs -> forward -> sample -> post-process.
-The engine is single-threaded; ``AsyncEngine`` drives it from a background thread.
+On CUDA, steady decode steps are launched one step ahead of their read-back (async
+scheduling, ``lookahead.py``). The engine is single-threaded; ``AsyncEngine`` drives it
+from a background thread.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from pagedserve.config import CacheConfig
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.lookahead import InflightStep, TokenReadback, lookahead_chunks
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
 from pagedserve.engine.sampler import SamplerOutput, SamplingTensors, plain_argmax, sample
@@ -44,6 +47,7 @@ class EngineConfig:
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.90
     cuda_graphs: bool = True
+    async_scheduling: bool | None = None  # None: on for CUDA, off for the CPU
     seed: int = 0
     check_integrity: bool = False  # run the pools' invariant checks after every step
     progress: bool = True
@@ -81,6 +85,7 @@ class EngineStats:
     num_prompt_tokens: int = 0  # forwarded prompt tokens (recomputed ones count again)
     num_generation_tokens: int = 0
     num_steps: int = 0
+    num_lookahead_steps: int = 0  # steps launched before the previous one was read back
 
 
 class LLMEngine:
@@ -112,6 +117,13 @@ class LLMEngine:
         self._staging = HostStaging(self.runner.device, budget, config.max_num_seqs,
                                     self.runner.max_blocks_per_seq) \
             if self.runner.device.type == "cuda" else None
+        cuda = self.runner.device.type == "cuda"
+        # Async scheduling (lookahead.py): on CUDA by default; on the CPU every op is
+        # synchronous, so it would only cost the extra row after a late stop.
+        self.async_scheduling = cuda if config.async_scheduling is None \
+            else config.async_scheduling
+        self._inflight: InflightStep | None = None
+        self._readback = TokenReadback(config.max_num_seqs) if cuda else None
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = cfg.vocab_size
         self.requests: dict[str, Request] = {}
@@ -170,24 +182,63 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     # ---- the step ---------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
+        """Run one forward pass to its sampled tokens and return what it produced.
+
+        With async scheduling (``lookahead``) the next steady decode step is launched
+        before this one is read back, so a forward pass may still be in flight on return;
+        ``has_unfinished_requests`` counts it.
+        """
+        if self._inflight is None:
+            self._inflight = self._launch_scheduled()
+            if self._inflight is None:
+                return []
+        done = self._inflight
+        self._inflight = self._launch_lookahead(done) if self.async_scheduling else None
+        return self._post_process(done)
+
+    def _launch_scheduled(self) -> InflightStep | None:
         plan = self.scheduler.schedule()
         if not plan.chunks:
-            return []
-        if self.kv.pending_copies:
-            self.runner.copy_blocks(self.kv.pending_copies)
-            self.kv.pending_copies.clear()
-        batch = build_forward_batch(
-            [self._seq_chunk(c) for c in plan.chunks], self.kv, self.runner.device,
-            staging=self._staging)
-        logits = self.runner.execute(batch)  # [B, V] float32
+            return None
         sampling = [i for i, c in enumerate(plan.chunks) if c.completes]
-        sampled = self._sample(logits, [plan.chunks[i].request for i in sampling], sampling)
-        return self._post_process(plan.chunks, sampling, sampled)
+        return self._launch(plan.chunks, sampling, [self._seq_chunk(c) for c in plan.chunks])
+
+    def _launch_lookahead(self, previous: InflightStep) -> InflightStep | None:
+        chunks = lookahead_chunks(previous, self.scheduler, self.kv, self.max_model_len)
+        if chunks is None:
+            return None
+        slot = self.runner.state_pool.slot
+        # The token ids are the previous step's samples, still on the device: a placeholder
+        # here, overwritten on the device below.
+        seq_chunks = [SeqChunk(c.request.kv_handle, slot(c.request.state_handle), (0,),
+                               c.start_pos) for c in chunks]
+        self.stats.num_lookahead_steps += 1
+        return self._launch(chunks, list(range(len(chunks))), seq_chunks,
+                            input_ids=previous.sampled.token_ids)
+
+    def _launch(self, chunks: list[ScheduledChunk], sampling: list[int],
+                seq_chunks: list[SeqChunk], input_ids: torch.Tensor | None = None,
+                ) -> InflightStep:
+        """Queue one forward pass and its sampling on the device; nothing waits for it."""
+        if self.kv.pending_copies:
+            self.runner.apply_pending_copies(self.kv)
+        batch = build_forward_batch(seq_chunks, self.kv, self.runner.device,
+                                    staging=self._staging)
+        if input_ids is not None:
+            batch.input_ids.copy_(input_ids)  # [B] int64, device to device
+        logits = self.runner.execute(batch)  # [B, V] float32
+        reqs = [chunks[i].request for i in sampling]
+        sampled = self._sample(logits, reqs, sampling, tokens_ahead=int(input_ids is not None))
+        step = InflightStep(chunks, sampling, sampled)
+        if (sampled is not None and self._readback is not None
+                and sampled.sampled_logprob is None):
+            step.readback = self._readback.start(sampled.token_ids)
+        return step
 
     def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
         req = c.request
@@ -195,30 +246,38 @@ class LLMEngine:
         slot = self.runner.state_pool.slot(req.state_handle)
         return SeqChunk(req.kv_handle, slot, tuple(ids), c.start_pos)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int]):
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
+                tokens_ahead: int) -> SamplerOutput | None:
         if not reqs:
             return None
         if len(rows) != logits.shape[0]:  # some rows end a prefill chunk mid-prompt
             index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
             logits = logits.index_select(0, index)
         if plain_argmax(reqs):
-            out = SamplerOutput(token_ids=logits.argmax(dim=-1))
-        else:
-            out = sample(logits, SamplingTensors.from_requests(reqs, self.vocab_size,
-                                                               logits.device))
-        return _to_host(out)  # the step's one device -> host sync
+            return SamplerOutput(token_ids=logits.argmax(dim=-1))
+        return sample(logits, SamplingTensors.from_requests(
+            reqs, self.vocab_size, logits.device, tokens_ahead=tokens_ahead))
 
-    def _post_process(self, chunks, sampling, sampled) -> list[RequestOutput]:
+    def _post_process(self, step: InflightStep) -> list[RequestOutput]:
+        """Read ``step``'s tokens back (the one device -> host wait) and apply them.
+
+        A request that finished or was aborted after ``step`` was launched (async
+        scheduling) gets nothing from it: its blocks and slot are already free.
+        """
+        sampled = step.host_output()
         now = time.monotonic()
-        for c in chunks:
-            self.kv.commit(c.request.kv_handle, c.num_tokens)
-            c.request.num_computed_tokens += c.num_tokens
+        live = [c.request.status is RequestStatus.RUNNING for c in step.chunks]
+        for c, running in zip(step.chunks, live):
+            if running:
+                self.kv.commit(c.request.kv_handle, c.num_tokens)
+                c.request.num_computed_tokens += c.num_tokens
         outputs = []
-        for k, i in enumerate(sampling):
-            req = chunks[i].request
-            token, logprob = _row(sampled, k, req.params.logprobs)
-            outputs.append(self._append_token(req, token, logprob, now))
-        self.stats.num_generation_tokens += len(sampling)
+        for k, i in enumerate(step.sampling):
+            if live[i]:
+                req = step.chunks[i].request
+                token, logprob = _row(sampled, k, req.params.logprobs)
+                outputs.append(self._append_token(req, token, logprob, now))
+        self.stats.num_generation_tokens += len(outputs)
         self.stats.num_steps += 1
         if self.config.check_integrity:
             self.scheduler.check_integrity()
@@ -276,16 +335,6 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-
-def _to_host(out: SamplerOutput) -> dict:
-    host = {"token_ids": out.token_ids.tolist()}
-    if out.sampled_logprob is not None:
-        host["sampled_logprob"] = out.sampled_logprob.tolist()
-    if out.top_ids is not None:
-        host["top_ids"] = out.top_ids.tolist()
-        host["top_logprobs"] = out.top_logprobs.tolist()
-    return host
 
 
 def _row(sampled: dict, k: int, num_logprobs: int | None) -> tuple[int, TokenLogprob | None]:

@@ -61,8 +61,11 @@ class SamplingTensors:
 
     @classmethod
     def from_requests(
-        cls, requests: list[Request], vocab_size: int, device: torch.device | str
+        cls, requests: list[Request], vocab_size: int, device: torch.device | str,
+        tokens_ahead: int = 0,
     ) -> SamplingTensors:
+        """``tokens_ahead``: outputs already sampled on the device but not yet appended on
+        the host (async scheduling); they shift each row's output index."""
         ps = [r.params for r in requests]
         seeds = [r.sample_seed for r in requests]
         # Two host->device copies for all the per-row settings (each copy has a fixed cost).
@@ -73,7 +76,8 @@ class SamplingTensors:
         ).to(device, non_blocking=True)  # [6, B]
         longs = torch.tensor(
             [[max(p.top_k, 0) for p in ps], [s & _M32 for s in seeds],
-             [(s >> 32) & _M32 for s in seeds], [len(r.output_token_ids) for r in requests]],
+             [(s >> 32) & _M32 for s in seeds],
+             [len(r.output_token_ids) + tokens_ahead for r in requests]],
             dtype=torch.long,
         ).to(device, non_blocking=True)  # [4, B]
         any_rep = any(p.repetition_penalty != 1.0 for p in ps)
@@ -101,6 +105,11 @@ class SamplingTensors:
 def _any_penalty(ps: list[SamplingParams]) -> bool:
     return any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                for p in ps)
+
+
+def uses_host_history(requests: list[Request]) -> bool:
+    """Whether sampling reads the requests' token history (the penalties do)."""
+    return _any_penalty([r.params for r in requests])
 
 
 def plain_argmax(requests: list[Request]) -> bool:

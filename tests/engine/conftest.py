@@ -28,10 +28,14 @@ def loaded(model_dir):
     return load_model(model_dir, device="cpu", dtype=torch.float32, progress=False)
 
 
-@pytest.fixture
-def make_engine(loaded, model_dir):
+@pytest.fixture(params=[False, True], ids=["sync", "lookahead"])
+def make_engine(request, loaded, model_dir):
+    """Engines in both scheduling modes: reading each step back before the next, and
+    async scheduling (launching steady decode steps one step ahead), which is the CUDA
+    default and must not change a single token."""
     def make(**kw) -> LLMEngine:
         kw.setdefault("check_integrity", True)
+        kw.setdefault("async_scheduling", request.param)
         return LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", progress=False,
                                       **kw), loaded=loaded)
     return make

@@ -52,6 +52,7 @@ def test_greedy_output_is_independent_of_batch_composition(make_engine, hf_greed
         assert got[f"r{i}"] == hf_greedy(p, n), f"request r{i}"
     assert engine.kv.pool.num_used_blocks == 0
     assert engine.runner.state_pool.num_used_slots == 0
+    assert (engine.stats.num_lookahead_steps > 0) == engine.async_scheduling
 
 
 def test_preemption_recomputes_exactly(make_engine, hf_greedy):

@@ -1,0 +1,50 @@
+"""CUDA: async scheduling on real streams gives the same tokens as reading every step back.
+
+On the CPU every op is synchronous, so the CPU tests (against transformers, in both modes)
+cannot catch a race between a step in flight and the host. Here the lookahead step really
+runs while the host reads the previous one back, through the CUDA-graph decode path and
+the pinned read-back buffers. Run on the GPU machine; skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine import greedy, prompts, run_with_arrivals
+
+from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
+from pagedserve.engine.request import SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _items():
+    ps = prompts(11, [5, 40, 23, 64, 9, 31])
+    params = [greedy(40), SamplingParams(max_tokens=33, temperature=0.8, top_p=0.9, seed=5,
+                                         ignore_eos=True),
+              greedy(17), SamplingParams(max_tokens=25, temperature=1.0, top_k=20, seed=6,
+                                         ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(7, 9, 11)),
+              greedy(48)]
+    arrivals = [0, 0, 2, 3, 9, 20]
+    return [(a, f"r{i}", p, sp) for i, (a, p, sp) in enumerate(zip(arrivals, ps, params))]
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q4_0"])
+def test_lookahead_matches_synchronous_steps_on_cuda(model_dir, kv_type):
+    outputs = {}
+    for lookahead in (False, True):
+        engine = LLMEngine(EngineConfig(
+            model=str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=4,
+            prefill_chunk=16, max_num_batched_tokens=32, max_model_len=256,
+            cache_type_k=kv_type, cache_type_v=kv_type, async_scheduling=lookahead,
+            check_integrity=True, progress=False))
+        outputs[lookahead] = run_with_arrivals(engine, _items())
+        assert (engine.stats.num_lookahead_steps > 0) == lookahead
+        assert engine.kv.pool.num_used_blocks == 0
+        assert engine.runner.state_pool.num_used_slots == 0
+    assert outputs[True] == outputs[False]
+    assert sorted(outputs[True]) == [f"r{i}" for i in range(6)]
