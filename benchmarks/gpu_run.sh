@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
 # Stages: tests-kernels (or tests-kernels-grid + tests-kernels-small) tests-packed
 #         tests-graph tests-gdn tests-engine tests-model bench-attention bench-attention-quick
-#         profile-engine bench-model bench-engine bench-serve. Each stage has its own time limit, logs to $OUT/<stage>.log, and a
+#         profile-engine ncu-decode bench-model bench-engine bench-serve. Each stage has its own time limit, logs to $OUT/<stage>.log, and a
 # one-line status goes to the summary printed last.
 # Needs: wheels in .whl/ (fla-core, and the server's fastapi/uvicorn/pydantic stack, which
 # the GPU image lacks), PAGEDSERVE_COMMIT set by the caller (the tree travels without .git).
@@ -63,6 +63,16 @@ for spec in "$@"; do
     bench-attention) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --out "$OUT" ;;
     bench-attention-quick) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --quick --out "$OUT" ;;
     profile-engine) run_stage "$stage" "$limit" python3 benchmarks/profile_engine.py --out "$OUT" ;;
+    # Nsight Compute on the decode kernel: the ragged case per K/V type, and f16 at one 4K
+    # sequence (the latency-bound corner where SDPA is faster).
+    ncu-decode)    for case in q4_0:ragged q8_0:ragged f16:ragged f16:4096; do
+                     run_stage "ncu-${case/:/-}" "$limit" ncu --clock-control none \
+                       --kernel-name regex:_paged_decode --launch-skip 2 --launch-count 1 \
+                       --section SpeedOfLight --section Occupancy --section LaunchStats \
+                       --section WarpStateStats --section SchedulerStats \
+                       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+                       python3 benchmarks/ncu_decode.py --kv-type "${case%%:*}" --lens "${case##*:}"
+                   done ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \
