@@ -7,7 +7,7 @@ it. For each configuration it prints registers, spill bytes, the instruction cou
 the main tile loop (the largest backward branch) and its most frequent opcodes and memory
 instructions: a quick way to compare tile formulations before spending device time.
 
-    python benchmarks/decode_sass.py [K:V:MODE:BLOCK_N:WARPS[:STAGES] ...]
+    python benchmarks/decode_sass.py [--contiguous] [K:V:MODE:BLOCK_N:WARPS[:STAGES] ...]
     e.g. python benchmarks/decode_sass.py q4_0:q4_0:packed:64:8 f16:f16:group:128:4
 
 The counts are per thread per loop iteration; compare configurations with the same
@@ -36,8 +36,9 @@ DEFAULTS = ["f16:f16:group:128:4:2", "q8_0:q8_0:packed:128:4:1", "q4_0:q4_0:pack
 
 
 def compile_decode(k_type: str, v_type: str, mode: str, block_n: int, warps: int,
-                   stages: int):
-    """The compiled kernel for one configuration (Qwen3.5 attention shape, paged)."""
+                   stages: int, paged: bool = True):
+    """The compiled kernel for one configuration (Qwen3.5 attention shape; the paged or
+    the contiguous layout's tile addressing)."""
     names = _paged_decode_kernel.arg_names
     group = HQ // HKV
     quant = ("q8_0", "q4_0")
@@ -45,7 +46,7 @@ def compile_decode(k_type: str, v_type: str, mode: str, block_n: int, warps: int
         G=group, G_PAD=16, GP=triton.next_power_of_2(group), D=D, BS=BS, B_PAD=8,
         BLOCK_N=block_n, MIN_PARTITION=max(128, block_n), K_TYPE=k_type, V_TYPE=v_type,
         QUANT_DOT=mode, K_GROUP=mode == "group" and k_type in quant,
-        V_GROUP=mode == "group" and v_type in quant, PAGED=True, MERGE_CHUNKS=2,
+        V_GROUP=mode == "group" and v_type in quant, PAGED=paged, MERGE_CHUNKS=2,
         MERGE_GROUP=8, NATIVE=True,
     )
     pointers = {
@@ -112,6 +113,8 @@ def loop_stats(kernel) -> dict:
 
 
 def main(argv: list[str]) -> int:
+    paged = "--contiguous" not in argv
+    argv = [a for a in argv if a != "--contiguous"]
     for spec in argv or DEFAULTS:
         parts = spec.split(":")
         if len(parts) not in (5, 6):
@@ -119,7 +122,7 @@ def main(argv: list[str]) -> int:
         k_type, v_type, mode = parts[:3]
         block_n, warps = int(parts[3]), int(parts[4])
         stages = int(parts[5]) if len(parts) == 6 else 2
-        st = loop_stats(compile_decode(k_type, v_type, mode, block_n, warps, stages))
+        st = loop_stats(compile_decode(k_type, v_type, mode, block_n, warps, stages, paged))
         per_thread = block_n * D * 2 // (32 * warps)
         print(f"{spec}: {st['registers']} regs, {st['spill_bytes']} B spilled, loop "
               f"{st['loop_instructions']} instructions for {per_thread} K+V values/thread")
