@@ -13,7 +13,7 @@ them one step later. What that costs, and how each case stays exact:
 
 - **Only steady decode looks ahead**: every sequence of step N sampled, none wants
   logprobs or penalties (both read the host's token history), none can finish by length
-  at N (known in advance), and no waiting request could be admitted instead. Anything
+  at N (known in advance), and the head of the queue could not be admitted. Anything
   else (prefill, admission, preemption) runs through the scheduler once nothing is in
   flight, so the scheduler never sees a half-known sequence.
 - **A stop found late** (EOS, stop id or stop string at step N) means step N+1 computed
@@ -107,8 +107,7 @@ def lookahead_chunks(
         return None  # aborted since the launch
     if not _plain_enough(reqs):
         return None
-    waiting = scheduler.waiting
-    if waiting and len(scheduler.running) < scheduler.config.max_num_seqs:
+    if scheduler.can_admit_next():
         return None  # let the scheduler admit
     if any(_finishes_by_length(r, max_model_len) for r in reqs):
         return None

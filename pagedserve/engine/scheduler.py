@@ -196,12 +196,26 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, req: Request, n: int) -> bool:
+    def can_admit_next(self) -> bool:
+        """Whether the next ``schedule()`` could admit the head of the queue (a sequence
+        row, a state slot and its first chunk's blocks are free)."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        # The budget left after every running sequence's decode row.
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        return (self.kv.num_free_seq_rows > 0 and self.states.num_free_slots > 0
+                and budget > 0 and self._blocks_free_for(self._chunk_len(self.waiting[0],
+                                                                         budget)))
+
+    def _blocks_free_for(self, n: int) -> bool:
         # Keep a small reserve of free blocks for running sequences to grow into, so a new
         # admission is not preempted on the very next step (vLLM keeps a 1% watermark too).
         # A lone request is admitted whenever it fits at all.
         watermark = max(1, self.kv.pool.num_blocks // 100) if self.running else 0
-        if self.kv.pool.num_free_blocks < self.kv.blocks_needed(n) + watermark:
+        return self.kv.pool.num_free_blocks >= self.kv.blocks_needed(n) + watermark
+
+    def _admit(self, req: Request, n: int) -> bool:
+        if not self._blocks_free_for(n):
             return False
         req.kv_handle = self.kv.create()
         req.state_handle = self.states.acquire()

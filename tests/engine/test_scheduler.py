@@ -144,3 +144,25 @@ def test_a_victim_readmitted_in_the_same_step_runs_once_from_the_start():
     out = run_step(s)
     assert [r.request_id for r in out.preempted] == ["new"]
     assert shape(out) == [("old", 4, 12), ("new", 4, 0)]  # its stale decode row is gone
+
+
+def test_can_admit_next_matches_what_schedule_then_does():
+    s = make(num_blocks=4, block_size=4, max_seqs=3, chunk=8, max_len=16)
+    assert not s.can_admit_next()  # nothing waits
+    s.add(req("a", 12, max_tokens=4))
+    assert s.can_admit_next()
+    run_step(s)  # a: 8 of 12 prompt tokens, 2 blocks
+    s.add(req("b", 8, max_tokens=4))
+    # b's first chunk needs 2 blocks + 1 watermark block; 2 are free.
+    assert not s.can_admit_next()
+    out = run_step(s)
+    assert [c.request.request_id for c in out.chunks] == ["a"] and len(s.waiting) == 1
+    s.abort(s.running[0])
+    assert s.can_admit_next()
+    assert [c.request.request_id for c in run_step(s).chunks] == ["b"]
+    # A full set of running sequences admits nobody, however much memory is free.
+    s = make(num_blocks=16, block_size=4, max_seqs=2, chunk=8, max_len=16)
+    for rid in "cde":
+        s.add(req(rid, 2, max_tokens=2))
+    run_step(s)
+    assert len(s.running) == 2 and len(s.waiting) == 1 and not s.can_admit_next()
