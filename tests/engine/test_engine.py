@@ -164,3 +164,24 @@ def test_nothing_leaks_under_random_cancellation_and_preemption(make_engine):
     assert engine.runner.state_pool.num_used_slots == 0
     assert engine.kv.num_live_seqs == 0 and not engine.requests
     engine.scheduler.check_integrity()
+
+
+def test_abort_of_a_request_in_the_step_in_flight_frees_it_and_spares_its_neighbour(
+        make_engine, hf_greedy):
+    engine = make_engine(max_num_seqs=2)
+    a, b = prompts(9, [12, 20])
+    engine.add_request("a", a, greedy(30))
+    engine.add_request("b", b, greedy(30))
+    got = {"a": [], "b": []}
+    for _ in range(6):  # prefill, then decode steps (in lookahead mode, one in flight)
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    assert (engine._inflight is not None) == engine.async_scheduling
+    assert engine.abort_request("a")
+    assert engine.runner.state_pool.num_used_slots == 1  # freed at once
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+    assert got["a"] == hf_greedy(a, 6)  # nothing after the abort
+    assert got["b"] == hf_greedy(b, 30)
+    assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
