@@ -212,11 +212,9 @@ class LLMEngine:
         chunks = lookahead_chunks(previous, self.scheduler, self.kv, self.max_model_len)
         if chunks is None:
             return None
-        slot = self.runner.state_pool.slot
-        # The token ids are the previous step's samples, still on the device: a placeholder
-        # here, overwritten on the device below.
-        seq_chunks = [SeqChunk(c.request.kv_handle, slot(c.request.state_handle), (0,),
-                               c.start_pos) for c in chunks]
+        # The token ids are the previous step's samples, still on the device: the host
+        # batch gets a placeholder, and ``_launch`` swaps in the device tensor.
+        seq_chunks = [self._seq_chunk(c, ids=(0,)) for c in chunks]
         self.stats.num_lookahead_steps += 1
         return self._launch(chunks, list(range(len(chunks))), seq_chunks,
                             input_ids=previous.sampled.token_ids)
@@ -230,7 +228,7 @@ class LLMEngine:
         batch = build_forward_batch(seq_chunks, self.kv, self.runner.device,
                                     staging=self._staging)
         if input_ids is not None:
-            batch.input_ids.copy_(input_ids)  # [B] int64, device to device
+            batch.input_ids = input_ids  # [B] int64, already on the device
         logits = self.runner.execute(batch)  # [B, V] float32
         reqs = [chunks[i].request for i in sampling]
         sampled = self._sample(logits, reqs, sampling, tokens_ahead=int(input_ids is not None))
@@ -240,11 +238,13 @@ class LLMEngine:
             step.readback = self._readback.start(sampled.token_ids)
         return step
 
-    def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
+    def _seq_chunk(self, c: ScheduledChunk, ids: tuple[int, ...] | None = None) -> SeqChunk:
+        """``c`` as the batch builder takes it; ``ids`` default to the request's tokens."""
         req = c.request
-        ids = req.token_slice(c.start_pos, c.start_pos + c.num_tokens)
+        if ids is None:
+            ids = tuple(req.token_slice(c.start_pos, c.start_pos + c.num_tokens))
         slot = self.runner.state_pool.slot(req.state_handle)
-        return SeqChunk(req.kv_handle, slot, tuple(ids), c.start_pos)
+        return SeqChunk(req.kv_handle, slot, ids, c.start_pos)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
                 tokens_ahead: int) -> SamplerOutput | None:

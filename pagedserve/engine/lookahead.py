@@ -69,10 +69,10 @@ class InflightStep:
 class HostTokens:
     """One step's sampled ids on their way to pinned host memory (CUDA)."""
 
-    def __init__(self, buffer: torch.Tensor, ids: torch.Tensor) -> None:
+    def __init__(self, buffer: torch.Tensor, ready: torch.cuda.Event, ids: torch.Tensor) -> None:
         self._host = buffer[: ids.numel()]
         self._host.copy_(ids, non_blocking=True)
-        self._ready = torch.cuda.Event()
+        self._ready = ready
         self._ready.record()
 
     def wait(self) -> list[int]:
@@ -85,14 +85,14 @@ class TokenReadback:
     copy may already be writing the other."""
 
     def __init__(self, max_rows: int) -> None:
-        self._buffers = [torch.empty(max_rows, dtype=torch.long, pin_memory=True)
-                         for _ in range(2)]
+        self._buffers = [(torch.empty(max_rows, dtype=torch.long, pin_memory=True),
+                          torch.cuda.Event()) for _ in range(2)]
         self._turn = 0
 
     def start(self, ids: torch.Tensor) -> HostTokens:
-        buffer = self._buffers[self._turn]
+        buffer, ready = self._buffers[self._turn]
         self._turn ^= 1
-        return HostTokens(buffer, ids)
+        return HostTokens(buffer, ready, ids)
 
 
 def lookahead_chunks(
