@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pagedserve.kernels.paged_decode import _paged_decode_kernel  # noqa: E402
+from pagedserve.kernels.paged_decode import _paged_decode_kernel, accumulator_layout  # noqa: E402,E501
 
 HQ, HKV, D, BS = 24, 4, 256, 16
 POINTER_TYPES = {"f16": "*fp16", "bf16": "*bf16", "q8_0": "*i8", "q4_0": "*u8"}
@@ -46,7 +46,7 @@ def compile_decode(k_type: str, v_type: str, mode: str, block_n: int, warps: int
         G=group, G_PAD=16, GP=triton.next_power_of_2(group), D=D, BS=BS, B_PAD=8,
         BLOCK_N=block_n, MIN_PARTITION=max(128, block_n), K_TYPE=k_type, V_TYPE=v_type,
         QUANT_DOT=mode, K_GROUP=mode == "group" and k_type in quant,
-        V_GROUP=mode == "group" and v_type in quant, PAGED=paged, MERGE_CHUNKS=2,
+        ACC=accumulator_layout(v_type, mode), PAGED=paged, MERGE_CHUNKS=2,
         MERGE_GROUP=8, NATIVE=True,
     )
     pointers = {

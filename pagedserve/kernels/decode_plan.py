@@ -90,6 +90,9 @@ class DecodeConfig:
             f16 (one multiply) and run one full-width dot. ``"packed"``: the same values
             as ``element``, from 16-byte row loads, two per instruction (f16x2 PTX) on a
             GPU (``kv_tiles``).
+        maxnreg: registers per thread the compiler may use (``None``: its own choice,
+            up to 255). Fewer registers let more programs share an SM; a quantized tile
+            loop is latency-bound, so more resident warps can pay for a few spills.
 
     The chunk budget W is not here: it sizes the grid and the buffers, so it belongs to
     the ``DecodeWorkspace``.
@@ -100,6 +103,7 @@ class DecodeConfig:
     num_stages: int = 2
     min_partition: int = 256
     quant_dot: str = "group"
+    maxnreg: int | None = None
 
     def __post_init__(self) -> None:
         if not (_is_pow2(self.block_n) and 16 <= self.block_n <= 256):
@@ -113,6 +117,10 @@ class DecodeConfig:
                 f"min_partition must be a positive multiple of block_n={self.block_n}, "
                 f"got {self.min_partition}"
             )
+        if self.maxnreg is not None and not (self.maxnreg % 8 == 0 and 32 <= self.maxnreg <= 248):
+            raise ValueError(
+                f"maxnreg must be None or a multiple of 8 in [32, 248], got {self.maxnreg}"
+            )
         if self.quant_dot not in QUANT_DOT_MODES:
             raise ValueError(
                 f"quant_dot {self.quant_dot!r} is not a mode; accepted: {list(QUANT_DOT_MODES)}"
@@ -121,16 +129,24 @@ class DecodeConfig:
 
 @functools.cache
 def default_config(k_type: str, v_type: str) -> DecodeConfig:
-    """The launch choice per K/V type pair: the winners of ``bench_attention.py``'s sweep on
-    an H200 (2026-11-29, commit 28e0a52, docs/benchmarks/attention.md).
+    """The launch choice per K/V type pair, from H200 runs of ``bench_attention.py``'s sweep
+    and side-by-side probes (docs/benchmarks/attention.md).
 
-    Quantized: ``packed`` tiles beat ``element`` by 18% and ``group`` by 36% (geomean 160
-    vs 197 vs 251 us at 32-row tiles); then 128-row tiles, no software pipelining (one
-    stage: the dequantization already keeps the loop busy, and a second stage's buffers
-    cost occupancy) and 128-token minimum chunks brought it to 98 us. f16: 128-row tiles,
-    two stages, 128-token minimum chunks (82 us). Two programs per SM won for both.
+    - Any q8_0: ``packed`` 64-row tiles, one stage, at most 168 registers, so that three
+      programs share an SM (``default_occupancy``). At 128-row tiles the loop spilled at
+      255 registers; this cut 8 x 16K from 196 to 192 us and lifted paged / contiguous
+      from 0.956 to 0.979 (2026-11-29 probe).
+    - Else any q4_0: ``packed`` 128-row tiles (q4_0 as half tiles, ``kv_tiles``), one
+      stage: 198 us for the ragged 128K + 7 x 8K step, against 236 us at 64 rows and
+      257-342 us when registers were capped for more programs per SM (same probe).
+    - f16/bf16: 128-row tiles, two stages (82 us geomean in the 28e0a52 sweep).
+
+    The minimum chunk is 128 tokens for all (the sweep's choice, for 4K contexts).
     """
-    if k_type in ("q8_0", "q4_0") or v_type in ("q8_0", "q4_0"):
+    if "q8_0" in (k_type, v_type):
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
+                            quant_dot="packed", maxnreg=168)
+    if "q4_0" in (k_type, v_type):
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="packed")
     return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128)
@@ -138,14 +154,19 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
 
 @functools.cache
 def default_occupancy(k_type: str, v_type: str) -> float:
-    """Programs per SM that a ``DecodeWorkspace`` should aim for with these K/V types.
+    """Programs per SM that a ``DecodeWorkspace`` should aim for with these K/V types: as
+    many as ``default_config``'s launch fits on an SM, since a chunk count above that
+    leaves a second wave.
 
-    The H200 sweep (as ``default_config``) found two best for every type: at 32-row q4_0
-    tiles one, four and eight programs per SM were 23%, 15% and 4% slower; for f16, four
-    and eight were 6% and 15% slower and one was even. Kept per type so a type whose tile
-    loop hides latency differently can take its own value.
+    q8_0: three (168 registers x 128 threads). q4_0: two (255 registers). f16: one (two
+    stages of 128-row K and V tiles take 140 KB of shared memory): at 2 x 4K the plan for
+    two programs per SM made two waves, 30.8 us against 24.2 us at one (same probe).
     """
-    return DEFAULT_OCCUPANCY
+    if "q8_0" in (k_type, v_type):
+        return 3.0
+    if "q4_0" in (k_type, v_type):
+        return DEFAULT_OCCUPANCY
+    return 1.0
 
 
 def device_num_sms(device: torch.device) -> int:

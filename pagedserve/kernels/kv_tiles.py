@@ -31,18 +31,22 @@ Both results are exact in f16. Group scales are applied in one of three ways
   turn each 4-byte word into four (q8_0) or eight (q4_0) scaled f16 values, about two
   instructions per value where the generic path spends several. The values are the same
   bit for bit: ``int - offset`` is exact and the one multiply by the scale rounds once
-  either way. A q4_0 *K* tile keeps each byte's two nibbles side by side, so a group's
-  columns come out in *pair order*; the score dot does not care about the order of its
-  reduction axis as long as q is loaded in the same order (``load_q(PERM=True)``). This
-  keeps the K tile in registers all the way into the tensor-core operand. A q4_0 *V* tile
-  is produced in natural order (its columns are the output's)::
+  either way. A q4_0 tile is read as two *half tiles* of ``[N, D/2]``: one of the low
+  nibbles, one of the high nibbles, each in its bytes' order. A half tile keeps the
+  16-value runs of the loaded bytes, which is the shape the tensor cores' operand
+  staging stores in 16-byte pieces; joining the halves into natural order interleaves
+  them and costs one 2-byte shared-memory store per value. So each product runs as two
+  dots: ``s = q_lo . lo + q_hi . hi`` (q split the same way) and
+  ``acc_lo += p @ lo``, ``acc_hi += p @ hi`` (the accumulator keeps the halves, and
+  ``store_rows`` writes natural columns)::
 
-      q4_0 group g, pair order:  column g*32 + 2j + h  holds value  g*32 + 16h + j
-                                 (byte j of the group, h = 0: low nibble, 1: high)
+      q4_0 group g:  half h (0: lo, 1: hi), column g*16 + j  holds value  g*32 + 16h + j
+                     (byte j of the group; ``lo``/``hi`` are its low/high nibble)
 
-  The choice between orders and modes came from instruction counts of the compiled
-  tile loop (``benchmarks/decode_sass.py``) and the H200 sweep; the PTX itself is
-  checked on the host by ``tests/kernels/test_dequant_ptx.py``.
+  Against the joined layouts this cut the sm_90 tile loop from 2697 to 2041
+  instructions and the H200's ragged q4_0 step from 235 to 198 us
+  (``benchmarks/decode_sass.py``, docs/benchmarks). The PTX itself is checked on the
+  host by ``tests/kernels/test_dequant_ptx.py``.
 
 GQA: the dots take the query heads of one K/V head as rows, padded to ``G_PAD >= 16``
 rows for ``tl.dot``; every K/V row is loaded once for all of them.
@@ -140,46 +144,13 @@ def load_group_tile(
     return ints, sc.to(tl.float32)
 
 
-def _minus_offset_times_scale(scales: list[str]) -> str:
-    """PTX lines shared by the q4_0 decoders: outputs ``$0..$3`` hold f16 pairs
-    ``1024 + nibble``; subtract ``off`` (1032, so the value is ``nibble - 8``, exact) and
-    multiply by the scale registers ``scales[i]`` (one rounding)."""
-    return "".join([f"sub.f16x2 ${i}, ${i}, off;\n" for i in range(4)]
-                   + [f"mul.f16x2 ${i}, ${i}, {r};\n" for i, r in enumerate(scales)])
-
-
-# Each asm invocation takes 4 q4_0 bytes, each present twice (the input is the byte tile
-# joined with itself, so that its shape is the output's: two registers [b0 b0 b1 b1] and
-# [b2 b2 b3 b3]), and their group scale (four f16x2 registers). For byte b it builds one
-# register whose low half is 0x6400 | (b & 15) and whose high half is 0x6400 | (b >> 4):
-# u = w >> 4 puts each byte's high nibble in the low bits of that byte position, prmt
-# gathers b (byte 0) and its high nibble (byte 2), and one lop3 masks and sets the
-# exponent, giving the f16 pair (1024 + lo, 1024 + hi). Minus 1032 -> nibble - 8; times d.
-# Output: the values of b0..b3 in pair order (lo, hi, lo, hi, ...), four f16x2 registers.
-_Q4_PAIRS_ASM = tl.constexpr("""
-{
-.reg .b32 t, u0, u1, nib, magic, off;
-mov.b32 nib, 0x000f000f;
-mov.b32 magic, 0x64006400;
-mov.b32 off, 0x64086408;
-shr.b32 u0, $4, 4;
-shr.b32 u1, $5, 4;
-prmt.b32 t, $4, u0, 0x0400;
-lop3.b32 $0, t, nib, magic, 0xea;
-prmt.b32 t, $4, u0, 0x0602;
-lop3.b32 $1, t, nib, magic, 0xea;
-prmt.b32 t, $5, u1, 0x0400;
-lop3.b32 $2, t, nib, magic, 0xea;
-prmt.b32 t, $5, u1, 0x0602;
-lop3.b32 $3, t, nib, magic, 0xea;
-""" + _minus_offset_times_scale(["$6", "$7", "$8", "$9"]) + "}")
-
 # Each asm invocation takes 4 q4_0 bytes (one register) and their group scale (two f16x2
 # registers). t = [b0 b2 b1 b3] (prmt), so that one lop3 with 0x000f000f | 0x64006400
 # picks the low nibbles of b0 and b1 into the two halves of a register (f16 1024 +
 # nibble); shifts by 8, 4 and 12 give the low nibbles of (b2, b3) and the high nibbles of
-# (b0, b1) and (b2, b3). Minus 1032 -> nibble - 8; times d. Outputs: the low-nibble
-# values of b0..b3, then the high-nibble values (two f16x2 registers each).
+# (b0, b1) and (b2, b3). Minus 1032 -> nibble - 8 (exact); times d (one rounding).
+# Outputs: the low-nibble values of b0..b3, then the high-nibble values (two f16x2
+# registers each).
 _Q4_HALVES_ASM = tl.constexpr("""
 {
 .reg .b32 t, u, z, nib, magic, off;
@@ -195,7 +166,16 @@ shr.b32 u, t, 4;
 lop3.b32 $2, u, nib, magic, 0xea;
 shr.b32 u, t, 12;
 lop3.b32 $3, u, nib, magic, 0xea;
-""" + _minus_offset_times_scale(["$5", "$6", "$5", "$6"]) + "}")
+sub.f16x2 $0, $0, off;
+sub.f16x2 $1, $1, off;
+sub.f16x2 $2, $2, off;
+sub.f16x2 $3, $3, off;
+mul.f16x2 $0, $0, $5;
+mul.f16x2 $1, $1, $6;
+mul.f16x2 $2, $2, $5;
+mul.f16x2 $3, $3, $6;
+}
+""")
 
 _Q8_PAIRS_ASM = tl.constexpr("""
 {
@@ -216,21 +196,6 @@ mul.f16x2 $1, t, $4;
 """)
 # q8_0, bytes b0..b3 -> [b0 0 b1 0] and [b2 0 b3 0]; (x ^ 0x80) | 0x6400 is the f16
 # 1024 + (qs + 128); minus 1152 -> qs; times d.
-
-
-@triton.jit
-def _q4_pairs(byte, scale, NATIVE: tl.constexpr):
-    """q4_0 bytes ``[..., 16]`` (uint8) and their group scale (f16, broadcastable) ->
-    f16 ``[..., 16, 2]``: ``(nibble - 8) * d`` of each byte's low and high nibble."""
-    if NATIVE:
-        return tl.inline_asm_elementwise(
-            _Q4_PAIRS_ASM, "=r,=r,=r,=r,r,r,r,r,r,r",
-            [tl.join(byte, byte), tl.expand_dims(scale, -1)],
-            dtype=tl.float16, is_pure=True, pack=8,
-        )
-    else:
-        b = byte.to(tl.int16)
-        return tl.join(_q4_exact(b) * scale, _q4_exact(b >> 4) * scale)
 
 
 @triton.jit
@@ -261,14 +226,9 @@ def _q8_values(qs, scale, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def load_packed_tile(
-    data_ptr, scale_ptr, row_off, scale_off, valid,
-    KV_TYPE: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, NATIVE: tl.constexpr,
-    PAIR_ORDER: tl.constexpr,
-):
-    """Quantized rows dequantized to f16 ``[N, D]``, two values per instruction on a GPU;
-    q4_0 columns in pair order (``PAIR_ORDER``: K tiles, module docstring) or natural
-    order (V tiles); q8_0 always natural.
+def load_q8_tile(data_ptr, scale_ptr, row_off, scale_off, valid, D: tl.constexpr,
+                 NG: tl.constexpr, NATIVE: tl.constexpr):
+    """q8_0 rows dequantized to f16 ``[N, D]``, four values per instruction pair on a GPU.
 
     Only the scales are masked: a row that is not ``valid`` must point at an in-bounds
     row (the kernel points it at row 0 of the pool), its scale loads as 0 and every value
@@ -277,42 +237,42 @@ def load_packed_tile(
     64-row tiles and 8 warps).
     """
     grp = tl.arange(0, NG)
+    lane = tl.arange(0, 32)
     d = tl.load(scale_ptr + scale_off[:, None] + grp[None, :], mask=valid[:, None],
                 other=0.0)[:, :, None]  # [N, NG, 1] f16
-    if KV_TYPE == "q8_0":
-        lane = tl.arange(0, 32)
-        offs = row_off[:, None, None] + grp[None, :, None] * 32 + lane[None, None, :]
-        qs = tl.load(data_ptr + offs)  # [N, NG, 32] int8
-        return tl.reshape(_q8_values(qs, d, NATIVE), (row_off.shape[0], D))
-    j = tl.arange(0, 16)
-    offs = row_off[:, None, None] + grp[None, :, None] * 16 + j[None, None, :]
-    byte = tl.load(data_ptr + offs)  # [N, NG, 16] uint8
-    if PAIR_ORDER:
-        pairs = _q4_pairs(byte, d, NATIVE)  # [N, NG, 16, 2]
-        return tl.reshape(pairs, (row_off.shape[0], D))
-    else:
-        lo, hi = _q4_halves(byte, d, NATIVE)  # [N, NG, 16] each
-        vals = tl.permute(tl.join(lo, hi), (0, 1, 3, 2))  # [N, NG, 2, 16]
-        return tl.reshape(vals, (row_off.shape[0], D))
+    qs = tl.load(data_ptr + row_off[:, None, None] + grp[None, :, None] * 32
+                 + lane[None, None, :])  # [N, NG, 32] int8
+    return tl.reshape(_q8_values(qs, d, NATIVE), (row_off.shape[0], D))
 
 
 @triton.jit
-def pair_order(c):
-    """Natural column of pair-order column ``c`` (q4_0, ``packed``)."""
-    return (c // 32) * 32 + (c % 2) * 16 + (c % 32) // 2
+def load_q4_halves_tile(data_ptr, scale_ptr, row_off, scale_off, valid, D: tl.constexpr,
+                        NG: tl.constexpr, NATIVE: tl.constexpr):
+    """q4_0 rows dequantized to f16 as two half tiles ``(lo, hi)``, each ``[N, D/2]``:
+    column ``g * 16 + j`` of ``lo`` is value ``g * 32 + j`` (byte j's low nibble), of
+    ``hi`` value ``g * 32 + 16 + j`` (its high nibble). Masking as ``load_q8_tile``.
+    """
+    grp = tl.arange(0, NG)
+    j = tl.arange(0, 16)
+    d = tl.load(scale_ptr + scale_off[:, None] + grp[None, :], mask=valid[:, None],
+                other=0.0)[:, :, None]  # [N, NG, 1] f16
+    byte = tl.load(data_ptr + row_off[:, None, None] + grp[None, :, None] * 16
+                   + j[None, None, :])  # [N, NG, 16] uint8
+    lo, hi = _q4_halves(byte, d, NATIVE)
+    return tl.reshape(lo, (row_off.shape[0], D // 2)), tl.reshape(hi, (row_off.shape[0], D // 2))
 
 
 @triton.jit
 def load_q(
     q_ptr, row_stride, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-    NG: tl.constexpr, K_GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, PERM: tl.constexpr,
+    NG: tl.constexpr, K_GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, HALVES: tl.constexpr,
 ):
-    """The query heads of one K/V head as dot rows (rows >= G are zero); ``PERM``: columns
-    in q4_0 pair order, to meet K tiles from ``load_packed_tile``.
+    """The query heads of one K/V head as dot rows (rows >= G are zero).
 
     Returns:
-        ``[NG, G_PAD, 32]`` (``K_GROUP``: per-group slices) or ``[G_PAD, D]``, in
-        ``DOT_DTYPE``.
+        in ``DOT_DTYPE``: ``[NG, G_PAD, 32]`` (``K_GROUP``: per-group slices),
+        ``[G_PAD, D/2, 2]`` (``HALVES``: the columns of q4_0 half tiles, last axis lo/hi;
+        ``load_q4_halves_tile``) or ``[G_PAD, D]``.
     """
     rows = tl.arange(0, G_PAD)
     if K_GROUP:
@@ -322,10 +282,12 @@ def load_q(
         q = tl.load(q_ptr + offs, mask=(rows < G)[None, :, None], other=0.0)
     else:
         cols = tl.arange(0, D)
-        if PERM:
-            cols = pair_order(cols)
         q = tl.load(q_ptr + rows[:, None] * row_stride + cols[None, :],
                     mask=(rows < G)[:, None], other=0.0)
+        if HALVES:
+            # [G_PAD, NG, h, j] -> [G_PAD, NG * 16, h]
+            q = tl.reshape(tl.permute(tl.reshape(q, (G_PAD, NG, 2, 16)), (0, 1, 3, 2)),
+                           (G_PAD, D // 2, 2))
     # Through float32 (exact from f16/bf16): the interpreter converts bf16 only from fp32.
     return q.to(tl.float32).to(DOT_DTYPE)
 
@@ -339,7 +301,8 @@ def tile_scores(
     """Raw scores ``q . k`` of a tile: float32 ``[G_PAD, N]``.
 
     Args:
-        q: from ``load_q`` (group slices for quantized K in ``group`` mode).
+        q: from ``load_q`` (group slices for quantized K in ``group`` mode, halves for
+            q4_0 K in ``packed`` mode).
         k_row, ks_row: int64 ``[N]`` offsets of each row's payload and scales.
         valid: ``[N]`` rows to read; others contribute 0 (the caller masks them to -inf).
     """
@@ -349,8 +312,12 @@ def tile_scores(
     elif K_TYPE == "bf16":
         k = load_float_tile(k_data, k_row, valid, D).to(tl.float32)
         return tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+    elif QUANT_DOT == "packed" and K_TYPE == "q4_0":
+        lo, hi = load_q4_halves_tile(k_data, k_scale, k_row, ks_row, valid, D, NG, NATIVE)
+        q_lo, q_hi = tl.split(q)
+        return tl.dot(q_hi, tl.trans(hi), tl.dot(q_lo, tl.trans(lo)))
     elif QUANT_DOT == "packed":
-        k = load_packed_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, D, NG, NATIVE, True)
+        k = load_q8_tile(k_data, k_scale, k_row, ks_row, valid, D, NG, NATIVE)
         return tl.dot(q, tl.trans(k))
     elif QUANT_DOT == "group":
         k, dk = load_group_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, NG, True)
@@ -371,7 +338,9 @@ def tile_pv(
     """``acc + p @ v`` for one tile.
 
     Args:
-        acc: float32 ``[NG, G_PAD, 32]`` (quantized V, ``group`` mode) or ``[G_PAD, D]``.
+        acc: float32, laid out as ``store_rows`` documents: ``[NG, G_PAD, 32]``
+            (quantized V, ``group`` mode), ``[G_PAD, D/2, 2]`` (q4_0 V, ``packed``) or
+            ``[G_PAD, D]``.
         p: float32 ``[G_PAD, N]`` softmax numerators (0 on masked rows).
     """
     if V_TYPE == "f16" or (V_TYPE == "bf16" and NATIVE):
@@ -381,8 +350,13 @@ def tile_pv(
         v = load_float_tile(v_data, v_row, valid, D).to(tl.float32)
         p16 = p.to(tl.bfloat16).to(tl.float32)  # the rounding a GPU applies to p
         return tl.dot(p16, v, acc, input_precision="ieee")
+    elif QUANT_DOT == "packed" and V_TYPE == "q4_0":
+        lo, hi = load_q4_halves_tile(v_data, v_scale, v_row, vs_row, valid, D, NG, NATIVE)
+        p16 = p.to(tl.float16)
+        acc_lo, acc_hi = tl.split(acc)
+        return tl.join(tl.dot(p16, lo, acc_lo), tl.dot(p16, hi, acc_hi))
     elif QUANT_DOT == "packed":
-        v = load_packed_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, D, NG, NATIVE, False)
+        v = load_q8_tile(v_data, v_scale, v_row, vs_row, valid, D, NG, NATIVE)
         return tl.dot(p.to(tl.float16), v, acc)
     elif QUANT_DOT == "group":
         v, dv = load_group_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, NG, True)
@@ -395,10 +369,12 @@ def tile_pv(
 
 
 @triton.jit
-def rescale(acc, alpha, ACC3: tl.constexpr):
+def rescale(acc, alpha, ACC: tl.constexpr):
     """``acc`` rows times ``alpha`` ``[G_PAD]``."""
-    if ACC3:
+    if ACC == "group":
         return acc * alpha[None, :, None]
+    elif ACC == "halves":
+        return acc * alpha[:, None, None]
     else:
         return acc * alpha[:, None]
 
@@ -406,20 +382,30 @@ def rescale(acc, alpha, ACC3: tl.constexpr):
 @triton.jit
 def store_rows(
     ptr, row_stride, acc, row_scale, G: tl.constexpr, G_PAD: tl.constexpr,
-    D: tl.constexpr, NG: tl.constexpr, ACC3: tl.constexpr,
+    D: tl.constexpr, NG: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Write rows ``r < G`` of ``acc * row_scale[r]`` to ``ptr + r * row_stride + col``.
+    """Write rows ``r < G`` of ``acc * row_scale[r]`` to ``ptr + r * row_stride + col``,
+    in natural column order whatever the accumulator's layout (``ACC``):
 
-    A 3-D accumulator ``[NG, G_PAD, 32]`` lands in natural column order
-    ``col = g * 32 + lane``.
+    - ``"flat"``: ``[G_PAD, D]``, column ``col``;
+    - ``"group"``: ``[NG, G_PAD, 32]``, ``[g, r, lane]`` is column ``g * 32 + lane``;
+    - ``"halves"``: ``[G_PAD, D/2, 2]``, ``[r, g * 16 + j, h]`` is column
+      ``g * 32 + 16 * h + j`` (``load_q4_halves_tile``).
     """
     rows = tl.arange(0, G_PAD)
-    if ACC3:
+    if ACC == "group":
         grp = tl.arange(0, NG)
         lane = tl.arange(0, 32)
         val = acc * row_scale[None, :, None]
         offs = rows[None, :, None] * row_stride + grp[:, None, None] * 32 + lane[None, None, :]
         tl.store(ptr + offs, val.to(ptr.dtype.element_ty), mask=(rows < G)[None, :, None])
+    elif ACC == "halves":
+        c = tl.arange(0, D // 2)
+        half = tl.arange(0, 2)
+        col = (c // 16 * 32 + c % 16)[:, None] + half[None, :] * 16  # [D/2, 2]
+        val = acc * row_scale[:, None, None]
+        tl.store(ptr + rows[:, None, None] * row_stride + col[None, :, :],
+                 val.to(ptr.dtype.element_ty), mask=(rows < G)[:, None, None])
     else:
         cols = tl.arange(0, D)
         val = acc * row_scale[:, None]

@@ -168,7 +168,7 @@ def _paged_decode_kernel(
     G: tl.constexpr, G_PAD: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QUANT_DOT: tl.constexpr,
-    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, PAGED: tl.constexpr,
+    K_GROUP: tl.constexpr, ACC: tl.constexpr, PAGED: tl.constexpr,
     MERGE_CHUNKS: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -185,11 +185,13 @@ def _paged_decode_kernel(
                    K_GROUP, tl.bfloat16, False)
     else:
         q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
-                   K_GROUP, tl.float16, K_TYPE == "q4_0" and QUANT_DOT == "packed")
+                   K_GROUP, tl.float16, K_TYPE == "q4_0" and QUANT_DOT == "packed")  # halves
     m_i = tl.full([G_PAD], _NEG_BIG, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    if V_GROUP:
+    if ACC == "group":
         acc = tl.zeros([NG, G_PAD, 32], tl.float32)
+    elif ACC == "halves":
+        acc = tl.zeros([G_PAD, D // 2, 2], tl.float32)
     else:
         acc = tl.zeros([G_PAD, D], tl.float32)
 
@@ -237,7 +239,7 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = rescale(acc, alpha, V_GROUP)
+        acc = rescale(acc, alpha, ACC)
         acc = tile_pv(acc, p, vd_ptr, vs_ptr, v_row, vs_row, valid, V_TYPE, D, NG, QUANT_DOT,
                       NATIVE)
         m_i = m_new
@@ -247,12 +249,12 @@ def _paged_decode_kernel(
         # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
         inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1.0), 0.0)
         store_rows(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, acc, inv,
-                   G, G_PAD, D, NG, V_GROUP)
+                   G, G_PAD, D, NG, ACC)
     else:
         head_acc = part_acc_ptr + h * max_chunks * G * D
         head_ml = part_ml_ptr + h * max_chunks * G * 2
         ones = tl.full([G_PAD], 1.0, tl.float32)
-        store_rows(head_acc + pid * G * D, D, acc, ones, G, G_PAD, D, NG, V_GROUP)
+        store_rows(head_acc + pid * G * D, D, acc, ones, G, G_PAD, D, NG, ACC)
         rows = tl.arange(0, G_PAD)
         ml = head_ml + (pid * G + rows) * 2
         tl.store(ml, m_i, mask=rows < G)
@@ -288,24 +290,24 @@ def _default_workspace(
     return ws
 
 
+# Registers per thread for one tile of partials in a merge; the tile loop's registers are
+# free by then. 128 merges a group of 8 partials (G = 6, D = 256, 4 warps) in one load.
+MERGE_TILE_REGISTERS = 64
+
+
+def accumulator_layout(v_type: str, quant_dot: str) -> str:
+    """Layout of the kernel's output accumulator (``kv_tiles.store_rows``): per-group
+    ``[NG, G_PAD, 32]`` for quantized V in ``group`` mode, two half tiles for q4_0 V in
+    ``packed`` mode, else ``[G_PAD, D]``."""
+    if v_type in ("q8_0", "q4_0") and quant_dot == "group":
+        return "group"
+    if v_type == "q4_0" and quant_dot == "packed":
+        return "halves"
+    return "flat"
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
-
-
-# Smallest tile for q4_0 V in ``packed`` mode on a GPU. At 16-row tiles (D=64, K q8_0) the
-# H200 gave outputs twice the oracle's (docs/benchmarks/README.md, "Known defect"); the
-# cause is not found, so those launches are refused rather than run. 32 to 256 rows pass
-# there at D=256 (the sweep), and 128 at D=64, 128 and 256 (the tests).
-MIN_PACKED_Q4_V_BLOCK_N = 32
-
-
-def _refuse_known_bad(cfg: DecodeConfig, v_type: str, on_gpu: bool) -> None:
-    if (on_gpu and cfg.quant_dot == "packed" and v_type == "q4_0"
-            and cfg.block_n < MIN_PACKED_Q4_V_BLOCK_N):
-        raise ValueError(
-            f"block_n {cfg.block_n} with quant_dot 'packed' and q4_0 V is refused on CUDA "
-            f"(it gave wrong results on an H200); use block_n >= {MIN_PACKED_Q4_V_BLOCK_N}"
-        )
 
 
 def paged_decode_attention(
@@ -351,7 +353,6 @@ def paged_decode_attention(
     else:
         workspace.check_fits(B, Hq, Hkv, D, q.device)
     cfg = config or default_config(cache_k.kv_type, cache_v.kv_type)
-    _refuse_known_bad(cfg, cache_v.kv_type, q.is_cuda)
     if out is None:
         out = torch.empty_like(q)
     if B == 0:
@@ -363,9 +364,9 @@ def paged_decode_attention(
     ks = cache_k.scales if k_quant else cache_k.data
     vs = cache_v.scales if v_quant else cache_v.data
     paged = max_blocks > 1
-    # Merge tiles of [MERGE_CHUNKS, GP, D] float32: about 64 registers per thread.
+    # Merge tiles of [MERGE_CHUNKS, GP, D] float32, MERGE_TILE_REGISTERS per thread.
     gp = _next_pow2(G)
-    merge_chunks = max(1, min(16, (64 * 32 * cfg.num_warps) // (gp * D)))
+    merge_chunks = max(1, min(16, (MERGE_TILE_REGISTERS * 32 * cfg.num_warps) // (gp * D)))
     # The plan never makes more than max(W, B) chunks per head (decode_plan).
     grid = (max(workspace.chunk_budget, B), Hkv)
     _paged_decode_kernel[grid](
@@ -381,10 +382,10 @@ def paged_decode_attention(
         MIN_PARTITION=cfg.min_partition,
         K_TYPE=cache_k.kv_type, V_TYPE=cache_v.kv_type, QUANT_DOT=cfg.quant_dot,
         K_GROUP=k_quant and cfg.quant_dot == "group",
-        V_GROUP=v_quant and cfg.quant_dot == "group",
+        ACC=accumulator_layout(cache_v.kv_type, cfg.quant_dot),
         PAGED=paged, MERGE_CHUNKS=merge_chunks, MERGE_GROUP=MERGE_GROUP,
         NATIVE=q.is_cuda,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out
 

@@ -50,17 +50,6 @@ def test_q4_0_halves(d):
         assert out == lo + hi, b
 
 
-@pytest.mark.parametrize("d", SCALES)
-def test_q4_0_pairs(d):
-    for start in range(0, 256, 4):
-        b = list(range(start, start + 4))
-        doubled = [v for v in b for _ in range(2)]  # the byte tile joined with itself
-        regs = [pack_bytes(doubled[:4]), pack_bytes(doubled[4:]), *pack_f16([d] * 8)]
-        out = unpack_f16(run(kv_tiles._Q4_PAIRS_ASM.value, regs, 4))
-        lo, hi = _q4_values(b, d)
-        assert out == [v for pair in zip(lo, hi) for v in pair], b
-
-
 def test_emulator_rejects_what_it_does_not_know():
     with pytest.raises(NotImplementedError, match="'add.u32'"):
         run("{ add.u32 $0, $1, 1; }", [5], 1)
