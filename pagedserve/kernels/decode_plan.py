@@ -132,20 +132,21 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
     """The launch choice per K/V type pair, from H200 runs of ``bench_attention.py``'s sweep
     and side-by-side probes (docs/benchmarks/attention.md).
 
-    - Any q8_0: ``packed`` 64-row tiles, one stage, at most 168 registers, so that three
-      programs share an SM (``default_occupancy``). At 128-row tiles the loop spilled at
-      255 registers; this cut 8 x 16K from 196 to 192 us and lifted paged / contiguous
-      from 0.956 to 0.979 (2026-11-29 probe).
+    - Any q8_0: ``element`` 64-row tiles, one stage, at most 168 registers, so that three
+      programs share an SM (``default_occupancy``): 105.4 us geomean in the ff68079 sweep,
+      against 135.9 without the register cap and 106.7 in ``packed`` mode (whose paged
+      steps a side-by-side probe also found 1-4% slower). At 128-row tiles the loop
+      spilled at 255 registers.
     - Else any q4_0: ``packed`` 128-row tiles (q4_0 as half tiles, ``kv_tiles``), one
-      stage: 198 us for the ragged 128K + 7 x 8K step, against 236 us at 64 rows and
-      257-342 us when registers were capped for more programs per SM (same probe).
-    - f16/bf16: 128-row tiles, two stages (82 us geomean in the 28e0a52 sweep).
+      stage, two programs per SM: 84.7 us geomean in the same sweep; 64-row tiles 98.5,
+      a 168-register cap 114.3, two stages 95.8.
+    - f16/bf16: 128-row tiles, two stages, one program per SM (81.9 us geomean).
 
     The minimum chunk is 128 tokens for all (the sweep's choice, for 4K contexts).
     """
     if "q8_0" in (k_type, v_type):
         return DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
-                            quant_dot="packed", maxnreg=168)
+                            quant_dot="element", maxnreg=168)
     if "q4_0" in (k_type, v_type):
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="packed")
@@ -160,7 +161,8 @@ def default_occupancy(k_type: str, v_type: str) -> float:
 
     q8_0: three (168 registers x 128 threads). q4_0: two (255 registers). f16: one (two
     stages of 128-row K and V tiles take 140 KB of shared memory): at 2 x 4K the plan for
-    two programs per SM made two waves, 30.8 us against 24.2 us at one (same probe).
+    two programs per SM made two waves, 30.8 us against 24.2 us at one (side-by-side
+    probe on the H200, 2026-11-29).
     """
     if "q8_0" in (k_type, v_type):
         return 3.0

@@ -66,6 +66,11 @@ def test_config_and_workspace_reject_bad_values():
         DecodeConfig(block_n=64, min_partition=96)
     with pytest.raises(ValueError, match="quant_dot 'int8'"):
         DecodeConfig(quant_dot="int8")
+    for bad in (16, 100, 256):
+        with pytest.raises(ValueError, match=f"maxnreg must be None or a multiple of 8 in "
+                                             rf"\[32, 248\], got {bad}"):
+            DecodeConfig(maxnreg=bad)
+    assert DecodeConfig(maxnreg=168).maxnreg == 168
     with pytest.raises(ValueError, match="occupancy must be in"):
         DecodeWorkspace(1, 8, 2, 64, "cpu", occupancy=0.0)
     with pytest.raises(ValueError, match=r"num_q_heads \(6\) must be a positive multiple"):
