@@ -3,8 +3,10 @@
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
 # Stages: tests-kernels (or tests-kernels-grid + tests-kernels-small) tests-packed
 #         tests-graph tests-gdn tests-engine tests-model bench-attention bench-attention-quick
-#         profile-engine ncu-decode bench-model bench-engine bench-serve. Each stage has its own time limit, logs to $OUT/<stage>.log, and a
-# one-line status goes to the summary printed last.
+#         profile-engine ncu-decode bench-model bench-engine bench-serve probe-decode.
+# Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
+# to the summary printed last. probe-decode runs benchmarks/probe_decode.py with the
+# arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default").
 # Needs: wheels in .whl/ (fla-core, and the server's fastapi/uvicorn/pydantic stack, which
 # the GPU image lacks), PAGEDSERVE_COMMIT set by the caller (the tree travels without .git).
 # Optional: .triton-cache.tar from an earlier call's $OUT (carry it with .whl).
@@ -73,6 +75,7 @@ for spec in "$@"; do
                        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                        python3 benchmarks/ncu_decode.py --kv-type "${case%%:*}" --lens "${case##*:}"
                    done ;;
+    probe-decode)  run_stage "$stage" "$limit" python3 benchmarks/probe_decode.py ${PROBE_ARGS:-} ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \
