@@ -17,12 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import SCALE, paged_inputs  # noqa: E402
+from bench_attention import RAGGED, SCALE, paged_inputs  # noqa: E402
 
 from pagedserve.kernels import paged_decode  # noqa: E402
-
-K = 1024
-RAGGED = (128 * K,) + (8 * K,) * 7
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -113,11 +113,10 @@ class LLMEngine:
                             prefill_chunk=config.prefill_chunk, max_model_len=max_len),
             self.kv, self.runner.state_pool,
         )
+        cuda = self.runner.device.type == "cuda"
         # Pinned buffers for each step's host->device copies (CUDA only; see HostStaging).
         self._staging = HostStaging(self.runner.device, budget, config.max_num_seqs,
-                                    self.runner.max_blocks_per_seq) \
-            if self.runner.device.type == "cuda" else None
-        cuda = self.runner.device.type == "cuda"
+                                    self.runner.max_blocks_per_seq) if cuda else None
         # Async scheduling (lookahead.py): on CUDA by default; on the CPU every op is
         # synchronous, so it would only cost the extra row after a late stop.
         self.async_scheduling = cuda if config.async_scheduling is None \

@@ -226,6 +226,15 @@ def _q8_values(qs, scale, NATIVE: tl.constexpr):
 
 
 @triton.jit
+def _row_group_scales(scale_ptr, scale_off, valid, NG: tl.constexpr):
+    """The group scales of a tile's rows, f16 ``[N, NG, 1]`` (0 for rows not ``valid``,
+    which zeroes every value of them: the packed loaders' masking)."""
+    grp = tl.arange(0, NG)
+    return tl.load(scale_ptr + scale_off[:, None] + grp[None, :], mask=valid[:, None],
+                   other=0.0)[:, :, None]
+
+
+@triton.jit
 def load_q8_tile(data_ptr, scale_ptr, row_off, scale_off, valid, D: tl.constexpr,
                  NG: tl.constexpr, NATIVE: tl.constexpr):
     """q8_0 rows dequantized to f16 ``[N, D]``, four values per instruction pair on a GPU.
@@ -238,8 +247,7 @@ def load_q8_tile(data_ptr, scale_ptr, row_off, scale_off, valid, D: tl.constexpr
     """
     grp = tl.arange(0, NG)
     lane = tl.arange(0, 32)
-    d = tl.load(scale_ptr + scale_off[:, None] + grp[None, :], mask=valid[:, None],
-                other=0.0)[:, :, None]  # [N, NG, 1] f16
+    d = _row_group_scales(scale_ptr, scale_off, valid, NG)  # [N, NG, 1] f16
     qs = tl.load(data_ptr + row_off[:, None, None] + grp[None, :, None] * 32
                  + lane[None, None, :])  # [N, NG, 32] int8
     return tl.reshape(_q8_values(qs, d, NATIVE), (row_off.shape[0], D))
@@ -254,8 +262,7 @@ def load_q4_halves_tile(data_ptr, scale_ptr, row_off, scale_off, valid, D: tl.co
     """
     grp = tl.arange(0, NG)
     j = tl.arange(0, 16)
-    d = tl.load(scale_ptr + scale_off[:, None] + grp[None, :], mask=valid[:, None],
-                other=0.0)[:, :, None]  # [N, NG, 1] f16
+    d = _row_group_scales(scale_ptr, scale_off, valid, NG)  # [N, NG, 1] f16
     byte = tl.load(data_ptr + row_off[:, None, None] + grp[None, :, None] * 16
                    + j[None, None, :])  # [N, NG, 16] uint8
     lo, hi = _q4_halves(byte, d, NATIVE)

@@ -290,11 +290,6 @@ def _default_workspace(
     return ws
 
 
-# Registers per thread for one tile of partials in a merge; the tile loop's registers are
-# free by then. 128 merges a group of 8 partials (G = 6, D = 256, 4 warps) in one load.
-MERGE_TILE_REGISTERS = 64
-
-
 def accumulator_layout(v_type: str, quant_dot: str) -> str:
     """Layout of the kernel's output accumulator (``kv_tiles.store_rows``): per-group
     ``[NG, G_PAD, 32]`` for quantized V in ``group`` mode, two half tiles for q4_0 V in
@@ -364,9 +359,9 @@ def paged_decode_attention(
     ks = cache_k.scales if k_quant else cache_k.data
     vs = cache_v.scales if v_quant else cache_v.data
     paged = max_blocks > 1
-    # Merge tiles of [MERGE_CHUNKS, GP, D] float32, MERGE_TILE_REGISTERS per thread.
+    # Merge tiles of [MERGE_CHUNKS, GP, D] float32: about 64 registers per thread.
     gp = _next_pow2(G)
-    merge_chunks = max(1, min(16, (MERGE_TILE_REGISTERS * 32 * cfg.num_warps) // (gp * D)))
+    merge_chunks = max(1, min(16, (64 * 32 * cfg.num_warps) // (gp * D)))
     # The plan never makes more than max(W, B) chunks per head (decode_plan).
     grid = (max(workspace.chunk_budget, B), Hkv)
     _paged_decode_kernel[grid](
