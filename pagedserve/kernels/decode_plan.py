@@ -160,9 +160,9 @@ def default_occupancy(k_type: str, v_type: str) -> float:
     leaves a second wave.
 
     q8_0: three (168 registers x 128 threads). q4_0: two (255 registers). f16: one (two
-    stages of 128-row K and V tiles take 140 KB of shared memory): at 2 x 4K the plan for
-    two programs per SM made two waves, 30.8 us against 24.2 us at one (side-by-side
-    probe on the H200, 2026-11-29).
+    stages of 128-row K and V tiles take 143 KB of shared memory, per Nsight Compute): at
+    2 x 4K the plan for two programs per SM made two waves, 30.8 us against 24.2 us at
+    one (side-by-side probe on the H200, 2026-11-29).
     """
     if "q8_0" in (k_type, v_type):
         return 3.0
