@@ -7,7 +7,8 @@ it. For each configuration it prints registers, spill bytes, the instruction cou
 the main tile loop (the largest backward branch) and its most frequent opcodes and memory
 instructions: a quick way to compare tile formulations before spending device time.
 
-    python benchmarks/decode_sass.py [--contiguous] [K:V:MODE:BLOCK_N:WARPS[:STAGES] ...]
+    python benchmarks/decode_sass.py [--contiguous]
+        [K:V:MODE:BLOCK_N:WARPS[:STAGES[:TABLE_READ]] ...]
     e.g. python benchmarks/decode_sass.py q4_0:q4_0:packed:64:8 f16:f16:group:128:4
 
 The counts are per thread per loop iteration; compare configurations with the same
@@ -36,7 +37,7 @@ DEFAULTS = ["f16:f16:group:128:4:2", "q8_0:q8_0:packed:128:4:1", "q4_0:q4_0:pack
 
 
 def compile_decode(k_type: str, v_type: str, mode: str, block_n: int, warps: int,
-                   stages: int, paged: bool = True):
+                   stages: int, paged: bool = True, table_read: str = "row"):
     """The compiled kernel for one configuration (Qwen3.5 attention shape; the paged or
     the contiguous layout's tile addressing)."""
     names = _paged_decode_kernel.arg_names
@@ -46,8 +47,8 @@ def compile_decode(k_type: str, v_type: str, mode: str, block_n: int, warps: int
         G=group, G_PAD=16, GP=triton.next_power_of_2(group), D=D, BS=BS, B_PAD=8,
         BLOCK_N=block_n, MIN_PARTITION=max(128, block_n), K_TYPE=k_type, V_TYPE=v_type,
         QUANT_DOT=mode, K_GROUP=mode == "group" and k_type in quant,
-        ACC=accumulator_layout(v_type, mode), PAGED=paged, MERGE_CHUNKS=2,
-        MERGE_GROUP=8, NATIVE=True,
+        ACC=accumulator_layout(v_type, mode), PAGED=paged, MERGE_UNROLL=4,
+        MERGE_GROUP=8, NATIVE=True, TABLE_READ=table_read if paged else "row",
     )
     pointers = {
         "q_ptr": "*fp16", "out_ptr": "*fp16", "kd_ptr": POINTER_TYPES[k_type],
@@ -117,12 +118,15 @@ def main(argv: list[str]) -> int:
     argv = [a for a in argv if a != "--contiguous"]
     for spec in argv or DEFAULTS:
         parts = spec.split(":")
-        if len(parts) not in (5, 6):
-            raise SystemExit(f"bad spec {spec!r}: want K:V:MODE:BLOCK_N:WARPS[:STAGES]")
+        if len(parts) not in (5, 6, 7):
+            raise SystemExit(
+                f"bad spec {spec!r}: want K:V:MODE:BLOCK_N:WARPS[:STAGES[:TABLE_READ]]")
         k_type, v_type, mode = parts[:3]
         block_n, warps = int(parts[3]), int(parts[4])
-        stages = int(parts[5]) if len(parts) == 6 else 2
-        st = loop_stats(compile_decode(k_type, v_type, mode, block_n, warps, stages, paged))
+        stages = int(parts[5]) if len(parts) >= 6 else 2
+        table_read = parts[6] if len(parts) == 7 else "row"
+        st = loop_stats(compile_decode(k_type, v_type, mode, block_n, warps, stages, paged,
+                                       table_read))
         per_thread = block_n * D * 2 // (32 * warps)
         print(f"{spec}: {st['registers']} regs, {st['spill_bytes']} B spilled, loop "
               f"{st['loop_instructions']} instructions for {per_thread} K+V values/thread")

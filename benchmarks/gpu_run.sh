@@ -6,7 +6,8 @@
 #         profile-engine ncu-decode bench-model bench-engine bench-serve probe-decode.
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/probe_decode.py with the
-# arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default").
+# arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default"),
+# once per '|'-separated list.
 # Needs: wheels in .whl/ (fla-core, and the server's fastapi/uvicorn/pydantic stack, which
 # the GPU image lacks), PAGEDSERVE_COMMIT set by the caller (the tree travels without .git).
 # Optional: .triton-cache.tar from an earlier call's $OUT (carry it with .whl).
@@ -75,7 +76,11 @@ for spec in "$@"; do
                        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                        python3 benchmarks/ncu_decode.py --kv-type "${case%%:*}" --lens "${case##*:}"
                    done ;;
-    probe-decode)  run_stage "$stage" "$limit" python3 benchmarks/probe_decode.py ${PROBE_ARGS:-} ;;
+    # PROBE_ARGS may hold several argument lists separated by '|': one probe each.
+    probe-decode)  IFS='|' read -ra probes <<< "${PROBE_ARGS:-}"
+                   for i in "${!probes[@]}"; do
+                     run_stage "probe-decode-$i" "$limit" python3 benchmarks/probe_decode.py ${probes[$i]}
+                   done ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \

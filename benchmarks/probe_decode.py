@@ -10,8 +10,8 @@ torch reference like the benchmark's (max error / max |ref| <= 5e-3; a miss prin
     python benchmarks/probe_decode.py --kv-type q8_0 --cases ragged 16384x8 4096 \\
         --launch element:64:4:1:128:168:3 packed:64:4:1:128:168:3 [--sdpa] [--dry-run]
 
-A launch is ``MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:MAXNREG:OCCUPANCY`` (``MAXNREG``
-``-`` for none); ``default`` is the library's choice for the type. A case is ``ragged``
+A launch is ``MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:MAXNREG:OCCUPANCY[:TABLE_READ]``
+(``MAXNREG`` ``-`` for none; ``TABLE_READ`` ``row`` unless given); ``default`` is the library's choice for the type. A case is ``ragged``
 (128K + 7 x 8K) or ``LENxN``. Prints one row per (case, launch) and writes
 ``probe_decode.json`` to $OUT when set. ``--dry-run`` runs toy sizes on the CPU under
 ``TRITON_INTERPRET=1`` to check the script.
@@ -42,14 +42,15 @@ def parse_launch(spec: str, kv_type: str) -> ba.Launch:
     if spec == "default":
         return ba.Launch(default_config(kv_type, kv_type), default_occupancy(kv_type, kv_type))
     parts = spec.split(":")
-    if len(parts) != 7:
-        raise SystemExit(f"bad launch {spec!r}: want "
-                         "MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:MAXNREG:OCCUPANCY or 'default'")
-    mode, block_n, warps, stages, min_p, maxnreg, occ = parts
+    if len(parts) not in (7, 8):
+        raise SystemExit(f"bad launch {spec!r}: want MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:"
+                         "MAXNREG:OCCUPANCY[:TABLE_READ] or 'default'")
+    mode, block_n, warps, stages, min_p, maxnreg, occ = parts[:7]
     return ba.Launch(DecodeConfig(block_n=int(block_n), num_warps=int(warps),
                                   num_stages=int(stages), min_partition=int(min_p),
                                   quant_dot=mode,
-                                  maxnreg=None if maxnreg == "-" else int(maxnreg)),
+                                  maxnreg=None if maxnreg == "-" else int(maxnreg),
+                                  table_read=parts[7] if len(parts) == 8 else "row"),
                      float(occ))
 
 

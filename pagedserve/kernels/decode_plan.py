@@ -61,6 +61,7 @@ import triton
 import triton.language as tl
 
 QUANT_DOT_MODES = ("group", "element", "packed")
+TABLE_READS = ("row", "block")
 # Chunks per first-level merge group (see "Merging" above).
 MERGE_GROUP = 8
 # Programs per SM the chunk budget aims for; benchmarks/bench_attention.py sweeps it.
@@ -90,6 +91,10 @@ class DecodeConfig:
             f16 (one multiply) and run one full-width dot. ``"packed"``: the same values
             as ``element``, from 16-byte row loads, two per instruction (f16x2 PTX) on a
             GPU (``kv_tiles``).
+        table_read: how a paged tile finds its rows' blocks. ``"row"``: one block-table
+            load per row; ``"block"``: one per K/V block, broadcast to its rows (fewer
+            loads and address computations; used when ``block_n`` is a multiple of the
+            pool's block size, else ``"row"``).
         maxnreg: registers per thread the compiler may use (``None``: its own choice,
             up to 255). Fewer registers let more programs share an SM; a quantized tile
             loop is latency-bound, so more resident warps can pay for a few spills.
@@ -104,6 +109,7 @@ class DecodeConfig:
     min_partition: int = 256
     quant_dot: str = "group"
     maxnreg: int | None = None
+    table_read: str = "row"
 
     def __post_init__(self) -> None:
         if not (_is_pow2(self.block_n) and 16 <= self.block_n <= 256):
@@ -120,6 +126,10 @@ class DecodeConfig:
         if self.maxnreg is not None and not (self.maxnreg % 8 == 0 and 32 <= self.maxnreg <= 248):
             raise ValueError(
                 f"maxnreg must be None or a multiple of 8 in [32, 248], got {self.maxnreg}"
+            )
+        if self.table_read not in TABLE_READS:
+            raise ValueError(
+                f"table_read {self.table_read!r} is not a mode; accepted: {list(TABLE_READS)}"
             )
         if self.quant_dot not in QUANT_DOT_MODES:
             raise ValueError(

@@ -55,44 +55,51 @@ LOG2E = 1.4426950408889634
 # Finite "minus infinity" for running maxima, so that exp2 of their differences is 0 or 1
 # and never NaN (-inf - -inf) when a whole tile is masked.
 _NEG_BIG = tl.constexpr(-1.0e30)
+# Partials per trip of the merge loop (their loads in flight together): 4 x [8, 256]
+# float32 over 128 threads is 64 registers per thread.
+MERGE_UNROLL = 4
 
 
 @triton.jit
 def _merge_partials(
     part_acc_ptr, part_ml_ptr, first, count, stride,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MERGE_CHUNKS: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MERGE_UNROLL: tl.constexpr,
 ):
     """Log-sum-exp merge of ``count`` partials in slots ``first + i * stride``.
 
     ``part_acc_ptr`` / ``part_ml_ptr`` point at slot 0 of one K/V head. Loads bypass L1
     (``.cg``): the partials were written by other programs.
 
+    One partial at a time, ``MERGE_UNROLL`` per loop trip: every thread owns the same
+    ``[GP, D]`` elements of each partial, so the merge is elementwise, with no reduction
+    across threads (no shared memory, no barrier), and the unrolled trip's loads are
+    independent of its arithmetic, so they are all in flight together. The merges are
+    the serial tail of every split sequence.
+
     Returns:
         ``(o, m, l)``: float32 ``[GP, D]`` unnormalized output, ``[GP]`` max and sum.
     """
     rows = tl.arange(0, GP)
     cols = tl.arange(0, D)
-    ci = tl.arange(0, MERGE_CHUNKS)
+    row_ok = rows < G
     m_run = tl.full([GP], _NEG_BIG, tl.float32)
     l_run = tl.zeros([GP], tl.float32)
     o_run = tl.zeros([GP, D], tl.float32)
-    for c0 in range(0, count, MERGE_CHUNKS):
-        slot = first + (c0 + ci) * stride  # [MC]
-        ok = ((c0 + ci) < count)[:, None] & (rows < G)[None, :]  # [MC, GP]
-        ml = part_ml_ptr + (slot[:, None] * G + rows[None, :]) * 2
-        m = tl.load(ml, mask=ok, other=_NEG_BIG, cache_modifier=".cg")
-        l = tl.load(ml + 1, mask=ok, other=0.0, cache_modifier=".cg")
-        o = tl.load(
-            part_acc_ptr + (slot[:, None, None] * G + rows[None, :, None]) * D
-            + cols[None, None, :],
-            mask=ok[:, :, None], other=0.0, cache_modifier=".cg",
-        )  # [MC, GP, D]
-        m_new = tl.maximum(m_run, tl.max(m, axis=0))
-        w = tl.exp2(m - m_new[None, :])  # [MC, GP], <= 1
-        a = tl.exp2(m_run - m_new)
-        l_run = l_run * a + tl.sum(w * l, axis=0)
-        o_run = o_run * a[:, None] + tl.sum(w[:, :, None] * o, axis=0)
-        m_run = m_new
+    for c0 in range(0, count, MERGE_UNROLL):
+        for i in tl.static_range(MERGE_UNROLL):
+            ok = row_ok & (c0 + i < count)  # [GP]
+            slot = first + (c0 + i) * stride
+            ml = part_ml_ptr + (slot * G + rows) * 2
+            m = tl.load(ml, mask=ok, other=_NEG_BIG, cache_modifier=".cg")
+            l = tl.load(ml + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            o = tl.load(part_acc_ptr + (slot * G + rows[:, None]) * D + cols[None, :],
+                        mask=ok[:, None], other=0.0, cache_modifier=".cg")  # [GP, D]
+            m_new = tl.maximum(m_run, m)
+            a = tl.exp2(m_run - m_new)  # [GP], <= 1
+            w = tl.exp2(m - m_new)
+            l_run = l_run * a + l * w
+            o_run = o_run * a[:, None] + o * w[:, None]
+            m_run = m_new
     return o_run, m_run, l_run
 
 
@@ -123,7 +130,7 @@ def _store_partial(acc_ptr, ml_ptr, o, m, l, G: tl.constexpr, GP: tl.constexpr,
 def _finish_split(
     out_ptr, out_row_stride, head_acc, head_ml, group_counter_ptr, seq_counter_ptr,
     pid, first, seq_chunks,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MERGE_CHUNKS: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MERGE_UNROLL: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
 ):
     """After this chunk's partial is stored: count it, and merge if it is the last.
@@ -138,7 +145,7 @@ def _finish_split(
     done = tl.atomic_add(group_counter_ptr + g_first, 1, sem="acq_rel", scope="gpu")
     if done == g_size - 1:
         o, m, l = _merge_partials(head_acc, head_ml, g_first, g_size, 1, G, GP, D,
-                                  MERGE_CHUNKS)
+                                  MERGE_UNROLL)
         tl.atomic_xchg(group_counter_ptr + g_first, 0, sem="relaxed", scope="gpu")
         if num_groups == 1:
             _store_merged(out_ptr, out_row_stride, o, l, G, GP, D)
@@ -149,9 +156,26 @@ def _finish_split(
             groups_done = tl.atomic_add(seq_counter_ptr, 1, sem="acq_rel", scope="gpu")
             if groups_done == num_groups - 1:
                 o, m, l = _merge_partials(head_acc, head_ml, first, num_groups,
-                                          MERGE_GROUP, G, GP, D, MERGE_CHUNKS)
+                                          MERGE_GROUP, G, GP, D, MERGE_UNROLL)
                 _store_merged(out_ptr, out_row_stride, o, l, G, GP, D)
                 tl.atomic_xchg(seq_counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _tile_block_ids(table_row, start, tok_hi, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    TABLE_READ: tl.constexpr):
+    """The block id of each row of the tile at token ``start``: int32 ``[BLOCK_N]``, -1
+    past ``tok_hi``. ``"row"``: one table load per row; ``"block"``: one per block of
+    ``BS`` rows, broadcast to its rows (``start`` is a multiple of ``BS``, and ``BS``
+    divides ``BLOCK_N``)."""
+    if TABLE_READ == "block":
+        NB: tl.constexpr = BLOCK_N // BS
+        blk = start // BS + tl.arange(0, NB)
+        ids = tl.load(table_row + blk, mask=blk * BS < tok_hi, other=-1)  # [NB]
+        return tl.reshape(tl.broadcast_to(ids[:, None], (NB, BS)), (BLOCK_N,))
+    else:
+        tok = start + tl.arange(0, BLOCK_N)
+        return tl.load(table_row + tok // BS, mask=tok < tok_hi, other=-1)
 
 
 # Counts vary per call; specializing on them (== 1, % 16) would only multiply compiles.
@@ -169,7 +193,8 @@ def _paged_decode_kernel(
     BS: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QUANT_DOT: tl.constexpr,
     K_GROUP: tl.constexpr, ACC: tl.constexpr, PAGED: tl.constexpr,
-    MERGE_CHUNKS: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
+    MERGE_UNROLL: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
+    TABLE_READ: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -204,8 +229,7 @@ def _paged_decode_kernel(
         rows_per_block = BS
         # Block ids run one tile ahead of the rows they address, so that the table
         # lookup's latency hides behind the current tile instead of preceding it.
-        ids_next = tl.load(table_row + (tok_lo + lane) // BS, mask=tok_lo + lane < tok_hi,
-                           other=-1)
+        ids_next = _tile_block_ids(table_row, tok_lo, tok_hi, BS, BLOCK_N, TABLE_READ)
     else:
         rows_per_block = capacity  # one block per sequence, padded to the longest
         block0 = tl.load(table_row)
@@ -215,8 +239,8 @@ def _paged_decode_kernel(
         valid = tok < tok_hi
         if PAGED:
             ids = ids_next
-            ahead = tok + BLOCK_N
-            ids_next = tl.load(table_row + ahead // BS, mask=ahead < tok_hi, other=-1)
+            ids_next = _tile_block_ids(table_row, start + BLOCK_N, tok_hi, BS, BLOCK_N,
+                                       TABLE_READ)
             row = tok % BS
         else:
             ids = tl.zeros([BLOCK_N], tl.int32) + block0
@@ -262,7 +286,7 @@ def _paged_decode_kernel(
         _finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
                       head_ml, group_counter_ptr + h * max_chunks,
                       seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
-                      G, GP, D, MERGE_CHUNKS, MERGE_GROUP)
+                      G, GP, D, MERGE_UNROLL, MERGE_GROUP)
 
 
 # Scratch for callers that pass no workspace, one per (device, Hq, Hkv, D, occupancy), grown to the
@@ -359,9 +383,7 @@ def paged_decode_attention(
     ks = cache_k.scales if k_quant else cache_k.data
     vs = cache_v.scales if v_quant else cache_v.data
     paged = max_blocks > 1
-    # Merge tiles of [MERGE_CHUNKS, GP, D] float32: about 64 registers per thread.
     gp = _next_pow2(G)
-    merge_chunks = max(1, min(16, (64 * 32 * cfg.num_warps) // (gp * D)))
     # The plan never makes more than max(W, B) chunks per head (decode_plan).
     grid = (max(workspace.chunk_budget, B), Hkv)
     _paged_decode_kernel[grid](
@@ -378,8 +400,9 @@ def paged_decode_attention(
         K_TYPE=cache_k.kv_type, V_TYPE=cache_v.kv_type, QUANT_DOT=cfg.quant_dot,
         K_GROUP=k_quant and cfg.quant_dot == "group",
         ACC=accumulator_layout(cache_v.kv_type, cfg.quant_dot),
-        PAGED=paged, MERGE_CHUNKS=merge_chunks, MERGE_GROUP=MERGE_GROUP,
+        PAGED=paged, MERGE_UNROLL=MERGE_UNROLL, MERGE_GROUP=MERGE_GROUP,
         NATIVE=q.is_cuda,
+        TABLE_READ=cfg.table_read if paged and cfg.block_n % bs == 0 else "row",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out

@@ -167,7 +167,20 @@ def test_triton_contiguous_layout(k_type, v_type):
 
 
 @needs_triton
-def test_triton_masks_invalid_block_ids_without_validate(monkeypatch):
+@pytest.mark.parametrize("k_type,v_type", [("q8_0", "q8_0"), ("f16", "q4_0"), ("q4_0", "f16")])
+def test_triton_per_block_table_read(k_type, v_type):
+    # 64-row tiles over 16-token blocks: one table load per block, broadcast to 16 rows.
+    # Lengths end inside blocks and inside tiles; 150 tokens split into 3 chunks.
+    cfg = DecodeConfig(block_n=64, min_partition=64, table_read="block")
+    lens = [1, 17, 33, 150, 0, 64]
+    out, ref = run(k_type, v_type, lens, config=cfg, chunks_per_head=8)
+    assert rel_error(out, ref) <= bound(k_type, v_type)
+    assert float(out[4].abs().max()) == 0.0
+
+
+@needs_triton
+@pytest.mark.parametrize("table_read", ["row", "block"])
+def test_triton_masks_invalid_block_ids_without_validate(monkeypatch, table_read):
     """Garbage ids inside a sequence are skipped, never read; the rest is exact."""
     monkeypatch.delenv("PAGEDSERVE_VALIDATE", raising=False)
     lens = [48, 20]
@@ -178,9 +191,10 @@ def test_triton_masks_invalid_block_ids_without_validate(monkeypatch):
     q = torch.randn(2, 4, 64).half()
     ws = DecodeWorkspace(2, 4, 2, 64, TRITON_DEVICE, chunks_per_head=BUDGET)
     out = torch.full_like(q, float("nan")).to(TRITON_DEVICE)
+    cfg = DecodeConfig(block_n=32, min_partition=32, table_read=table_read)
     ops.paged_decode_attention(q.to(TRITON_DEVICE), ck, cv, table,
                                torch.tensor(lens, dtype=torch.int32, device=TRITON_DEVICE),
-                               0.125, workspace=ws, out=out, config=SPLIT, backend="triton")
+                               0.125, workspace=ws, out=out, config=cfg, backend="triton")
     live = [[p // 16 != 1 for p in range(48)], [p >= 16 for p in range(20)]]
     ref = decode_oracle(q, ck, cv, tables, lens, 0.125, live=live)
     assert rel_error(out, ref) <= bound("q4_0", "f16")
