@@ -68,6 +68,8 @@ SWEEP_SPACE = (
     ("quant_dot", ("group", "element", "packed")),
     ("maxnreg", (None, 168)),
     ("occupancy", (1.0, 2.0, 3.0, 4.0, 8.0)),
+    ("table_read", ("row", "block")),
+    ("table_ahead", (True, False)),
     ("block_n", (32, 64, 128)),
     ("num_warps", (4, 8)),
     ("num_stages", (1, 2, 3)),
@@ -91,7 +93,8 @@ FULL = Sizes((1, 2, 4, 8), (4096, 16384, 65536, 131072), RAGGED,
              (RAGGED, (4096,), (16384,) * 8), SWEEP_SPACE)
 QUICK = Sizes((1, 8), (4096, 131072), RAGGED, (RAGGED, (4096,)),
               tuple(s for s in SWEEP_SPACE
-                    if s[0] in ("quant_dot", "maxnreg", "occupancy", "block_n", "num_warps")))
+                    if s[0] in ("quant_dot", "maxnreg", "occupancy", "table_read", "block_n",
+                                "num_warps")))
 DRY = Sizes((1, 2), (64, 96), (256,) + (32,) * 7, ((256,) + (32,) * 7, (64,)),
             (("quant_dot", ("group", "element", "packed")), ("block_n", (16, 32))), max_copies=1)
 

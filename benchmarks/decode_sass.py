@@ -48,7 +48,7 @@ def compile_decode(k_type: str, v_type: str, mode: str, block_n: int, warps: int
         BLOCK_N=block_n, MIN_PARTITION=max(128, block_n), K_TYPE=k_type, V_TYPE=v_type,
         QUANT_DOT=mode, K_GROUP=mode == "group" and k_type in quant,
         ACC=accumulator_layout(v_type, mode), PAGED=paged, MERGE_UNROLL=4,
-        MERGE_GROUP=8, NATIVE=True, TABLE_READ=table_read if paged else "row",
+        MERGE_GROUP=8, NATIVE=True, TABLE_READ=table_read if paged else "row", TABLE_AHEAD=True,
     )
     pointers = {
         "q_ptr": "*fp16", "out_ptr": "*fp16", "kd_ptr": POINTER_TYPES[k_type],

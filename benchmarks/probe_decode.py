@@ -11,7 +11,8 @@ torch reference like the benchmark's (max error / max |ref| <= 5e-3; a miss prin
         --launch element:64:4:1:128:168:3 packed:64:4:1:128:168:3 [--sdpa] [--dry-run]
 
 A launch is ``MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:MAXNREG:OCCUPANCY[:TABLE_READ]``
-(``MAXNREG`` ``-`` for none; ``TABLE_READ`` ``row`` unless given); ``default`` is the library's choice for the type. A case is ``ragged``
+(``MAXNREG`` ``-`` for none; ``TABLE_READ`` ``row`` or ``block``, with ``-now`` for
+``table_ahead=False``; ``row`` unless given); ``default`` is the library's choice for the type. A case is ``ragged``
 (128K + 7 x 8K) or ``LENxN``. Prints one row per (case, launch) and writes
 ``probe_decode.json`` to $OUT when set. ``--dry-run`` runs toy sizes on the CPU under
 ``TRITON_INTERPRET=1`` to check the script.
@@ -46,11 +47,13 @@ def parse_launch(spec: str, kv_type: str) -> ba.Launch:
         raise SystemExit(f"bad launch {spec!r}: want MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:"
                          "MAXNREG:OCCUPANCY[:TABLE_READ] or 'default'")
     mode, block_n, warps, stages, min_p, maxnreg, occ = parts[:7]
+    table_read = parts[7] if len(parts) == 8 else "row"
     return ba.Launch(DecodeConfig(block_n=int(block_n), num_warps=int(warps),
                                   num_stages=int(stages), min_partition=int(min_p),
                                   quant_dot=mode,
                                   maxnreg=None if maxnreg == "-" else int(maxnreg),
-                                  table_read=parts[7] if len(parts) == 8 else "row"),
+                                  table_read=table_read.removesuffix("-now"),
+                                  table_ahead=not table_read.endswith("-now")),
                      float(occ))
 
 

@@ -95,6 +95,8 @@ class DecodeConfig:
             load per row; ``"block"``: one per K/V block, broadcast to its rows (fewer
             loads and address computations; used when ``block_n`` is a multiple of the
             pool's block size, else ``"row"``).
+        table_ahead: load the next tile's block ids while the current tile is read (hides
+            the table lookup's latency; holds the ids in registers meanwhile).
         maxnreg: registers per thread the compiler may use (``None``: its own choice,
             up to 255). Fewer registers let more programs share an SM; a quantized tile
             loop is latency-bound, so more resident warps can pay for a few spills.
@@ -110,6 +112,7 @@ class DecodeConfig:
     quant_dot: str = "group"
     maxnreg: int | None = None
     table_read: str = "row"
+    table_ahead: bool = True
 
     def __post_init__(self) -> None:
         if not (_is_pow2(self.block_n) and 16 <= self.block_n <= 256):
@@ -146,7 +149,9 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
       programs share an SM (``default_occupancy``): 105.4 us geomean in the ff68079 sweep,
       against 135.9 without the register cap and 106.7 in ``packed`` mode (whose paged
       steps a side-by-side probe also found 1-4% slower). At 128-row tiles the loop
-      spilled at 255 registers.
+      spilled at 255 registers. One block-table load per 16-row block: paged / contiguous
+      0.997-1.018 over the 16 uniform points, against 0.973-1.004 with a load per row
+      (side-by-side probe at 1510a1e).
     - Else any q4_0: ``packed`` 128-row tiles (q4_0 as half tiles, ``kv_tiles``), one
       stage, two programs per SM: 84.7 us geomean in the same sweep; 64-row tiles 98.5,
       a 168-register cap 114.3, two stages 95.8.
@@ -156,7 +161,7 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
     """
     if "q8_0" in (k_type, v_type):
         return DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
-                            quant_dot="element", maxnreg=168)
+                            quant_dot="element", maxnreg=168, table_read="block")
     if "q4_0" in (k_type, v_type):
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="packed")

@@ -194,7 +194,7 @@ def _paged_decode_kernel(
     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QUANT_DOT: tl.constexpr,
     K_GROUP: tl.constexpr, ACC: tl.constexpr, PAGED: tl.constexpr,
     MERGE_UNROLL: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
-    TABLE_READ: tl.constexpr,
+    TABLE_READ: tl.constexpr, TABLE_AHEAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -227,9 +227,11 @@ def _paged_decode_kernel(
     V_WIDTH: tl.constexpr = D // 2 if V_TYPE == "q4_0" else D
     if PAGED:
         rows_per_block = BS
-        # Block ids run one tile ahead of the rows they address, so that the table
-        # lookup's latency hides behind the current tile instead of preceding it.
-        ids_next = _tile_block_ids(table_row, tok_lo, tok_hi, BS, BLOCK_N, TABLE_READ)
+        # TABLE_AHEAD: block ids run one tile ahead of the rows they address, so that the
+        # table lookup's latency hides behind the current tile instead of preceding it
+        # (at the cost of the registers that hold them).
+        if TABLE_AHEAD:
+            ids_next = _tile_block_ids(table_row, tok_lo, tok_hi, BS, BLOCK_N, TABLE_READ)
     else:
         rows_per_block = capacity  # one block per sequence, padded to the longest
         block0 = tl.load(table_row)
@@ -238,9 +240,12 @@ def _paged_decode_kernel(
         tok = start + lane
         valid = tok < tok_hi
         if PAGED:
-            ids = ids_next
-            ids_next = _tile_block_ids(table_row, start + BLOCK_N, tok_hi, BS, BLOCK_N,
-                                       TABLE_READ)
+            if TABLE_AHEAD:
+                ids = ids_next
+                ids_next = _tile_block_ids(table_row, start + BLOCK_N, tok_hi, BS, BLOCK_N,
+                                           TABLE_READ)
+            else:
+                ids = _tile_block_ids(table_row, start, tok_hi, BS, BLOCK_N, TABLE_READ)
             row = tok % BS
         else:
             ids = tl.zeros([BLOCK_N], tl.int32) + block0
@@ -403,6 +408,7 @@ def paged_decode_attention(
         PAGED=paged, MERGE_UNROLL=MERGE_UNROLL, MERGE_GROUP=MERGE_GROUP,
         NATIVE=q.is_cuda,
         TABLE_READ=cfg.table_read if paged and cfg.block_n % bs == 0 else "row",
+        TABLE_AHEAD=cfg.table_ahead,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out
