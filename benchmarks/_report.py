@@ -109,7 +109,8 @@ def markdown(res: dict) -> str:
         md_table(["method", "measure", "target", "result", "met"],
                  [[t["method"], t["measure"], t["target"], t["value"],
                    "yes" if t["ok"] else "**no**"] for t in res["targets"]]),
-        "## Launch configuration (from the sweep)\n",
+        "## Launch configuration (" + ("the sweep's winners" if res["sweep"] else
+                                        "the library's defaults") + ")\n",
         md_table(["K/V type", "config"], [[f, str(c)] for f, c in res["launch"].items()]),
     ]
     header = ["K/V", "n", "ctx", "live MB", "paged us", "contig us", "paged / contig",

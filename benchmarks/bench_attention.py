@@ -4,8 +4,12 @@ One run on one GPU measures, side by side (Qwen3.5/3.6 attention: D=256, Hq=24, 
 16-token blocks; workloads from shared/BENCHMARKS.md):
 
 - the device copy bandwidth (bytes read + written), the denominator of every fraction;
-- a small tuning sweep of the decode launch per K/V type (tile, warps, stages,
-  quantized-dot mode, partition size, occupancy), whose winner runs that type's cases;
+- with ``--sweep``, a small tuning sweep of the decode launch per K/V type (tile, warps,
+  stages, quantized-dot mode, table reads, partition size, occupancy), whose winner runs
+  that type's cases; without it, the library's defaults (``default_config``, what the
+  engine launches) run them. The sweep scores a geometric mean over three cases, so its
+  winner can lose elsewhere on the grid: it proposes, side-by-side probes
+  (``probe_decode.py``) decide the defaults;
 - uniform batches n_seq {1,2,4,8} x context {4K,16K,64K,128K} x K/V {q4_0,q8_0,f16}:
   paged and contiguous time, paged / contiguous throughput, GB/s on live K/V bytes and
   its fraction of copy bandwidth; for f16 also torch SDPA (``enable_gqa=True``);
@@ -16,7 +20,7 @@ One run on one GPU measures, side by side (Qwen3.5/3.6 attention: D=256, Hq=24, 
 Every timed output is checked against the torch reference (max error / max |ref| <= 5e-3),
 so a wrong-but-fast configuration cannot pass. Timing method: ``benchmarks/_common.py``.
 
-    python benchmarks/bench_attention.py [--quick] [--no-sweep] [--out DIR]
+    python benchmarks/bench_attention.py [--quick] [--sweep] [--out DIR]
 
 Writes DIR/attention.{md,json,png} (default docs/benchmarks), copies them to $OUT when set,
 and prints a short table last. ``--dry-run`` runs the whole pipeline at toy sizes on the
@@ -129,11 +133,14 @@ def _fill(cache: KVBlockStorage, gen: torch.Generator) -> None:
         cache.scales.uniform_(0.06, 0.18, generator=gen)
 
 
-def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str) -> Inputs:
-    """A pool holding exactly the sequences' blocks, in shuffled physical order."""
+def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str,
+                 shuffle: bool = True) -> Inputs:
+    """A pool holding exactly the sequences' blocks, in shuffled physical order (or in
+    order: each sequence's blocks consecutive, a what-if of ``probe_decode.py``)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     need = [-(-n // BS) for n in lens]
-    perm = torch.randperm(sum(need), generator=torch.Generator().manual_seed(seed))
+    perm = (torch.randperm(sum(need), generator=torch.Generator().manual_seed(seed))
+            if shuffle else torch.arange(sum(need)))
     tables = torch.full((len(lens), max(need)), -1, dtype=torch.int32)
     start = 0
     for b, n in enumerate(need):
@@ -258,9 +265,10 @@ class Bench:
         self.sizes, self.device, self.methods, self.l2 = sizes, device, methods, l2
         self.runner = Runner(device)
 
-    def copies(self, kv_type: str, lens: tuple[int, ...], seed: int = 0) -> list[Inputs]:
+    def copies(self, kv_type: str, lens: tuple[int, ...], seed: int = 0,
+               shuffle: bool = True) -> list[Inputs]:
         n = copies_for(live_bytes(kv_type, lens), self.l2, self.sizes)
-        return [paged_inputs(kv_type, lens, seed + i, self.device) for i in range(n)]
+        return [paged_inputs(kv_type, lens, seed + i, self.device, shuffle) for i in range(n)]
 
     def sweep(self, kv_type: str) -> tuple[Launch, list[dict]]:
         """Coordinate descent over the sweep space; score = geometric mean of the first
@@ -411,7 +419,8 @@ def run(sizes: Sizes, device: str, methods: tuple[str, ...], sweep: bool,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller grid and sweep")
-    ap.add_argument("--no-sweep", action="store_true", help="use the default launch configs")
+    ap.add_argument("--sweep", action="store_true",
+                    help="tune the launch per type first (else the library's defaults)")
     ap.add_argument("--dry-run", action="store_true",
                     help="toy sizes on the CPU under TRITON_INTERPRET=1 (checks the script)")
     ap.add_argument("--out", type=Path, default=None,
@@ -430,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes, device, methods = (QUICK if args.quick else FULL), "cuda", _common.METHODS
         out = args.out or Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
     out.mkdir(parents=True, exist_ok=True)
-    res = run(sizes, device, methods, sweep=not args.no_sweep,
+    res = run(sizes, device, methods, sweep=args.sweep,
               partial=out / "attention.partial.json")
     paths = _common.write_outputs(out, "attention", res, _report.markdown(res),
                                   lambda p: _report.figure(res, p))

@@ -2,7 +2,8 @@
 # Everything the H200 runs, in named stages, in one call of the device tool:
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
 # Stages: tests-kernels (or tests-kernels-grid + tests-kernels-small) tests-packed
-#         tests-graph tests-gdn tests-engine tests-model bench-attention bench-attention-quick
+#         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
+#         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode bench-model bench-engine bench-serve probe-decode.
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/probe_decode.py with the
@@ -64,6 +65,7 @@ for spec in "$@"; do
     tests-engine)  run_stage "$stage" "$limit" $PYTEST tests/engine/test_engine_gpu.py ;;
     tests-model)   run_stage "$stage" "$limit" $PYTEST tests/model/test_gpu.py -s ;;
     bench-attention) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --out "$OUT" ;;
+    bench-attention-sweep) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --sweep --out "$OUT" ;;
     bench-attention-quick) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --quick --out "$OUT" ;;
     profile-engine) run_stage "$stage" "$limit" python3 benchmarks/profile_engine.py --out "$OUT" ;;
     # Nsight Compute on the decode kernel: the ragged case per K/V type, and f16 at one 4K

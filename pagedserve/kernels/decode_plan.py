@@ -154,7 +154,9 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
       (side-by-side probe at 1510a1e).
     - Else any q4_0: ``packed`` 128-row tiles (q4_0 as half tiles, ``kv_tiles``), one
       stage, two programs per SM: 84.7 us geomean in the same sweep; 64-row tiles 98.5,
-      a 168-register cap 114.3, two stages 95.8.
+      a 168-register cap 114.3, two stages 95.8. One table load per block, not one tile
+      ahead (fewer registers held across the loop): paged / contiguous 0.968-1.006 at
+      five points where the per-row, one-ahead read gave 0.954-0.960 (probe at 6a8cdfc).
     - f16/bf16: 128-row tiles, two stages, one program per SM (81.9 us geomean).
 
     The minimum chunk is 128 tokens for all (the sweep's choice, for 4K contexts).
@@ -164,7 +166,7 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
                             quant_dot="element", maxnreg=168, table_read="block")
     if "q4_0" in (k_type, v_type):
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
-                            quant_dot="packed")
+                            quant_dot="packed", table_read="block", table_ahead=False)
     return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128)
 
 
