@@ -12,9 +12,11 @@ torch reference like the benchmark's (max error / max |ref| <= 5e-3; a miss prin
 
 A launch is ``MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:MAXNREG:OCCUPANCY[:TABLE_READ]``
 (``MAXNREG`` ``-`` for none; ``TABLE_READ`` ``row`` or ``block``, with ``-now`` for
-``table_ahead=False``; ``row`` unless given); ``default`` is the library's choice for the type. A case is ``ragged``
-(128K + 7 x 8K) or ``LENxN``. ``--in-order`` lays each sequence's blocks out
-consecutively instead of shuffled (is a gap the table or the memory locality?). Prints one row per (case, launch) and writes
+``table_ahead=False``; ``row`` unless given); ``default`` is the library's choice for the
+type. A case is ``ragged`` (128K + 7 x 8K) or ``LENxN``. ``--in-order`` lays each
+sequence's blocks out consecutively instead of shuffled (is a gap the table or the
+memory placement?). A launch that fails (say, out of shared memory) prints its error and
+the probe goes on. Prints one row per (case, launch) and writes
 ``probe_decode.json`` to $OUT when set. ``--dry-run`` runs toy sizes on the CPU under
 ``TRITON_INTERPRET=1`` to check the script.
 """
@@ -96,11 +98,17 @@ def main(argv: list[str] | None = None) -> int:
             sdpa_us = _common.time_calls([lambda i=i: ba.sdpa(i, "full") for i in contig], method)
         for spec, launch in zip(args.launch, launches, strict=True):
             row = {"case": case, "lens": list(lens), **launch.as_dict(), "sdpa_us": sdpa_us}
-            for name, inputs in (("paged", paged), ("contig", contig)):
-                calls = [lambda i=i, lc=launch: bench.runner.ours(i, lc) for i in inputs]
-                row[f"{name}_us"] = _common.time_calls(calls, method, min_rounds=8,
-                                                       min_seconds=0.05)
-                row[f"{name}_err"] = ba.rel_err(inputs[0].out, paged[0])
+            try:
+                for name, inputs in (("paged", paged), ("contig", contig)):
+                    calls = [lambda i=i, lc=launch: bench.runner.ours(i, lc) for i in inputs]
+                    row[f"{name}_us"] = _common.time_calls(calls, method, min_rounds=8,
+                                                           min_seconds=0.05)
+                    row[f"{name}_err"] = ba.rel_err(inputs[0].out, paged[0])
+            except Exception as exc:  # e.g. out of shared memory: report, go on
+                row["error"] = repr(exc)[:300]
+                rows.append(row)
+                print(f"{case:>10} {spec:>26}  ERROR {row['error'][:120]}", flush=True)
+                continue
             ok = max(row["paged_err"], row["contig_err"]) <= ba.CHECK_BOUND
             rows.append(row)
             print(f"{case:>10} {spec:>26}  paged "
