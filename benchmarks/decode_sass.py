@@ -39,7 +39,8 @@ DEFAULTS = ["f16:f16:group:128:4:2", "q8_0:q8_0:packed:128:4:1", "q4_0:q4_0:pack
 def compile_decode(k_type: str, v_type: str, mode: str, block_n: int, warps: int,
                    stages: int, paged: bool = True, table_read: str = "row"):
     """The compiled kernel for one configuration (Qwen3.5 attention shape; the paged or
-    the contiguous layout's tile addressing)."""
+    the contiguous layout's tile addressing; ``table_read`` as ``DecodeConfig``'s, with
+    ``-now`` for ``table_ahead=False``)."""
     names = _paged_decode_kernel.arg_names
     group = HQ // HKV
     quant = ("q8_0", "q4_0")
@@ -48,7 +49,9 @@ def compile_decode(k_type: str, v_type: str, mode: str, block_n: int, warps: int
         BLOCK_N=block_n, MIN_PARTITION=max(128, block_n), K_TYPE=k_type, V_TYPE=v_type,
         QUANT_DOT=mode, K_GROUP=mode == "group" and k_type in quant,
         ACC=accumulator_layout(v_type, mode), PAGED=paged, MERGE_UNROLL=4,
-        MERGE_GROUP=8, NATIVE=True, TABLE_READ=table_read if paged else "row", TABLE_AHEAD=True,
+        MERGE_GROUP=8, NATIVE=True,
+        TABLE_READ=table_read.removesuffix("-now") if paged else "row",
+        TABLE_AHEAD=not table_read.endswith("-now"),
     )
     pointers = {
         "q_ptr": "*fp16", "out_ptr": "*fp16", "kd_ptr": POINTER_TYPES[k_type],

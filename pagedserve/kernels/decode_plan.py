@@ -157,7 +157,10 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
       a 168-register cap 114.3, two stages 95.8. One table load per block, not one tile
       ahead (fewer registers held across the loop): paged / contiguous 0.968-1.006 at
       five points where the per-row, one-ahead read gave 0.954-0.960 (probe at 6a8cdfc).
-    - f16/bf16: 128-row tiles, two stages, one program per SM (81.9 us geomean).
+    - f16/bf16: 128-row tiles, two stages, one program per SM (81.9 us geomean). 64-row
+      tiles in four stages keep more bytes in flight: paged / contiguous 0.991-0.994
+      instead of 0.962-0.964 at 8 x 64K and 4 x 128K, but one 4K sequence takes 15.4 us
+      instead of 14.2 (SDPA: 14.6), so the shorter pipeline stays (probes at 673425d).
 
     The minimum chunk is 128 tokens for all (the sweep's choice, for 4K contexts).
     """
