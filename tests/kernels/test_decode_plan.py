@@ -71,6 +71,9 @@ def test_config_and_workspace_reject_bad_values():
                                              rf"\[32, 248\], got {bad}"):
             DecodeConfig(maxnreg=bad)
     assert DecodeConfig(maxnreg=168).maxnreg == 168
+    with pytest.raises(ValueError, match=r"table_read 'page' is not a mode; accepted: "
+                                         r"\['row', 'block'\]"):
+        DecodeConfig(table_read="page")
     with pytest.raises(ValueError, match="occupancy must be in"):
         DecodeWorkspace(1, 8, 2, 64, "cpu", occupancy=0.0)
     with pytest.raises(ValueError, match=r"num_q_heads \(6\) must be a positive multiple"):

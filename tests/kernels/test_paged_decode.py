@@ -167,11 +167,13 @@ def test_triton_contiguous_layout(k_type, v_type):
 
 
 @needs_triton
+@pytest.mark.parametrize("table_ahead", [True, False])
 @pytest.mark.parametrize("k_type,v_type", [("q8_0", "q8_0"), ("f16", "q4_0"), ("q4_0", "f16")])
-def test_triton_per_block_table_read(k_type, v_type):
-    # 64-row tiles over 16-token blocks: one table load per block, broadcast to 16 rows.
-    # Lengths end inside blocks and inside tiles; 150 tokens split into 3 chunks.
-    cfg = DecodeConfig(block_n=64, min_partition=64, table_read="block")
+def test_triton_per_block_table_read(k_type, v_type, table_ahead):
+    # 64-row tiles over 16-token blocks: one table load per block, broadcast to 16 rows,
+    # loaded one tile ahead or at the tile itself. Lengths end inside blocks and inside
+    # tiles; 150 tokens split into 3 chunks.
+    cfg = DecodeConfig(block_n=64, min_partition=64, table_read="block", table_ahead=table_ahead)
     lens = [1, 17, 33, 150, 0, 64]
     out, ref = run(k_type, v_type, lens, config=cfg, chunks_per_head=8)
     assert rel_error(out, ref) <= bound(k_type, v_type)
@@ -179,8 +181,10 @@ def test_triton_per_block_table_read(k_type, v_type):
 
 
 @needs_triton
-@pytest.mark.parametrize("table_read", ["row", "block"])
-def test_triton_masks_invalid_block_ids_without_validate(monkeypatch, table_read):
+@pytest.mark.parametrize("table_read,table_ahead", [("row", True), ("block", True),
+                                                    ("row", False)])
+def test_triton_masks_invalid_block_ids_without_validate(monkeypatch, table_read,
+                                                         table_ahead):
     """Garbage ids inside a sequence are skipped, never read; the rest is exact."""
     monkeypatch.delenv("PAGEDSERVE_VALIDATE", raising=False)
     lens = [48, 20]
@@ -191,7 +195,8 @@ def test_triton_masks_invalid_block_ids_without_validate(monkeypatch, table_read
     q = torch.randn(2, 4, 64).half()
     ws = DecodeWorkspace(2, 4, 2, 64, TRITON_DEVICE, chunks_per_head=BUDGET)
     out = torch.full_like(q, float("nan")).to(TRITON_DEVICE)
-    cfg = DecodeConfig(block_n=32, min_partition=32, table_read=table_read)
+    cfg = DecodeConfig(block_n=32, min_partition=32, table_read=table_read,
+                       table_ahead=table_ahead)
     ops.paged_decode_attention(q.to(TRITON_DEVICE), ck, cv, table,
                                torch.tensor(lens, dtype=torch.int32, device=TRITON_DEVICE),
                                0.125, workspace=ws, out=out, config=cfg, backend="triton")
