@@ -26,6 +26,7 @@ from kernel_oracle import (
 
 from pagedserve.kernels import ops
 from pagedserve.kernels.decode_plan import MERGE_GROUP, DecodeConfig, DecodeWorkspace, plan_chunks
+from pagedserve.kernels.paged_decode import MERGE_UNROLL
 from pagedserve.kv.formats import KVBlockStorage
 
 TYPES = ["f16", "q8_0", "q4_0"]
@@ -125,10 +126,12 @@ def test_triton_quant_dot_modes(mode, k_type, v_type):
 
 
 @needs_triton
-def test_triton_many_partials_merge_in_several_tiles():
-    # 300 tokens in 16-token chunks: 19 partials in 3 groups (8, 8, 3); D=128 with G=6
-    # merges in tiles of 2 chunks, so every merge loops.
+def test_triton_many_partials_merge_in_several_trips():
+    # 300 tokens in 16-token chunks: 19 partials in 3 groups (8, 8, 3). The merge takes
+    # MERGE_UNROLL partials per loop trip: full groups loop twice, the group of 3 and
+    # the final merge of 3 groups end in a trip with masked slots.
     assert chunks_of([300, 2]) == [19, 1]
+    assert MERGE_GROUP == 2 * MERGE_UNROLL
     out, ref = run("f16", "q4_0", [300, 2], d=128, group=6, hkv=1)
     assert rel_error(out, ref) <= bound("f16", "q4_0")
 
