@@ -44,10 +44,11 @@ def chunks_of(lens, budget=BUDGET):
 
 
 def run(k_type, v_type, lens, *, hkv=2, group=2, d=64, backend="triton", config=SPLIT,
-        chunks_per_head=BUDGET, seed=0, validate=None, table_cols=None):
+        chunks_per_head=BUDGET, seed=0, validate=None, table_cols=None, block_size=16):
     device = TRITON_DEVICE if backend == "triton" else "cpu"
     ck, cv, table, tables = build_pool(k_type, v_type, lens, num_kv_heads=hkv, head_dim=d,
-                                       seed=seed, device=device, table_cols=table_cols)
+                                       seed=seed, device=device, table_cols=table_cols,
+                                       block_size=block_size)
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(lens), hkv * group, d, generator=gen).to(q_dtype_for(k_type, v_type))
     scale = d**-0.5
@@ -181,6 +182,18 @@ def test_triton_per_block_table_read(k_type, v_type, table_ahead):
     out, ref = run(k_type, v_type, lens, config=cfg, chunks_per_head=8)
     assert rel_error(out, ref) <= bound(k_type, v_type)
     assert float(out[4].abs().max()) == 0.0
+
+
+@needs_triton
+@pytest.mark.parametrize("block_size,block_n", [(8, 32), (32, 16)])
+def test_triton_per_block_table_read_other_block_sizes(block_size, block_n):
+    # 8-token blocks under 32-row tiles: four table loads per tile. 32-token blocks under
+    # 16-row tiles: a block spans two tiles, so the launch falls back to a load per row.
+    cfg = DecodeConfig(block_n=block_n, min_partition=block_n, table_read="block")
+    lens = [5, 40, 97]
+    out, ref = run("q8_0", "q4_0", lens, config=cfg, chunks_per_head=6,
+                   block_size=block_size)
+    assert rel_error(out, ref) <= bound("q8_0", "q4_0")
 
 
 @needs_triton
