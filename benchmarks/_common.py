@@ -155,6 +155,12 @@ def write_outputs(out_dir: Path, stem: str, results: dict, markdown: str,
     return paths
 
 
+def table_read_fields(text: str) -> dict:
+    """A launch spec's table-read field as ``DecodeConfig`` fields: ``row`` or ``block``,
+    with a ``-now`` suffix for ``table_ahead=False`` (probe_decode.py, decode_sass.py)."""
+    return {"table_read": text.removesuffix("-now"), "table_ahead": not text.endswith("-now")}
+
+
 def md_table(header: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

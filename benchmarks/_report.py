@@ -160,7 +160,7 @@ def markdown(res: dict) -> str:
         parts.append(f"## Tuning sweep ({res['methods'][0]} timing; geometric mean over the "
                      "sweep cases; inf = failed or missed the error bound)\n")
         keys = ["type", "block_n", "num_warps", "num_stages", "quant_dot", "min_partition",
-                "maxnreg", "occupancy", "geomean_us", "max_err"]
+                "maxnreg", "table_read", "table_ahead", "occupancy", "geomean_us", "max_err"]
         parts.append(md_table(keys, [[_fmt(s[k], ".2e") if k == "max_err" and s[k] is not None
                                       else (f"{s[k]:.1f}" if k == "geomean_us" else s[k])
                                       for k in keys] for s in res["sweep"]]))

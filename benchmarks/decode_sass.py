@@ -29,30 +29,24 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pagedserve.kernels.paged_decode import _paged_decode_kernel, accumulator_layout  # noqa: E402,E501
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+from pagedserve.kernels.decode_plan import DecodeConfig  # noqa: E402
+from pagedserve.kernels.paged_decode import _paged_decode_kernel, launch_constants  # noqa: E402
 
 HQ, HKV, D, BS = 24, 4, 256, 16
 POINTER_TYPES = {"f16": "*fp16", "bf16": "*bf16", "q8_0": "*i8", "q4_0": "*u8"}
 DEFAULTS = ["f16:f16:group:128:4:2", "q8_0:q8_0:packed:128:4:1", "q4_0:q4_0:packed:128:4:1"]
 
 
-def compile_decode(k_type: str, v_type: str, mode: str, block_n: int, warps: int,
-                   stages: int, paged: bool = True, table_read: str = "row"):
-    """The compiled kernel for one configuration (Qwen3.5 attention shape; the paged or
-    the contiguous layout's tile addressing; ``table_read`` as ``DecodeConfig``'s, with
-    ``-now`` for ``table_ahead=False``)."""
+def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = True):
+    """The compiled kernel for one launch configuration (Qwen3.5 attention shape; the
+    paged or the contiguous layout's tile addressing), with the compile-time arguments
+    the library's launcher would pass (``paged_decode.launch_constants``)."""
     names = _paged_decode_kernel.arg_names
-    group = HQ // HKV
-    quant = ("q8_0", "q4_0")
-    const = dict(
-        G=group, G_PAD=16, GP=triton.next_power_of_2(group), D=D, BS=BS, B_PAD=8,
-        BLOCK_N=block_n, MIN_PARTITION=max(128, block_n), K_TYPE=k_type, V_TYPE=v_type,
-        QUANT_DOT=mode, K_GROUP=mode == "group" and k_type in quant,
-        ACC=accumulator_layout(v_type, mode), PAGED=paged, MERGE_UNROLL=4,
-        MERGE_GROUP=8, NATIVE=True,
-        TABLE_READ=table_read.removesuffix("-now") if paged else "row",
-        TABLE_AHEAD=not table_read.endswith("-now"),
-    )
+    const = launch_constants(cfg, k_type, v_type, HQ // HKV, D, BS, paged=paged,
+                             max_batch=8, native=True)
     pointers = {
         "q_ptr": "*fp16", "out_ptr": "*fp16", "kd_ptr": POINTER_TYPES[k_type],
         "ks_ptr": "*fp16", "vd_ptr": POINTER_TYPES[v_type], "vs_ptr": "*fp16",
@@ -75,7 +69,7 @@ def compile_decode(k_type: str, v_type: str, mode: str, block_n: int, warps: int
     src = ASTSource(fn=_paged_decode_kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages})
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:
@@ -127,9 +121,10 @@ def main(argv: list[str]) -> int:
         k_type, v_type, mode = parts[:3]
         block_n, warps = int(parts[3]), int(parts[4])
         stages = int(parts[5]) if len(parts) >= 6 else 2
-        table_read = parts[6] if len(parts) == 7 else "row"
-        st = loop_stats(compile_decode(k_type, v_type, mode, block_n, warps, stages, paged,
-                                       table_read))
+        table = _common.table_read_fields(parts[6] if len(parts) == 7 else "row")
+        cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
+                           min_partition=max(128, block_n), quant_dot=mode, **table)
+        st = loop_stats(compile_decode(k_type, v_type, cfg, paged))
         per_thread = block_n * D * 2 // (32 * warps)
         print(f"{spec}: {st['registers']} regs, {st['spill_bytes']} B spilled, loop "
               f"{st['loop_instructions']} instructions for {per_thread} K+V values/thread")

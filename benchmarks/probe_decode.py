@@ -50,13 +50,11 @@ def parse_launch(spec: str, kv_type: str) -> ba.Launch:
         raise SystemExit(f"bad launch {spec!r}: want MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:"
                          "MAXNREG:OCCUPANCY[:TABLE_READ] or 'default'")
     mode, block_n, warps, stages, min_p, maxnreg, occ = parts[:7]
-    table_read = parts[7] if len(parts) == 8 else "row"
+    table = _common.table_read_fields(parts[7] if len(parts) == 8 else "row")
     return ba.Launch(DecodeConfig(block_n=int(block_n), num_warps=int(warps),
                                   num_stages=int(stages), min_partition=int(min_p),
                                   quant_dot=mode,
-                                  maxnreg=None if maxnreg == "-" else int(maxnreg),
-                                  table_read=table_read.removesuffix("-now"),
-                                  table_ahead=not table_read.endswith("-now")),
+                                  maxnreg=None if maxnreg == "-" else int(maxnreg), **table),
                      float(occ))
 
 

@@ -29,6 +29,8 @@ oracle reads the same stored values. q in float32 is rounded to the dot dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +51,7 @@ from pagedserve.kernels.kv_tiles import (
     tile_pv,
     tile_scores,
 )
+from pagedserve.kv import formats
 from pagedserve.kv.formats import KVBlockStorage
 
 LOG2E = 1.4426950408889634
@@ -323,7 +326,7 @@ def accumulator_layout(v_type: str, quant_dot: str) -> str:
     """Layout of the kernel's output accumulator (``kv_tiles.store_rows``): per-group
     ``[NG, G_PAD, 32]`` for quantized V in ``group`` mode, two half tiles for q4_0 V in
     ``packed`` mode, else ``[G_PAD, D]``."""
-    if v_type in ("q8_0", "q4_0") and quant_dot == "group":
+    if formats.spec(v_type).quantized and quant_dot == "group":
         return "group"
     if v_type == "q4_0" and quant_dot == "packed":
         return "halves"
@@ -332,6 +335,30 @@ def accumulator_layout(v_type: str, quant_dot: str) -> str:
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+@functools.cache
+def launch_constants(
+    cfg: DecodeConfig, k_type: str, v_type: str, group: int, head_dim: int,
+    block_size: int, *, paged: bool, max_batch: int, native: bool,
+) -> dict:
+    """The kernel's compile-time arguments for one launch (``benchmarks/decode_sass.py``
+    compiles the kernel offline from the same ones). Cached: eager decode calls it per
+    layer per step; callers must not modify the dict."""
+    gp = _next_pow2(group)
+    return dict(
+        G=group, G_PAD=max(16, gp), GP=gp, D=head_dim, BS=block_size if paged else 1,
+        # The plan's vectors span the workspace's max batch: one compile for all batches.
+        B_PAD=max(2, _next_pow2(max_batch)), BLOCK_N=cfg.block_n,
+        MIN_PARTITION=cfg.min_partition,
+        K_TYPE=k_type, V_TYPE=v_type, QUANT_DOT=cfg.quant_dot,
+        K_GROUP=formats.spec(k_type).quantized and cfg.quant_dot == "group",
+        ACC=accumulator_layout(v_type, cfg.quant_dot),
+        PAGED=paged, MERGE_UNROLL=MERGE_UNROLL, MERGE_GROUP=MERGE_GROUP, NATIVE=native,
+        # Per-block reads need whole blocks per tile; otherwise one read per row.
+        TABLE_READ=cfg.table_read if paged and cfg.block_n % block_size == 0 else "row",
+        TABLE_AHEAD=cfg.table_ahead,
+    )
 
 
 def paged_decode_attention(
@@ -382,13 +409,8 @@ def paged_decode_attention(
     if B == 0:
         return out
 
-    G = Hq // Hkv
-    k_quant = cache_k.scales is not None
-    v_quant = cache_v.scales is not None
-    ks = cache_k.scales if k_quant else cache_k.data
-    vs = cache_v.scales if v_quant else cache_v.data
-    paged = max_blocks > 1
-    gp = _next_pow2(G)
+    ks = cache_k.scales if cache_k.scales is not None else cache_k.data
+    vs = cache_v.scales if cache_v.scales is not None else cache_v.data
     # The plan never makes more than max(W, B) chunks per head (decode_plan).
     grid = (max(workspace.chunk_budget, B), Hkv)
     _paged_decode_kernel[grid](
@@ -398,17 +420,9 @@ def paged_decode_attention(
         B, num_blocks, capacity, workspace.chunk_budget, workspace.max_chunks, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         scale * LOG2E,
-        G=G, G_PAD=max(16, gp), GP=gp, D=D, BS=bs if paged else 1,
-        # The plan's vectors span the workspace's max batch: one compile for all batches.
-        B_PAD=max(2, _next_pow2(workspace.max_batch)), BLOCK_N=cfg.block_n,
-        MIN_PARTITION=cfg.min_partition,
-        K_TYPE=cache_k.kv_type, V_TYPE=cache_v.kv_type, QUANT_DOT=cfg.quant_dot,
-        K_GROUP=k_quant and cfg.quant_dot == "group",
-        ACC=accumulator_layout(cache_v.kv_type, cfg.quant_dot),
-        PAGED=paged, MERGE_UNROLL=MERGE_UNROLL, MERGE_GROUP=MERGE_GROUP,
-        NATIVE=q.is_cuda,
-        TABLE_READ=cfg.table_read if paged and cfg.block_n % bs == 0 else "row",
-        TABLE_AHEAD=cfg.table_ahead,
+        **launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
+                           paged=max_blocks > 1, max_batch=workspace.max_batch,
+                           native=q.is_cuda),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out
