@@ -318,19 +318,24 @@ def _round_part_dev(x, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr):
 
 @triton.jit
 def locate_chunk(
-    lens_ptr, batch, capacity, chunk_budget, pid,
-    B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
+    lens_ptr, batch, capacity, chunk_budget, pid, idx, j,
+    BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
 ):
     """The device plan: chunk ``pid`` -> its sequence and token range.
 
     Every program runs this on the same ``seq_lens`` and gets the same plan. Lengths are
     clamped to ``[0, capacity]`` so that no program reads past its block table.
 
+    Args:
+        idx: ``arange(0, B_PAD)``, ``B_PAD >= batch`` a power of 2 (sequence slots).
+        j: ``arange(0, 8)`` (candidate partition sizes).
+        The caller makes both, so that Triton and Gluon kernels (whose aranges carry a
+        layout) share this plan.
+
     Returns:
         ``(num_chunks, seq, seq_chunks, first_chunk, tok_lo, tok_hi)``, int32 scalars;
         ``pid >= num_chunks`` means the program has no work.
     """
-    idx = tl.arange(0, B_PAD)
     live = idx < batch
     lens = tl.load(lens_ptr + idx, mask=live, other=0)
     lens = tl.minimum(tl.maximum(lens, 0), capacity)
@@ -339,7 +344,6 @@ def locate_chunk(
     nonzero = tl.sum((lens > 0).to(tl.int32), axis=0)
     budget = tl.maximum(chunk_budget, batch)
     # Candidate partition sizes (see the module docstring); the last always fits.
-    j = tl.arange(0, 8)
     spread = tl.maximum(budget - j * tl.cdiv(batch, 3), 1)
     per_seq = tl.maximum(budget // tl.maximum(nonzero, 1), 1)
     want = tl.where(j < 4, tl.cdiv(total, spread),

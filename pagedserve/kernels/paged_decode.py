@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import guards
+from pagedserve.kernels.decode_merge import MERGE_UNROLL, NEG_BIG, finish_split
 from pagedserve.kernels.decode_plan import (
     MERGE_GROUP,
     DecodeConfig,
@@ -55,113 +56,6 @@ from pagedserve.kv import formats
 from pagedserve.kv.formats import KVBlockStorage
 
 LOG2E = 1.4426950408889634
-# Finite "minus infinity" for running maxima, so that exp2 of their differences is 0 or 1
-# and never NaN (-inf - -inf) when a whole tile is masked.
-_NEG_BIG = tl.constexpr(-1.0e30)
-# Partials per trip of the merge loop (their loads in flight together): 4 x [8, 256]
-# float32 over 128 threads is 64 registers per thread.
-MERGE_UNROLL = 4
-
-
-@triton.jit
-def _merge_partials(
-    part_acc_ptr, part_ml_ptr, first, count, stride,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-):
-    """Log-sum-exp merge of ``count`` partials in slots ``first + i * stride``.
-
-    ``part_acc_ptr`` / ``part_ml_ptr`` point at slot 0 of one K/V head. Loads bypass L1
-    (``.cg``): the partials were written by other programs.
-
-    One partial at a time, ``MERGE_UNROLL`` per loop trip: every thread owns the same
-    ``[GP, D]`` elements of each partial, so the merge is elementwise, with no reduction
-    across threads (no shared memory, no barrier), and the unrolled trip's loads are
-    independent of its arithmetic, so they are all in flight together. The merges are
-    the serial tail of every split sequence.
-
-    Returns:
-        ``(o, m, l)``: float32 ``[GP, D]`` unnormalized output, ``[GP]`` max and sum.
-    """
-    rows = tl.arange(0, GP)
-    cols = tl.arange(0, D)
-    row_ok = rows < G
-    m_run = tl.full([GP], _NEG_BIG, tl.float32)
-    l_run = tl.zeros([GP], tl.float32)
-    o_run = tl.zeros([GP, D], tl.float32)
-    for c0 in range(0, count, MERGE_UNROLL):
-        for i in tl.static_range(MERGE_UNROLL):
-            ok = row_ok & (c0 + i < count)  # [GP]
-            slot = first + (c0 + i) * stride
-            ml = part_ml_ptr + (slot * G + rows) * 2
-            m = tl.load(ml, mask=ok, other=_NEG_BIG, cache_modifier=".cg")
-            l = tl.load(ml + 1, mask=ok, other=0.0, cache_modifier=".cg")
-            o = tl.load(part_acc_ptr + (slot * G + rows[:, None]) * D + cols[None, :],
-                        mask=ok[:, None], other=0.0, cache_modifier=".cg")  # [GP, D]
-            m_new = tl.maximum(m_run, m)
-            a = tl.exp2(m_run - m_new)  # [GP], <= 1
-            w = tl.exp2(m - m_new)
-            l_run = l_run * a + l * w
-            o_run = o_run * a[:, None] + o * w[:, None]
-            m_run = m_new
-    return o_run, m_run, l_run
-
-
-@triton.jit
-def _store_merged(out_ptr, row_stride, o, l, G: tl.constexpr, GP: tl.constexpr,
-                  D: tl.constexpr):
-    """The normalized output ``o / l`` (0 where nothing was live)."""
-    rows = tl.arange(0, GP)
-    cols = tl.arange(0, D)
-    # l >= 1 whenever any row was live (the running max contributes exp2(0) = 1).
-    inv = tl.where(l > 0.0, 1.0 / tl.maximum(l, 1.0), 0.0)
-    tl.store(out_ptr + rows[:, None] * row_stride + cols[None, :],
-             (o * inv[:, None]).to(out_ptr.dtype.element_ty), mask=(rows < G)[:, None])
-
-
-@triton.jit
-def _store_partial(acc_ptr, ml_ptr, o, m, l, G: tl.constexpr, GP: tl.constexpr,
-                   D: tl.constexpr):
-    """A merged group written back as one partial (slot pointers given)."""
-    rows = tl.arange(0, GP)
-    cols = tl.arange(0, D)
-    tl.store(acc_ptr + rows[:, None] * D + cols[None, :], o, mask=(rows < G)[:, None])
-    tl.store(ml_ptr + rows * 2, m, mask=rows < G)
-    tl.store(ml_ptr + rows * 2 + 1, l, mask=rows < G)
-
-
-@triton.jit
-def _finish_split(
-    out_ptr, out_row_stride, head_acc, head_ml, group_counter_ptr, seq_counter_ptr,
-    pid, first, seq_chunks,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-    MERGE_GROUP: tl.constexpr,
-):
-    """After this chunk's partial is stored: count it, and merge if it is the last.
-
-    Publication order: a barrier orders every thread's stores before the one thread that
-    performs the (release) atomic; its (acquire) result then orders the merge's loads.
-    """
-    g_first = first + ((pid - first) // MERGE_GROUP) * MERGE_GROUP
-    g_size = tl.minimum(MERGE_GROUP, first + seq_chunks - g_first)
-    num_groups = tl.cdiv(seq_chunks, MERGE_GROUP)
-    tl.debug_barrier()
-    done = tl.atomic_add(group_counter_ptr + g_first, 1, sem="acq_rel", scope="gpu")
-    if done == g_size - 1:
-        o, m, l = _merge_partials(head_acc, head_ml, g_first, g_size, 1, G, GP, D,
-                                  MERGE_UNROLL)
-        tl.atomic_xchg(group_counter_ptr + g_first, 0, sem="relaxed", scope="gpu")
-        if num_groups == 1:
-            _store_merged(out_ptr, out_row_stride, o, l, G, GP, D)
-        else:
-            _store_partial(head_acc + g_first * G * D, head_ml + g_first * G * 2, o, m, l,
-                           G, GP, D)
-            tl.debug_barrier()
-            groups_done = tl.atomic_add(seq_counter_ptr, 1, sem="acq_rel", scope="gpu")
-            if groups_done == num_groups - 1:
-                o, m, l = _merge_partials(head_acc, head_ml, first, num_groups,
-                                          MERGE_GROUP, G, GP, D, MERGE_UNROLL)
-                _store_merged(out_ptr, out_row_stride, o, l, G, GP, D)
-                tl.atomic_xchg(seq_counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -203,7 +97,8 @@ def _paged_decode_kernel(
     h = tl.program_id(1)
     NG: tl.constexpr = D // 32
     num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
-        lens_ptr, batch, capacity, chunk_budget, pid, B_PAD, BLOCK_N, MIN_PARTITION
+        lens_ptr, batch, capacity, chunk_budget, pid, tl.arange(0, B_PAD), tl.arange(0, 8),
+        BLOCK_N, MIN_PARTITION
     )
     if pid >= num_chunks:
         return
@@ -214,7 +109,7 @@ def _paged_decode_kernel(
     else:
         q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
                    K_GROUP, tl.float16, K_TYPE == "q4_0" and QUANT_DOT == "packed")  # halves
-    m_i = tl.full([G_PAD], _NEG_BIG, tl.float32)
+    m_i = tl.full([G_PAD], NEG_BIG, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     if ACC == "group":
         acc = tl.zeros([NG, G_PAD, 32], tl.float32)
@@ -291,10 +186,10 @@ def _paged_decode_kernel(
         ml = head_ml + (pid * G + rows) * 2
         tl.store(ml, m_i, mask=rows < G)
         tl.store(ml + 1, l_i, mask=rows < G)
-        _finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
-                      head_ml, group_counter_ptr + h * max_chunks,
-                      seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
-                      G, GP, D, MERGE_UNROLL, MERGE_GROUP)
+        finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
+                     head_ml, group_counter_ptr + h * max_chunks,
+                     seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
+                     tl.arange(0, GP), tl.arange(0, D), G, D, MERGE_UNROLL, MERGE_GROUP)
 
 
 # Scratch for callers that pass no workspace, one per (device, Hq, Hkv, D, occupancy), grown to the
