@@ -59,6 +59,8 @@ for spec in "$@"; do
                      tests/kernels/test_paged_decode.py ;;
     tests-packed)  run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      -k "quant_dot_modes or packed" ;;
+    tests-fragment) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
+                     -k "fragment" ;;
     tests-graph)   run_stage "$stage" "$limit" $PYTEST \
                      tests/kernels/test_paged_decode_gpu.py::test_cuda_graph_capture_and_replay ;;
     tests-gdn)     run_stage "$stage" "$limit" $PYTEST tests/kernels/test_gdn_triton.py ;;

@@ -60,7 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
-QUANT_DOT_MODES = ("group", "element", "packed")
+QUANT_DOT_MODES = ("group", "element", "packed", "fragment")
 TABLE_READS = ("row", "block")
 # Chunks per first-level merge group (see "Merging" above).
 MERGE_GROUP = 8
@@ -90,7 +90,10 @@ class DecodeConfig:
             scores (K) and folded into p (V). ``"element"``: dequantize each element to
             f16 (one multiply) and run one full-width dot. ``"packed"``: the same values
             as ``element``, from 16-byte row loads, two per instruction (f16x2 PTX) on a
-            GPU (``kv_tiles``).
+            GPU (``kv_tiles``). ``"fragment"``: q4_0 K and V only, a Gluon kernel that
+            dequantizes into the tensor cores' operand registers (``q4_fragments``; each
+            warp takes 32 tokens of a tile, so ``block_n = 32 * num_warps``); other
+            types, shapes and the interpreter fall back to ``packed``.
         table_read: how a paged tile finds its rows' blocks. ``"row"``: one block-table
             load per row; ``"block"``: one per K/V block, broadcast to its rows (fewer
             loads and address computations; used when ``block_n`` is a multiple of the
@@ -137,6 +140,11 @@ class DecodeConfig:
         if self.quant_dot not in QUANT_DOT_MODES:
             raise ValueError(
                 f"quant_dot {self.quant_dot!r} is not a mode; accepted: {list(QUANT_DOT_MODES)}"
+            )
+        if self.quant_dot == "fragment" and self.block_n != 32 * self.num_warps:
+            raise ValueError(
+                f"quant_dot 'fragment' takes 32 tokens per warp: block_n must be 32 * "
+                f"num_warps = {32 * self.num_warps}, got {self.block_n}"
             )
 
 
@@ -318,7 +326,7 @@ def _round_part_dev(x, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr):
 
 @triton.jit
 def locate_chunk(
-    lens_ptr, batch, capacity, chunk_budget, pid, idx, j,
+    lens_ptr, batch, capacity, chunk_budget, pid, idx,
     BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
 ):
     """The device plan: chunk ``pid`` -> its sequence and token range.
@@ -327,10 +335,9 @@ def locate_chunk(
     clamped to ``[0, capacity]`` so that no program reads past its block table.
 
     Args:
-        idx: ``arange(0, B_PAD)``, ``B_PAD >= batch`` a power of 2 (sequence slots).
-        j: ``arange(0, 8)`` (candidate partition sizes).
-        The caller makes both, so that Triton and Gluon kernels (whose aranges carry a
-        layout) share this plan.
+        idx: ``arange(0, B_PAD)``, ``B_PAD >= batch`` a power of 2 (sequence slots). The
+            caller makes it, so that Triton and Gluon kernels (whose aranges carry a
+            layout) share this plan; only 1-D operations touch it.
 
     Returns:
         ``(num_chunks, seq, seq_chunks, first_chunk, tok_lo, tok_hi)``, int32 scalars;
@@ -343,15 +350,20 @@ def locate_chunk(
     longest = tl.max(lens, axis=0)
     nonzero = tl.sum((lens > 0).to(tl.int32), axis=0)
     budget = tl.maximum(chunk_budget, batch)
-    # Candidate partition sizes (see the module docstring); the last always fits.
-    spread = tl.maximum(budget - j * tl.cdiv(batch, 3), 1)
     per_seq = tl.maximum(budget // tl.maximum(nonzero, 1), 1)
-    want = tl.where(j < 4, tl.cdiv(total, spread),
-                    tl.where(j == 4, tl.cdiv(longest, per_seq), longest))
-    cand = _round_part_dev(want, BLOCK_N, MIN_PARTITION)  # [8]
-    counts = tl.sum(tl.where(live[:, None], tl.maximum(tl.cdiv(lens[:, None], cand[None, :]),
-                                                       1), 0), axis=0)  # [8]
-    part = tl.min(tl.where(counts <= budget, cand, 2147483647), axis=0)
+    # The smallest candidate partition size (see the module docstring) whose chunk count
+    # fits the budget; the last candidate always fits.
+    part = 2147483647
+    for j in tl.static_range(6):
+        if j < 4:
+            want = tl.cdiv(total, tl.maximum(budget - j * tl.cdiv(batch, 3), 1))
+        elif j == 4:
+            want = tl.cdiv(longest, per_seq)
+        else:
+            want = longest
+        cand = _round_part_dev(want, BLOCK_N, MIN_PARTITION)
+        count = tl.sum(tl.where(live, tl.maximum(tl.cdiv(lens, cand), 1), 0), axis=0)
+        part = tl.where(count <= budget, tl.minimum(part, cand), part)
     n = tl.where(live, tl.maximum(tl.cdiv(lens, part), 1), 0)
     cum = tl.cumsum(n, axis=0)  # inclusive
     num_chunks = tl.sum(n, axis=0)

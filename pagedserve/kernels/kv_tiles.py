@@ -151,7 +151,7 @@ def load_group_tile(
 # (b0, b1) and (b2, b3). Minus 1032 -> nibble - 8 (exact); times d (one rounding).
 # Outputs: the low-nibble values of b0..b3, then the high-nibble values (two f16x2
 # registers each).
-_Q4_HALVES_ASM = tl.constexpr("""
+Q4_HALVES_ASM = tl.constexpr("""
 {
 .reg .b32 t, u, z, nib, magic, off;
 mov.b32 z, 0;
@@ -204,7 +204,7 @@ def _q4_halves(byte, scale, NATIVE: tl.constexpr):
     ``(lo, hi)`` f16 ``[..., 16]``: ``(nibble - 8) * d`` of the low and high nibbles."""
     if NATIVE:
         return tl.inline_asm_elementwise(
-            _Q4_HALVES_ASM, "=r,=r,=r,=r,r,r,r", [byte, scale],
+            Q4_HALVES_ASM, "=r,=r,=r,=r,r,r,r", [byte, scale],
             dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
         )
     else:

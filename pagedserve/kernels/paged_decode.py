@@ -29,13 +29,14 @@ oracle reads the same stored values. q in float32 is rounded to the dot dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels import guards
+from pagedserve.kernels import guards, q4_fragments
 from pagedserve.kernels.decode_merge import MERGE_UNROLL, NEG_BIG, finish_split
 from pagedserve.kernels.decode_plan import (
     MERGE_GROUP,
@@ -97,8 +98,8 @@ def _paged_decode_kernel(
     h = tl.program_id(1)
     NG: tl.constexpr = D // 32
     num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
-        lens_ptr, batch, capacity, chunk_budget, pid, tl.arange(0, B_PAD), tl.arange(0, 8),
-        BLOCK_N, MIN_PARTITION
+        lens_ptr, batch, capacity, chunk_budget, pid, tl.arange(0, B_PAD), BLOCK_N,
+        MIN_PARTITION
     )
     if pid >= num_chunks:
         return
@@ -304,6 +305,17 @@ def paged_decode_attention(
     if B == 0:
         return out
 
+    if cfg.quant_dot == "fragment" and not q4_fragments.supports(q, cache_k, cache_v):
+        # The Gluon kernel's shapes only, and no Gluon in the interpreter: the same
+        # values from the Triton kernel's 16-byte-vector dequantization.
+        cfg = dataclasses.replace(cfg, quant_dot="packed")
+    constants = launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
+                                 paged=max_blocks > 1, max_batch=workspace.max_batch,
+                                 native=q.is_cuda)
+    if cfg.quant_dot == "fragment":
+        q4_fragments.launch(q, out, cache_k, cache_v, block_tables, seq_lens, workspace,
+                            scale * LOG2E, constants, cfg.num_warps, cfg.maxnreg)
+        return out
     ks = cache_k.scales if cache_k.scales is not None else cache_k.data
     vs = cache_v.scales if cache_v.scales is not None else cache_v.data
     # The plan never makes more than max(W, B) chunks per head (decode_plan).
@@ -314,10 +326,7 @@ def paged_decode_attention(
         workspace.seq_counters,
         B, num_blocks, capacity, workspace.chunk_budget, workspace.max_chunks, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        scale * LOG2E,
-        **launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
-                           paged=max_blocks > 1, max_batch=workspace.max_batch,
-                           native=q.is_cuda),
+        scale * LOG2E, **constants,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
     )
     return out

@@ -97,8 +97,7 @@ def _plan_probe(lens_ptr, out_ptr, batch, capacity, budget,
                 B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_P: tl.constexpr):
     pid = tl.program_id(0)
     n, seq, seq_chunks, first, lo, hi = locate_chunk(
-        lens_ptr, batch, capacity, budget, pid, tl.arange(0, B_PAD), tl.arange(0, 8), BLOCK_N,
-        MIN_P)
+        lens_ptr, batch, capacity, budget, pid, tl.arange(0, B_PAD), BLOCK_N, MIN_P)
     row = out_ptr + pid * 4
     tl.store(row, n)
     tl.store(row + 1, tl.where(pid < n, seq, -1))

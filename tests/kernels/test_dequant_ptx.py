@@ -44,7 +44,7 @@ def test_q8_0_pairs(d):
 def test_q4_0_halves(d):
     for start in range(0, 256, 4):
         b = list(range(start, start + 4))
-        out = unpack_f16(run(kv_tiles._Q4_HALVES_ASM.value, [pack_bytes(b), *pack_f16([d] * 4)],
+        out = unpack_f16(run(kv_tiles.Q4_HALVES_ASM.value, [pack_bytes(b), *pack_f16([d] * 4)],
                              4))
         lo, hi = _q4_values(b, d)
         assert out == lo + hi, b

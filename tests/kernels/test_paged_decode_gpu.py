@@ -168,3 +168,69 @@ def test_cuda_graph_capture_and_replay():
         # dots run on bf16 operands (measured on the H200: 2.3e-3 against 2e-3 for f16).
         assert rel_error(out, ref) <= bound("bf16", "q4_0")
         assert ws.counters_clear()
+
+
+# The Gluon kernel for q4_0 K and V (kernels/q4_fragments.py): 32 tokens per warp.
+FRAGMENT = DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
+                        quant_dot="fragment")
+
+
+@pytest.mark.parametrize("hkv,group", [(4, 6), (8, 1), (4, 2), (2, 8)])
+def test_fragment_kernel_gqa(hkv, group):
+    check("q4_0", "q4_0", EDGE_LENS, hkv=hkv, group=group, config=FRAGMENT)
+
+
+@pytest.mark.parametrize("config", [
+    FRAGMENT,
+    DecodeConfig(block_n=64, num_warps=2, num_stages=1, min_partition=64, quant_dot="fragment"),
+    DecodeConfig(block_n=256, num_warps=8, num_stages=1, min_partition=256,
+                 quant_dot="fragment"),
+], ids=["w4", "w2", "w8"])
+def test_fragment_kernel_many_partitions(config):
+    check("q4_0", "q4_0", EDGE_LENS, config=config, ws_kwargs=dict(chunks_per_head=1024))
+
+
+def test_fragment_kernel_ragged_and_bf16_queries():
+    lens = [131072] + [8192] * 7
+    ck, cv, table, tables = build_pool("q4_0", "q4_0", lens, num_kv_heads=4, head_dim=256,
+                                       device="cuda")
+    q = torch.randn(8, 24, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    out = ops.paged_decode_attention(q.cuda(), ck, cv, table,
+                                     torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                     0.0625, config=FRAGMENT)
+    torch.cuda.synchronize()
+    assert rel_error(out, decode_oracle(q, ck, cv, tables, lens, 0.0625)) <= bound("bf16", "q4_0")
+
+
+def test_fragment_kernel_contiguous_layout():
+    lens = [4096, 1, 0, 2500]
+    ck, cv, _, _ = build_pool("q4_0", "q4_0", [4096] * 4, num_kv_heads=4, head_dim=256,
+                              block_size=4096, extra_blocks=0, device="cuda")
+    table = torch.tensor([[3], [1], [0], [2]], dtype=torch.int32)
+    q = torch.randn(4, 24, 256).half()
+    out = ops.paged_decode_attention(q.cuda(), ck, cv, table.cuda(),
+                                     torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                     0.0625, config=FRAGMENT)
+    torch.cuda.synchronize()
+    ref = decode_oracle(q, ck, cv, table.tolist(), lens, 0.0625)
+    assert rel_error(out, ref) <= bound("q4_0", "q4_0")
+
+
+def test_fragment_kernel_masks_invalid_block_ids():
+    """A table entry outside the pool reads nothing: its tokens drop out of the softmax
+    exactly as if the sequence ended before them (validate=False, the hot path)."""
+    lens = [100, 40]
+    ck, cv, table, tables = build_pool("q4_0", "q4_0", lens, num_kv_heads=4, head_dim=256,
+                                       device="cuda")
+    bad = table.clone()
+    bad[0, 3] = ck.num_blocks + 5  # tokens 48..63 of sequence 0
+    bad[1, 1] = -7  # tokens 16..31 of sequence 1
+    q = torch.randn(2, 24, 256).half()
+    out = ops.paged_decode_attention(q.cuda(), ck, cv, bad,
+                                     torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                     0.0625, config=FRAGMENT, validate=False)
+    torch.cuda.synchronize()
+    for b, hole in ((0, range(48, 64)), (1, range(16, 32))):
+        live = [[t not in hole for t in range(lens[b])]]
+        ref = decode_oracle(q[b:b + 1], ck, cv, [tables[b]], [lens[b]], 0.0625, live=live)
+        assert rel_error(out[b:b + 1], ref) <= bound("q4_0", "q4_0")

@@ -1,0 +1,383 @@
+"""Gluon paged decode for q4_0 K and V: nibbles dequantized straight into MMA fragments.
+
+The Triton kernel (``paged_decode``) dequantizes a whole ``[block_n, D]`` tile in a
+layout of Triton's choosing, then Triton stages it through shared memory into the
+tensor cores' operand layout. For q4_0 that staging and the register shuffles around
+it cost more instructions than the dequantization itself, and the materialized tile
+takes all 255 registers (two programs per SM, 27% of the copy bandwidth on the ragged
+case). This kernel, written in Gluon (explicit layouts), never converts a dequantized
+value: each thread loads, as plain 16-byte vectors, exactly the payload bytes whose
+values its ``mma.sync`` fragments hold, and turns them into those fragments in place
+with the same PTX as ``kv_tiles`` (``_Q4_HALVES_ASM``: one ``lop3`` per two values).
+
+Shape: head_dim 256, K and V both q4_0, at most 8 query heads per K/V head, on a GPU.
+``paged_decode_attention`` dispatches here for ``quant_dot="fragment"`` and falls back
+to the Triton kernel's ``packed`` mode otherwise (the interpreter runs no Gluon).
+
+Work split. Program ``(c, h)`` takes chunk ``c`` of the partition plan (``decode_plan``)
+for K/V head ``h``, as the Triton kernel does. Each of its W warps walks its own 32
+tokens of every ``32 W``-token tile with its own online softmax (no cross-warp traffic
+in the loop); the warps' states merge once at the end. The next tile's bytes are loaded
+before the current tile is computed (a register double buffer)::
+
+    per warp, per 32-token tile
+    S   = Q . K^T    mma m16n8k16: A = q [16 (G heads + 0 rows), 128] x2 halves,
+                                   B = K [128, 32 tokens] x2 halves
+    P   = softmax rows 0..7 of S, kept in registers as the B operand of
+    O^T += V^T . P^T mma m16n8k16: A = V^T [128, 32 tokens] x2 halves, B = P^T [32, 8]
+
+The contraction index of ``Q . K^T`` and the row index of ``O^T`` are *labels*: any
+permutation of head_dim works if q is loaded (and the output stored) through the same
+permutation. Labels are chosen so that each fragment register's bytes sit next to each
+other in memory (``k_label_to_byte``, ``v_label_to_byte``). A row's 128 payload bytes are
+``[group g (8)][byte j (16)]`` (``kv.formats``); byte j of group g holds values
+``32 g + j`` (low nibble, the "lo" half) and ``32 g + 16 + j`` (high nibble, "hi")::
+
+    K, per thread: 32 contiguous bytes (2 x 16-byte loads) of each of 4 token rows;
+       label c (0..127) <- byte (c0, c3, c4, c5, c6, c1, c2) as bits b0..b6
+    V, per thread: 16 contiguous bytes (one group) of each of 8 token rows;
+       label r (0..127) <- byte (r3, r4, r5, r6, r0, r1, r2) as bits b0..b6
+
+so that a thread's bytes, loaded in memory order, are already the registers of its
+fragments for K; V's fragments pair two tokens in a register, so its bytes are repacked
+once (``convert_layout`` between two layouts that differ only in register order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from pagedserve.kernels.decode_merge import NEG_BIG, finish_split
+from pagedserve.kernels.decode_plan import locate_chunk
+from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM
+
+HEAD_DIM = tl.constexpr(256)
+TOKENS_PER_WARP = tl.constexpr(32)
+MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the P @ V product
+# The byte relabelling as reshape/permute: a row's byte index as 7 bits, most significant
+# first, [b6 b5 b4 b3 b2 b1 b0] = dims 2..8 of [W, T, 2, 2, 2, 2, 2, 2, 2]; the label's
+# bits, most significant first, are read from these dims (dim 1, the token, goes last).
+K_PERM = tl.constexpr([0, 4, 5, 6, 7, 2, 3, 8, 1])  # label c6..c0 = b4 b3 b2 b1 b6 b5 b0
+V_PERM = tl.constexpr([0, 5, 6, 7, 8, 2, 3, 4, 1])  # label r6..r0 = b3 b2 b1 b0 b6 b5 b4
+
+
+def k_label_to_byte(c: int) -> int:
+    """Byte of a K row whose nibbles hold label ``c`` of the K halves (host mirror)."""
+    bits = [(c >> i) & 1 for i in range(7)]
+    order = [0, 3, 4, 5, 6, 1, 2]  # b_i = c_order[i]
+    return sum(bits[o] << i for i, o in enumerate(order))
+
+
+def v_label_to_byte(r: int) -> int:
+    """Byte of a V row whose nibbles hold output row label ``r`` (host mirror)."""
+    return ((r & 7) << 4) | (r >> 3)
+
+
+def _warp_bases(num_warps: int, rank: int) -> list[list[int]]:
+    return [[1 << i] + [0] * (rank - 1) for i in range(num_warps.bit_length() - 1)]
+
+
+@functools.cache
+def fragment_layouts(num_warps: int) -> dict:
+    """The kernel's layouts for ``num_warps`` warps (compile-time arguments).
+
+    Byte tiles are ``[W, 32 tokens, 8 groups, 16 bytes]``; a basis ``[w, t, g, j]`` names
+    the element one register / lane / warp bit moves to.
+    """
+    w = num_warps
+    warps = _warp_bases(w, 4)
+    # K: registers walk 32 contiguous bytes (j, then g bit 0), then tokens +8, +16; lanes
+    # take the other two group bits and tokens +1, +2, +4. This is the MMA B operand's
+    # own layout, relabelled by k_label_to_byte.
+    k_bytes = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 0, 8], [0, 0, 1, 0],
+                   [0, 8, 0, 0], [0, 16, 0, 0]],
+        lane_bases=[[0, 0, 2, 0], [0, 0, 4, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+        warp_bases=warps, block_bases=[], shape=[w, TOKENS_PER_WARP.value, 8, 16])
+    k_words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 1, 0], [0, 8, 0, 0], [0, 16, 0, 0]],
+        lane_bases=k_bytes.lane_bases, warp_bases=warps, block_bases=[],
+        shape=[w, TOKENS_PER_WARP.value, 8, 4])
+    v_lanes = [[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]]
+    v_words = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0], [0, 8, 0, 0], [0, 16, 0, 0]],
+        lane_bases=v_lanes, warp_bases=warps, block_bases=[],
+        shape=[w, TOKENS_PER_WARP.value, 8, 4])
+    # V as loaded: 16 contiguous bytes, then tokens +1, +8, +16.
+    v_load = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 0, 8], [0, 1, 0, 0],
+                   [0, 8, 0, 0], [0, 16, 0, 0]],
+        lane_bases=v_lanes, warp_bases=warps, block_bases=[],
+        shape=[w, TOKENS_PER_WARP.value, 8, 16])
+    # V as the MMA A operand wants it (relabelled by v_label_to_byte): the same bytes per
+    # thread, registers pairing tokens t and t + 1.
+    v_bytes = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1, 0, 0], [0, 0, 0, 1], [0, 8, 0, 0], [0, 16, 0, 0], [0, 0, 0, 2],
+                   [0, 0, 0, 4], [0, 0, 0, 8]],
+        lane_bases=v_lanes, warp_bases=warps, block_bases=[],
+        shape=[w, TOKENS_PER_WARP.value, 8, 16])
+    return dict(
+        K_WORDS=k_words, K_BYTES=k_bytes, V_WORDS=v_words, V_LOAD=v_load, V_BYTES=v_bytes,
+        MMA=gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[w, 1, 1],
+                                      instr_shape=[1, 16, 8]),
+        TOKENS=gl.BlockedLayout([1, 1], [1, 32], [w, 1], [1, 0]),
+        PLAN=gl.BlockedLayout([1], [32], [w], [0]),
+        MERGE=gl.BlockedLayout([1, 4], [1, 32], [1, w], [1, 0]),
+    )
+
+
+@gluon.jit
+def _arange3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+    """``arange(0, n)`` along ``dim`` of a rank-3 ``layout``, expanded to rank 3."""
+    if dim == 0:
+        return gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))[:, None, None]
+    elif dim == 1:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))[None, :, None]
+    else:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
+
+
+@gluon.jit
+def _load_q_halves(q_base, row_stride, G: gl.constexpr, W: gl.constexpr,
+                   layout: gl.constexpr):
+    """q of the G heads as the ``A`` operand of ``Q . K^T``: f16 ``[W, 16, 128]`` twice
+    (lo and hi labels, ``k_label_to_byte``), rows >= G zero, the same in every warp."""
+    warp = _arange3(W, 0, layout)
+    head = _arange3(16, 1, layout)
+    c = _arange3(128, 2, layout)
+    byte = ((c & 1) | ((c >> 3) & 1) << 1 | ((c >> 4) & 1) << 2 | ((c >> 5) & 1) << 3
+            | ((c >> 6) & 1) << 4 | ((c >> 1) & 1) << 5 | ((c >> 2) & 1) << 6)
+    d = (byte >> 4) * 32 + (byte & 15)
+    offs = warp * 0 + head * row_stride + d  # [W, 16, 128]
+    mask = (warp * 0 + head + c * 0) < G
+    lo = gl.load(q_base + offs, mask=mask, other=0.0).to(gl.float32).to(gl.float16)
+    hi = gl.load(q_base + offs + 16, mask=mask, other=0.0).to(gl.float32).to(gl.float16)
+    return lo, hi
+
+
+@gluon.jit
+def _tile_rows(table_row, block0, start, tok_hi, num_blocks, num_kv_heads, h,
+               rows_per_block, W: gl.constexpr, BS: gl.constexpr, PAGED: gl.constexpr,
+               layout: gl.constexpr):
+    """Row index (in ``[num_blocks * Hkv * rows_per_block]``) of each token of the tile
+    at ``start``, int32 ``[W, 32]``; -1 past ``tok_hi`` or where the block id is invalid
+    (never read)."""
+    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
+    t = gl.arange(0, TOKENS_PER_WARP, layout=gl.SliceLayout(0, layout))
+    tok = start + w[:, None] * TOKENS_PER_WARP + t[None, :]
+    valid = tok < tok_hi
+    if PAGED:
+        ids = gl.load(table_row + tok // BS, mask=valid, other=-1)
+        row = tok % BS
+    else:
+        ids = tok * 0 + block0
+        row = tok
+    valid = valid & (ids >= 0) & (ids < num_blocks)
+    return gl.where(valid, (ids * num_kv_heads + h) * rows_per_block + row, -1)
+
+
+@gluon.jit
+def _load_rows(data_ptr, scale_ptr, rows, layout: gl.constexpr):
+    """Payload as int32 words ``[W, 32, 8, 4]`` and group scales ``[W, 32, 8]`` (f16) of
+    the rows ``rows`` (int32 ``[W, 32]``; -1: not read, scale 0), in ``layout``. Words,
+    not bytes, wait in registers for the next tile: a byte would take a register."""
+    L3: gl.constexpr = gl.SliceLayout(3, layout)
+    rows = gl.convert_layout(rows, gl.SliceLayout(2, L3))
+    valid = rows >= 0
+    row = gl.where(valid, rows, 0).to(gl.int64)
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
+    sc = gl.load(scale_ptr + row[:, :, None] * 8 + g, mask=valid[:, :, None], other=0.0)
+    word_off = (row[:, :, None] * (HEAD_DIM // 8) + g * 4)[:, :, :, None] + i[None, None, None, :]
+    words = gl.load(data_ptr.to(gl.pointer_type(gl.int32)) + word_off,
+                    mask=valid[:, :, None, None], other=0)
+    return words, sc
+
+
+@gluon.jit
+def _bytes(words, W: gl.constexpr):
+    """int32 words ``[W, 32, 8, 4]`` -> their bytes ``[W, 32, 8, 16]`` (uint8), little
+    endian; each word's bytes become the thread's next four registers."""
+    b0 = (words & 0xFF).to(gl.uint8)
+    b1 = ((words >> 8) & 0xFF).to(gl.uint8)
+    b2 = ((words >> 16) & 0xFF).to(gl.uint8)
+    b3 = ((words >> 24) & 0xFF).to(gl.uint8)
+    x = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [W, 32, 8, 4, 2 (byte + 2), 2 (+ 1)]
+    return gl.reshape(x, [W, TOKENS_PER_WARP, 8, 16])
+
+
+@gluon.jit
+def _fragments(x, sc, PERM: gl.constexpr, W: gl.constexpr, layout: gl.constexpr):
+    """Payload and scales ``[W, 32, 8, 16]`` relabelled to ``[W, 128, 32]`` (``PERM``) in
+    the operand ``layout``, dequantized: ``(lo, hi)`` f16 ``(nibble - 8) * d``."""
+    T: gl.constexpr = TOKENS_PER_WARP
+    sc = gl.broadcast(sc[:, :, :, None], x)[0]
+    x = gl.reshape(gl.permute(gl.reshape(x, [W, T, 2, 2, 2, 2, 2, 2, 2]), PERM.value), [W, 128, T])
+    sc = gl.reshape(gl.permute(gl.reshape(sc, [W, T, 2, 2, 2, 2, 2, 2, 2]), PERM.value),
+                    [W, 128, T])
+    x = gl.convert_layout(x, layout, assert_trivial=True)
+    sc = gl.convert_layout(sc, layout, assert_trivial=True)
+    return gl.inline_asm_elementwise(
+        Q4_HALVES_ASM, "=r,=r,=r,=r,r,r,r", [x, sc],
+        dtype=(gl.float16, gl.float16), is_pure=True, pack=4,
+    )
+
+
+@gluon.jit
+def _store_output(ptr, row_stride, o_lo, o_hi, row_scale, G: gl.constexpr,
+                  layout: gl.constexpr):
+    """Write ``o * row_scale`` (``o_lo``/``o_hi``: ``[128 labels, 8 heads]`` in
+    ``layout``) to ``ptr + head * row_stride + d`` for heads < G, d in natural order."""
+    r = gl.arange(0, 128, layout=gl.SliceLayout(1, layout))[:, None]
+    head = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(0, layout))[None, :]
+    d = (r & 7) * 32 + (r >> 3)  # v_label_to_byte, then the low nibble's value index
+    offs = head * row_stride + d
+    mask = (head + r * 0) < G
+    scale = gl.convert_layout(row_scale, gl.SliceLayout(0, layout))[None, :]
+    gl.store(ptr + offs, (o_lo * scale).to(ptr.dtype.element_ty), mask=mask)
+    gl.store(ptr + offs + 16, (o_hi * scale).to(ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
+                              "max_chunks", "num_kv_heads"])
+def q4_fragment_decode_kernel(
+    q_ptr, out_ptr,  # [B, Hq, D]
+    kd_ptr, ks_ptr, vd_ptr, vs_ptr,  # q4_0 payload and scales of K and V
+    table_ptr, lens_ptr,  # int32 [B, max_blocks], int32 [B]
+    part_acc_ptr, part_ml_ptr, group_counter_ptr, seq_counter_ptr,  # workspace
+    batch, num_blocks, capacity, chunk_budget, max_chunks, num_kv_heads,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
+    qk_scale,  # softmax scale * log2(e)
+    G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, B_PAD: gl.constexpr,
+    MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr, MERGE_UNROLL: gl.constexpr,
+    MERGE_GROUP: gl.constexpr, W: gl.constexpr,
+    K_WORDS: gl.constexpr, K_BYTES: gl.constexpr, V_WORDS: gl.constexpr,
+    V_LOAD: gl.constexpr, V_BYTES: gl.constexpr,
+    MMA: gl.constexpr, TOKENS: gl.constexpr, PLAN: gl.constexpr, MERGE: gl.constexpr,
+):
+    T: gl.constexpr = TOKENS_PER_WARP
+    BLOCK_N: gl.constexpr = W * T
+    D: gl.constexpr = HEAD_DIM
+    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    HEADS: gl.constexpr = gl.SliceLayout(1, B_OP)  # [W, 8] per-head state, as P^T's n
+    pid = gl.program_id(0)
+    h = gl.program_id(1)
+    num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
+        lens_ptr, batch, capacity, chunk_budget, pid,
+        gl.arange(0, B_PAD, layout=PLAN), BLOCK_N, MIN_PARTITION)
+    if pid >= num_chunks:
+        return
+
+    q_lo, q_hi = _load_q_halves(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, W,
+                                A_OP)
+    m_i = gl.full([W, MAX_GROUP], NEG_BIG, gl.float32, HEADS)
+    l_i = gl.zeros([W, MAX_GROUP], gl.float32, HEADS)
+    acc_lo = gl.zeros([W, 128, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
+    acc_hi = gl.zeros([W, 128, MAX_GROUP], gl.float32, MMA)
+
+    table_row = table_ptr + b * stride_tb
+    if PAGED:
+        rows_per_block = BS
+        block0 = 0
+    else:
+        rows_per_block = capacity  # one block per sequence, padded to the longest
+        block0 = gl.load(table_row)
+    rows = _tile_rows(table_row, block0, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                      rows_per_block, W, BS, PAGED, TOKENS)
+    kx, ks = _load_rows(kd_ptr, ks_ptr, rows, K_WORDS)
+    vx, vs = _load_rows(vd_ptr, vs_ptr, rows, V_WORDS)
+    for start in range(tok_lo, tok_hi, BLOCK_N):
+        live = gl.convert_layout(rows, gl.SliceLayout(2, B_OP)) >= 0  # [W, T]
+        # The next tile's bytes are in flight while this one is computed.
+        rows = _tile_rows(table_row, block0, start + BLOCK_N, tok_hi, num_blocks,
+                          num_kv_heads, h, rows_per_block, W, BS, PAGED, TOKENS)
+        kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, K_WORDS)
+        vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, V_WORDS)
+
+        kb = gl.convert_layout(_bytes(kx, W), K_BYTES, assert_trivial=True)
+        k_lo, k_hi = _fragments(kb, gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES)),
+                                K_PERM, W, B_OP)  # [W, 128, T]
+        s = mma_v2(q_lo, k_lo, gl.zeros([W, 16, T], gl.float32, MMA))
+        s = mma_v2(q_hi, k_hi, s)  # [W, 16, T]
+        # Rows 0..7 (the heads), as P^T: [W, T, 8] in the B operand's layout.
+        s8 = gl.split(gl.permute(gl.reshape(s, [W, 2, 8, T]), [0, 2, 3, 1]))[0]
+        st = gl.convert_layout(gl.permute(s8, [0, 2, 1]), B_OP)
+        st = gl.where(live[:, :, None], st * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(st, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(st - m_new[:, None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, MMA))[:, None, :]
+        p16 = p.to(gl.float16)
+
+        vb = gl.convert_layout(_bytes(vx, W), V_LOAD, assert_trivial=True)
+        v_lo, v_hi = _fragments(gl.convert_layout(vb, V_BYTES),
+                                gl.convert_layout(vs, gl.SliceLayout(3, V_BYTES)),
+                                V_PERM, W, A_OP)  # [W, 128, T]
+        acc_lo = mma_v2(v_lo, p16, acc_lo * alpha_o)
+        acc_hi = mma_v2(v_hi, p16, acc_hi * alpha_o)
+        kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
+
+    # The warps' partial states -> one (log-sum-exp weights).
+    m = gl.max(m_i, axis=0)  # [8]
+    wgt = gl.exp2(m_i - m[None, :])  # [W, 8]
+    l_sum = gl.sum(l_i * wgt, axis=0)
+    wgt_o = gl.convert_layout(wgt, gl.SliceLayout(1, MMA))[:, None, :]
+    o_lo = gl.sum(acc_lo * wgt_o, axis=0)  # [128, 8]
+    o_hi = gl.sum(acc_hi * wgt_o, axis=0)
+    O_LAYOUT: gl.constexpr = gl.SliceLayout(0, MMA)
+    if seq_chunks == 1:
+        # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
+        inv = gl.where(l_sum > 0.0, 1.0 / gl.maximum(l_sum, 1.0), 0.0)
+        _store_output(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, o_lo, o_hi,
+                      inv, G, O_LAYOUT)
+    else:
+        head_acc = part_acc_ptr + h * max_chunks * G * D
+        head_ml = part_ml_ptr + h * max_chunks * G * 2
+        _store_output(head_acc + pid * G * D, D, o_lo, o_hi, l_sum * 0.0 + 1.0, G, O_LAYOUT)
+        heads = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(0, HEADS))
+        ml = head_ml + (pid * G + heads) * 2
+        gl.store(ml, m, mask=heads < G)
+        gl.store(ml + 1, l_sum, mask=heads < G)
+        finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
+                     head_ml, group_counter_ptr + h * max_chunks,
+                     seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
+                     gl.arange(0, GP, layout=gl.SliceLayout(1, MERGE)),
+                     gl.arange(0, D, layout=gl.SliceLayout(0, MERGE)),
+                     G, D, MERGE_UNROLL, MERGE_GROUP)
+
+
+def supports(q, cache_k, cache_v) -> bool:
+    """Whether this kernel runs a launch: q4_0 K and V, head_dim 256, at most 8 query
+    heads per K/V head, on a GPU."""
+    return (q.is_cuda and cache_k.kv_type == "q4_0" and cache_v.kv_type == "q4_0"
+            and q.shape[-1] == HEAD_DIM and q.shape[1] // cache_k.num_kv_heads <= MAX_GROUP)
+
+
+def launch(q, out, cache_k, cache_v, block_tables, seq_lens, workspace, qk_scale: float,
+           constants: dict, num_warps: int, maxnreg: int | None) -> None:
+    """One launch over checked arguments (``paged_decode.paged_decode_attention``), with
+    the Triton kernel's compile-time arguments (``paged_decode.launch_constants``) for the
+    plan and the merge."""
+    batch, _, _ = q.shape
+    hkv = cache_k.num_kv_heads
+    grid = (max(workspace.chunk_budget, batch), hkv)
+    shared = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
+              "MERGE_GROUP")
+    q4_fragment_decode_kernel[grid](
+        q, out, cache_k.data, cache_k.scales, cache_v.data, cache_v.scales, block_tables,
+        seq_lens, workspace.part_acc, workspace.part_ml, workspace.group_counters,
+        workspace.seq_counters,
+        batch, cache_k.num_blocks, block_tables.shape[1] * cache_k.block_size,
+        workspace.chunk_budget, workspace.max_chunks, hkv,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        qk_scale, W=num_warps, **{k: constants[k] for k in shared},
+        **fragment_layouts(num_warps), num_warps=num_warps, maxnreg=maxnreg,
+    )
