@@ -125,7 +125,6 @@ def fragment_layouts(num_warps: int) -> dict:
         K_WORDS=k_words, K_BYTES=k_bytes, V_WORDS=v_words, V_LOAD=v_load, V_BYTES=v_bytes,
         MMA=gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[w, 1, 1],
                                       instr_shape=[1, 16, 8]),
-        TOKENS=gl.BlockedLayout([1, 1], [1, 32], [w, 1], [1, 0]),
         PLAN=gl.BlockedLayout([1], [32], [w], [0]),
         MERGE=gl.BlockedLayout([1, 4], [1, 32], [1, w], [1, 0]),
     )
@@ -184,10 +183,10 @@ def _tile_rows(table_row, block0, start, tok_hi, num_blocks, num_kv_heads, h,
 @gluon.jit
 def _load_rows(data_ptr, scale_ptr, rows, layout: gl.constexpr):
     """Payload as int32 words ``[W, 32, 8, 4]`` and group scales ``[W, 32, 8]`` (f16) of
-    the rows ``rows`` (int32 ``[W, 32]``; -1: not read, scale 0), in ``layout``. Words,
+    the rows ``rows`` (int32 ``[W, 32]`` in ``layout``'s token slice, ``_token_slice``;
+    -1: not read, scale 0), in ``layout``. Words,
     not bytes, wait in registers for the next tile: a byte would take a register."""
     L3: gl.constexpr = gl.SliceLayout(3, layout)
-    rows = gl.convert_layout(rows, gl.SliceLayout(2, L3))
     valid = rows >= 0
     row = gl.where(valid, rows, 0).to(gl.int64)
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
@@ -258,7 +257,7 @@ def q4_fragment_decode_kernel(
     MERGE_GROUP: gl.constexpr, W: gl.constexpr,
     K_WORDS: gl.constexpr, K_BYTES: gl.constexpr, V_WORDS: gl.constexpr,
     V_LOAD: gl.constexpr, V_BYTES: gl.constexpr,
-    MMA: gl.constexpr, TOKENS: gl.constexpr, PLAN: gl.constexpr, MERGE: gl.constexpr,
+    MMA: gl.constexpr, PLAN: gl.constexpr, MERGE: gl.constexpr,
 ):
     T: gl.constexpr = TOKENS_PER_WARP
     BLOCK_N: gl.constexpr = W * T
@@ -288,17 +287,27 @@ def q4_fragment_decode_kernel(
     else:
         rows_per_block = capacity  # one block per sequence, padded to the longest
         block0 = gl.load(table_row)
-    rows = _tile_rows(table_row, block0, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                      rows_per_block, W, BS, PAGED, TOKENS)
-    kx, ks = _load_rows(kd_ptr, ks_ptr, rows, K_WORDS)
-    vx, vs = _load_rows(vd_ptr, vs_ptr, rows, V_WORDS)
+    # K's and V's token slices each compute their rows: converting one set between
+    # layouts would go through shared memory, behind a barrier of all warps, every tile.
+    # V's token slice is also the one of P^T's tokens (the softmax mask).
+    KT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, K_WORDS))
+    VT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
+    kx, ks = _load_rows(kd_ptr, ks_ptr, _tile_rows(
+        table_row, block0, tok_lo, tok_hi, num_blocks, num_kv_heads, h, rows_per_block,
+        W, BS, PAGED, KT), K_WORDS)
+    v_rows = _tile_rows(table_row, block0, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                        rows_per_block, W, BS, PAGED, VT)
+    vx, vs = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
     for start in range(tok_lo, tok_hi, BLOCK_N):
-        live = gl.convert_layout(rows, gl.SliceLayout(2, B_OP)) >= 0  # [W, T]
+        live = gl.convert_layout(v_rows, gl.SliceLayout(2, B_OP), assert_trivial=True) >= 0
         # The next tile's bytes are in flight while this one is computed.
-        rows = _tile_rows(table_row, block0, start + BLOCK_N, tok_hi, num_blocks,
-                          num_kv_heads, h, rows_per_block, W, BS, PAGED, TOKENS)
-        kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, K_WORDS)
-        vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, V_WORDS)
+        nxt = start + BLOCK_N
+        kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, _tile_rows(
+            table_row, block0, nxt, tok_hi, num_blocks, num_kv_heads, h, rows_per_block,
+            W, BS, PAGED, KT), K_WORDS)
+        v_rows = _tile_rows(table_row, block0, nxt, tok_hi, num_blocks, num_kv_heads, h,
+                            rows_per_block, W, BS, PAGED, VT)
+        vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
 
         kb = gl.convert_layout(_bytes(kx, W), K_BYTES, assert_trivial=True)
         k_lo, k_hi = _fragments(kb, gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES)),
