@@ -64,6 +64,7 @@ MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the P @ V prod
 # bits, most significant first, are read from these dims (dim 1, the token, goes last).
 K_PERM = tl.constexpr([0, 4, 5, 6, 7, 2, 3, 8, 1])  # label c6..c0 = b4 b3 b2 b1 b6 b5 b0
 V_PERM = tl.constexpr([0, 5, 6, 7, 8, 2, 3, 4, 1])  # label r6..r0 = b3 b2 b1 b0 b6 b5 b4
+Q_PERM = tl.constexpr([0, 1, 4, 5, 6, 7, 2, 3, 8])  # K_PERM for q's [W, heads, bytes]
 
 
 def k_label_to_byte(c: int) -> int:
@@ -145,38 +146,55 @@ def _arange3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 def _load_q_halves(q_base, row_stride, G: gl.constexpr, W: gl.constexpr,
                    layout: gl.constexpr):
     """q of the G heads as the ``A`` operand of ``Q . K^T``: f16 ``[W, 16, 128]`` twice
-    (lo and hi labels, ``k_label_to_byte``), rows >= G zero, the same in every warp."""
-    warp = _arange3(W, 0, layout)
-    head = _arange3(16, 1, layout)
-    c = _arange3(128, 2, layout)
-    byte = ((c & 1) | ((c >> 3) & 1) << 1 | ((c >> 4) & 1) << 2 | ((c >> 5) & 1) << 3
-            | ((c >> 6) & 1) << 4 | ((c >> 1) & 1) << 5 | ((c >> 2) & 1) << 6)
-    d = (byte >> 4) * 32 + (byte & 15)
-    offs = warp * 0 + head * row_stride + d  # [W, 16, 128]
-    mask = (warp * 0 + head + c * 0) < G
-    lo = gl.load(q_base + offs, mask=mask, other=0.0).to(gl.float32).to(gl.float16)
-    hi = gl.load(q_base + offs + 16, mask=mask, other=0.0).to(gl.float32).to(gl.float16)
-    return lo, hi
+    (lo and hi labels, ``k_label_to_byte``), rows >= G zero, the same in every warp.
+    Loaded in 16-byte vectors and relabelled; one conversion into the operand layout."""
+    QL: gl.constexpr = gl.BlockedLayout([1, 1, 32], [1, 4, 8], [W, 1, 1], [2, 1, 0])
+    warp = _arange3(W, 0, QL)
+    head = _arange3(16, 1, QL)
+    d = _arange3(HEAD_DIM, 2, QL)
+    q = gl.load(q_base + (warp * 0 + head * row_stride + d), mask=(warp * 0 + head + d * 0) < G,
+                other=0.0).to(gl.float32).to(gl.float16)  # [W, 16, 256]
+    # d = 32 g + 16 half + j -> lo / hi halves of [W, 16, g, j], then bytes -> labels.
+    lo, hi = gl.split(gl.permute(gl.reshape(q, [W, 16, 8, 2, 16]), [0, 1, 2, 4, 3]))
+    lo = gl.reshape(gl.permute(gl.reshape(lo, [W, 16, 2, 2, 2, 2, 2, 2, 2]), Q_PERM.value),
+                    [W, 16, 128])
+    hi = gl.reshape(gl.permute(gl.reshape(hi, [W, 16, 2, 2, 2, 2, 2, 2, 2]), Q_PERM.value),
+                    [W, 16, 128])
+    return gl.convert_layout(lo, layout), gl.convert_layout(hi, layout)
 
 
 @gluon.jit
-def _tile_rows(table_row, block0, start, tok_hi, num_blocks, num_kv_heads, h,
-               rows_per_block, W: gl.constexpr, BS: gl.constexpr, PAGED: gl.constexpr,
-               layout: gl.constexpr):
-    """Row index (in ``[num_blocks * Hkv * rows_per_block]``) of each token of the tile
-    at ``start``, int32 ``[W, 32]``; -1 past ``tok_hi`` or where the block id is invalid
-    (never read)."""
+def _tile_tokens(start, W: gl.constexpr, layout: gl.constexpr):
+    """Token index of each row of the tile at ``start``: int32 ``[W, 32]`` in ``layout``
+    (warp w takes tokens ``start + 32 w ..``)."""
     w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
     t = gl.arange(0, TOKENS_PER_WARP, layout=gl.SliceLayout(0, layout))
-    tok = start + w[:, None] * TOKENS_PER_WARP + t[None, :]
-    valid = tok < tok_hi
+    return start + w[:, None] * TOKENS_PER_WARP + t[None, :]
+
+
+@gluon.jit
+def _tile_ids(table_row, block0, start, tok_hi, W: gl.constexpr, BS: gl.constexpr,
+              PAGED: gl.constexpr, layout: gl.constexpr):
+    """Block id of each row of the tile at ``start``, int32 ``[W, 32]``; -1 past
+    ``tok_hi``. The contiguous layout's one block is ``block0``."""
+    tok = _tile_tokens(start, W, layout)
     if PAGED:
-        ids = gl.load(table_row + tok // BS, mask=valid, other=-1)
+        return gl.load(table_row + tok // BS, mask=tok < tok_hi, other=-1)
+    else:
+        return gl.where(tok < tok_hi, tok * 0 + block0, -1)
+
+
+@gluon.jit
+def _tile_rows(ids, start, num_blocks, num_kv_heads, h, rows_per_block, W: gl.constexpr,
+               BS: gl.constexpr, PAGED: gl.constexpr, layout: gl.constexpr):
+    """Row index (in ``[num_blocks * Hkv * rows_per_block]``) of each row of the tile at
+    ``start`` with block ids ``ids``; -1 where the id is not a block (never read)."""
+    tok = _tile_tokens(start, W, layout)
+    if PAGED:
         row = tok % BS
     else:
-        ids = tok * 0 + block0
         row = tok
-    valid = valid & (ids >= 0) & (ids < num_blocks)
+    valid = (ids >= 0) & (ids < num_blocks)
     return gl.where(valid, (ids * num_kv_heads + h) * rows_per_block + row, -1)
 
 
@@ -254,7 +272,7 @@ def q4_fragment_decode_kernel(
     qk_scale,  # softmax scale * log2(e)
     G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, B_PAD: gl.constexpr,
     MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr, MERGE_UNROLL: gl.constexpr,
-    MERGE_GROUP: gl.constexpr, W: gl.constexpr,
+    MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr, W: gl.constexpr,
     K_WORDS: gl.constexpr, K_BYTES: gl.constexpr, V_WORDS: gl.constexpr,
     V_LOAD: gl.constexpr, V_BYTES: gl.constexpr,
     MMA: gl.constexpr, PLAN: gl.constexpr, MERGE: gl.constexpr,
@@ -292,22 +310,35 @@ def q4_fragment_decode_kernel(
     # V's token slice is also the one of P^T's tokens (the softmax mask).
     KT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, K_WORDS))
     VT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
+    # TABLE_AHEAD: block ids run a tile ahead of the rows they address, so that the table
+    # lookup's latency is not in front of the payload loads (at the cost of registers).
+    ids_k = _tile_ids(table_row, block0, tok_lo, tok_hi, W, BS, PAGED, KT)
+    ids_v = _tile_ids(table_row, block0, tok_lo, tok_hi, W, BS, PAGED, VT)
     kx, ks = _load_rows(kd_ptr, ks_ptr, _tile_rows(
-        table_row, block0, tok_lo, tok_hi, num_blocks, num_kv_heads, h, rows_per_block,
-        W, BS, PAGED, KT), K_WORDS)
-    v_rows = _tile_rows(table_row, block0, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                        rows_per_block, W, BS, PAGED, VT)
+        ids_k, tok_lo, num_blocks, num_kv_heads, h, rows_per_block, W, BS, PAGED, KT),
+        K_WORDS)
+    v_rows = _tile_rows(ids_v, tok_lo, num_blocks, num_kv_heads, h, rows_per_block, W, BS,
+                        PAGED, VT)
     vx, vs = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
+    if TABLE_AHEAD:
+        ids_k = _tile_ids(table_row, block0, tok_lo + BLOCK_N, tok_hi, W, BS, PAGED, KT)
+        ids_v = _tile_ids(table_row, block0, tok_lo + BLOCK_N, tok_hi, W, BS, PAGED, VT)
     for start in range(tok_lo, tok_hi, BLOCK_N):
         live = gl.convert_layout(v_rows, gl.SliceLayout(2, B_OP), assert_trivial=True) >= 0
         # The next tile's bytes are in flight while this one is computed.
         nxt = start + BLOCK_N
+        if not TABLE_AHEAD:
+            ids_k = _tile_ids(table_row, block0, nxt, tok_hi, W, BS, PAGED, KT)
+            ids_v = _tile_ids(table_row, block0, nxt, tok_hi, W, BS, PAGED, VT)
         kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, _tile_rows(
-            table_row, block0, nxt, tok_hi, num_blocks, num_kv_heads, h, rows_per_block,
-            W, BS, PAGED, KT), K_WORDS)
-        v_rows = _tile_rows(table_row, block0, nxt, tok_hi, num_blocks, num_kv_heads, h,
-                            rows_per_block, W, BS, PAGED, VT)
+            ids_k, nxt, num_blocks, num_kv_heads, h, rows_per_block, W, BS, PAGED, KT),
+            K_WORDS)
+        v_rows = _tile_rows(ids_v, nxt, num_blocks, num_kv_heads, h, rows_per_block, W,
+                            BS, PAGED, VT)
         vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
+        if TABLE_AHEAD:
+            ids_k = _tile_ids(table_row, block0, nxt + BLOCK_N, tok_hi, W, BS, PAGED, KT)
+            ids_v = _tile_ids(table_row, block0, nxt + BLOCK_N, tok_hi, W, BS, PAGED, VT)
 
         kb = gl.convert_layout(_bytes(kx, W), K_BYTES, assert_trivial=True)
         k_lo, k_hi = _fragments(kb, gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES)),
@@ -379,7 +410,7 @@ def launch(q, out, cache_k, cache_v, block_tables, seq_lens, workspace, qk_scale
     hkv = cache_k.num_kv_heads
     grid = (max(workspace.chunk_budget, batch), hkv)
     shared = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
-              "MERGE_GROUP")
+              "MERGE_GROUP", "TABLE_AHEAD")
     q4_fragment_decode_kernel[grid](
         q, out, cache_k.data, cache_k.scales, cache_v.data, cache_v.scales, block_tables,
         seq_lens, workspace.part_acc, workspace.part_ml, workspace.group_counters,
