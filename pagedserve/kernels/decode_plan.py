@@ -175,6 +175,9 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
     if "q8_0" in (k_type, v_type):
         return DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="element", maxnreg=168, table_read="block")
+    if k_type == v_type == "q4_0":
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
+                            quant_dot="fragment", table_read="block", table_ahead=False)
     if "q4_0" in (k_type, v_type):
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="packed", table_read="block", table_ahead=False)

@@ -178,10 +178,22 @@ def _tile_ids(table_row, block0, start, tok_hi, W: gl.constexpr, BS: gl.constexp
     """Block id of each row of the tile at ``start``, int32 ``[W, 32]``; -1 past
     ``tok_hi``. The contiguous layout's one block is ``block0``."""
     tok = _tile_tokens(start, W, layout)
-    if PAGED:
-        return gl.load(table_row + tok // BS, mask=tok < tok_hi, other=-1)
-    else:
+    if not PAGED:
         return gl.where(tok < tok_hi, tok * 0 + block0, -1)
+    elif BS >= 16 and BS & (BS - 1) == 0:
+        # A warp's 32 tokens start at a multiple of 32 (chunks start at multiples of the
+        # tile), so they lie in one or two blocks: two loads per thread (one address per
+        # warp each), not one per token.
+        w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
+        first = start + w * TOKENS_PER_WARP  # [W]
+        blk = first // BS
+        ids = gl.load(table_row + blk, mask=first < tok_hi, other=-1)[:, None] + tok * 0
+        if BS < TOKENS_PER_WARP:
+            nxt = gl.load(table_row + blk + 1, mask=first + BS < tok_hi, other=-1)
+            ids = gl.where(tok // BS > blk[:, None], nxt[:, None], ids)
+        return gl.where(tok < tok_hi, ids, -1)
+    else:
+        return gl.load(table_row + tok // BS, mask=tok < tok_hi, other=-1)
 
 
 @gluon.jit
