@@ -74,7 +74,7 @@ for spec in "$@"; do
     # sequence (the latency-bound corner where SDPA is faster).
     ncu-decode)    for case in q4_0:ragged q8_0:ragged f16:ragged f16:4096; do
                      run_stage "ncu-${case/:/-}" "$limit" ncu --clock-control none \
-                       --kernel-name regex:_paged_decode --launch-skip 2 --launch-count 1 \
+                       --kernel-name regex:decode_kernel --launch-skip 2 --launch-count 1 \
                        --section SpeedOfLight --section Occupancy --section LaunchStats \
                        --section WarpStateStats --section SchedulerStats \
                        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
