@@ -11,7 +11,8 @@ instructions: a quick way to compare tile formulations before spending device ti
         [K:V:MODE:BLOCK_N:WARPS[:STAGES[:TABLE_READ]] ...]
     e.g. python benchmarks/decode_sass.py q4_0:q4_0:packed:64:8 f16:f16:group:128:4
 
-The counts are per thread per loop iteration; compare configurations with the same
+``MAXNREG=N`` in the environment caps registers as ``DecodeConfig.maxnreg`` does. The counts
+are per thread per loop iteration; compare configurations with the same
 values per thread (``block_n * 256 * 2 / (32 * warps)`` for D = 256).
 """
 
@@ -69,7 +70,8 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
     src = ASTSource(fn=_paged_decode_kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                   **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})})
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:
@@ -123,7 +125,9 @@ def main(argv: list[str]) -> int:
         stages = int(parts[5]) if len(parts) >= 6 else 2
         table = _common.table_read_fields(parts[6] if len(parts) == 7 else "row")
         cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
-                           min_partition=max(128, block_n), quant_dot=mode, **table)
+                           min_partition=max(128, block_n), quant_dot=mode,
+                           maxnreg=int(os.environ["MAXNREG"]) if "MAXNREG" in os.environ else None,
+                           **table)
         st = loop_stats(compile_decode(k_type, v_type, cfg, paged))
         per_thread = block_n * D * 2 // (32 * warps)
         print(f"{spec}: {st['registers']} regs, {st['spill_bytes']} B spilled, loop "

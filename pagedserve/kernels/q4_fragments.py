@@ -173,6 +173,38 @@ def _tile_tokens(start, W: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, BS: gl.constexpr,
+                    layout: gl.constexpr):
+    """The one or two block ids of each warp's 32 tokens of the tile at ``start``: int32
+    ``[W]`` twice, in ``layout``'s warp slice; -1 past ``tok_hi``. A warp's tokens start
+    at a multiple of 32 (chunks start at multiples of the tile) and ``BS`` is a power of
+    2 >= 16, so they lie in one block or two: two loads per thread (one address per
+    warp each), not one per token."""
+    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
+    first = start + w * TOKENS_PER_WARP  # [W]
+    blk = first // BS
+    id0 = gl.load(table_row + blk, mask=first < tok_hi, other=-1)
+    if BS < TOKENS_PER_WARP:
+        id1 = gl.load(table_row + blk + 1, mask=first + BS < tok_hi, other=-1)
+    else:
+        id1 = id0
+    return id0, id1
+
+
+@gluon.jit
+def _spread_block_ids(id0, id1, start, tok_hi, W: gl.constexpr, BS: gl.constexpr,
+                      layout: gl.constexpr):
+    """``_warp_block_ids`` -> the block id of each row of the tile, int32 ``[W, 32]`` in
+    ``layout``; -1 past ``tok_hi``."""
+    tok = _tile_tokens(start, W, layout)
+    warp: gl.constexpr = gl.SliceLayout(1, layout)
+    id0 = gl.convert_layout(id0, warp, assert_trivial=True)[:, None]
+    id1 = gl.convert_layout(id1, warp, assert_trivial=True)[:, None]
+    ids = gl.where(tok % TOKENS_PER_WARP >= BS, id1, id0)
+    return gl.where(tok < tok_hi, ids, -1)
+
+
+@gluon.jit
 def _tile_ids(table_row, block0, start, tok_hi, W: gl.constexpr, BS: gl.constexpr,
               PAGED: gl.constexpr, layout: gl.constexpr):
     """Block id of each row of the tile at ``start``, int32 ``[W, 32]``; -1 past
@@ -181,17 +213,8 @@ def _tile_ids(table_row, block0, start, tok_hi, W: gl.constexpr, BS: gl.constexp
     if not PAGED:
         return gl.where(tok < tok_hi, tok * 0 + block0, -1)
     elif BS >= 16 and BS & (BS - 1) == 0:
-        # A warp's 32 tokens start at a multiple of 32 (chunks start at multiples of the
-        # tile), so they lie in one or two blocks: two loads per thread (one address per
-        # warp each), not one per token.
-        w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
-        first = start + w * TOKENS_PER_WARP  # [W]
-        blk = first // BS
-        ids = gl.load(table_row + blk, mask=first < tok_hi, other=-1)[:, None] + tok * 0
-        if BS < TOKENS_PER_WARP:
-            nxt = gl.load(table_row + blk + 1, mask=first + BS < tok_hi, other=-1)
-            ids = gl.where(tok // BS > blk[:, None], nxt[:, None], ids)
-        return gl.where(tok < tok_hi, ids, -1)
+        id0, id1 = _warp_block_ids(table_row, start, tok_hi, W, BS, layout)
+        return _spread_block_ids(id0, id1, start, tok_hi, W, BS, layout)
     else:
         return gl.load(table_row + tok // BS, mask=tok < tok_hi, other=-1)
 
@@ -322,8 +345,10 @@ def q4_fragment_decode_kernel(
     # V's token slice is also the one of P^T's tokens (the softmax mask).
     KT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, K_WORDS))
     VT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
-    # TABLE_AHEAD: block ids run a tile ahead of the rows they address, so that the table
-    # lookup's latency is not in front of the payload loads (at the cost of registers).
+    # AHEAD: the next tile's block ids (two per warp) are loaded a tile before the rows
+    # they address, so that the table lookup's latency is not in front of the payload
+    # loads. (Per-row ids a tile ahead would hold 12 more registers and spill.)
+    AHEAD: gl.constexpr = TABLE_AHEAD and PAGED and BS >= 16 and BS & (BS - 1) == 0
     ids_k = _tile_ids(table_row, block0, tok_lo, tok_hi, W, BS, PAGED, KT)
     ids_v = _tile_ids(table_row, block0, tok_lo, tok_hi, W, BS, PAGED, VT)
     kx, ks = _load_rows(kd_ptr, ks_ptr, _tile_rows(
@@ -332,14 +357,17 @@ def q4_fragment_decode_kernel(
     v_rows = _tile_rows(ids_v, tok_lo, num_blocks, num_kv_heads, h, rows_per_block, W, BS,
                         PAGED, VT)
     vx, vs = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
-    if TABLE_AHEAD:
-        ids_k = _tile_ids(table_row, block0, tok_lo + BLOCK_N, tok_hi, W, BS, PAGED, KT)
-        ids_v = _tile_ids(table_row, block0, tok_lo + BLOCK_N, tok_hi, W, BS, PAGED, VT)
+    if AHEAD:
+        ahead0, ahead1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, BS, KT)
     for start in range(tok_lo, tok_hi, BLOCK_N):
         live = gl.convert_layout(v_rows, gl.SliceLayout(2, B_OP), assert_trivial=True) >= 0
         # The next tile's bytes are in flight while this one is computed.
         nxt = start + BLOCK_N
-        if not TABLE_AHEAD:
+        if AHEAD:
+            ids_k = _spread_block_ids(ahead0, ahead1, nxt, tok_hi, W, BS, KT)
+            ids_v = _spread_block_ids(ahead0, ahead1, nxt, tok_hi, W, BS, VT)
+            ahead0, ahead1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, BS, KT)
+        else:
             ids_k = _tile_ids(table_row, block0, nxt, tok_hi, W, BS, PAGED, KT)
             ids_v = _tile_ids(table_row, block0, nxt, tok_hi, W, BS, PAGED, VT)
         kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, _tile_rows(
@@ -348,9 +376,6 @@ def q4_fragment_decode_kernel(
         v_rows = _tile_rows(ids_v, nxt, num_blocks, num_kv_heads, h, rows_per_block, W,
                             BS, PAGED, VT)
         vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
-        if TABLE_AHEAD:
-            ids_k = _tile_ids(table_row, block0, nxt + BLOCK_N, tok_hi, W, BS, PAGED, KT)
-            ids_v = _tile_ids(table_row, block0, nxt + BLOCK_N, tok_hi, W, BS, PAGED, VT)
 
         kb = gl.convert_layout(_bytes(kx, W), K_BYTES, assert_trivial=True)
         k_lo, k_hi = _fragments(kb, gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES)),
