@@ -32,22 +32,32 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
+from pagedserve.kernels import q4_fragments  # noqa: E402
 from pagedserve.kernels.decode_plan import DecodeConfig  # noqa: E402
 from pagedserve.kernels.paged_decode import _paged_decode_kernel, launch_constants  # noqa: E402
 
 HQ, HKV, D, BS = 24, 4, 256, 16
 POINTER_TYPES = {"f16": "*fp16", "bf16": "*bf16", "q8_0": "*i8", "q4_0": "*u8"}
-DEFAULTS = ["f16:f16:group:128:4:2", "q8_0:q8_0:packed:128:4:1", "q4_0:q4_0:packed:128:4:1"]
+DEFAULTS = ["f16:f16:group:128:4:2", "q8_0:q8_0:packed:128:4:1", "q4_0:q4_0:packed:128:4:1",
+            "q4_0:q4_0:fragment:128:4:1:block-now"]
 
 
 def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = True):
     """The compiled kernel for one launch configuration (Qwen3.5 attention shape; the
     paged or the contiguous layout's tile addressing), with the compile-time arguments
-    the library's launcher would pass (``paged_decode.launch_constants``)."""
-    names = _paged_decode_kernel.arg_names
+    the library's launcher would pass (``paged_decode.launch_constants``; for
+    ``fragment``, the Gluon kernel's subset and layouts, as ``q4_fragments.launch``)."""
     const = launch_constants(cfg, k_type, v_type, HQ // HKV, D, BS, paged=paged,
                              max_batch=8, native=True)
+    if cfg.quant_dot == "fragment":
+        kernel, source = q4_fragments.q4_fragment_decode_kernel, GluonASTSource
+        const = {k: const[k] for k in q4_fragments.SHARED_CONSTANTS}
+        const.update(W=cfg.num_warps, **q4_fragments.fragment_layouts(cfg.num_warps))
+    else:
+        kernel, source = _paged_decode_kernel, ASTSource
+    names = kernel.arg_names
     pointers = {
         "q_ptr": "*fp16", "out_ptr": "*fp16", "kd_ptr": POINTER_TYPES[k_type],
         "ks_ptr": "*fp16", "vd_ptr": POINTER_TYPES[v_type], "vs_ptr": "*fp16",
@@ -67,8 +77,8 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
             signature[name] = "fp32" if name == "qk_scale" else "i32"
             if name in strides16:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=_paged_decode_kernel, signature=signature,
-                    constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+    src = source(fn=kernel, signature=signature,
+                 constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                                    **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})})
@@ -100,7 +110,11 @@ def loop_stats(kernel) -> dict:
         if target and int(target.group(1), 16) < addr:
             lo = int(target.group(1), 16)
             loops.append((sum(1 for a, _ in code if lo <= a <= addr), lo, addr))
-    size, lo, hi = max(loops)
+    # The tile loop: the largest loop with tensor-core instructions (the merge's loops,
+    # which the Gluon kernel's can outgrow, have none).
+    mma_loops = [loop for loop in loops
+                 if any("HMMA" in text for a, text in code if loop[1] <= a <= loop[2])]
+    size, lo, hi = max(mma_loops or loops)
     ops, mem = collections.Counter(), collections.Counter()
     for addr, text in code:
         if lo <= addr <= hi:

@@ -160,6 +160,13 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
       spilled at 255 registers. One block-table load per 16-row block: paged / contiguous
       0.997-1.018 over the 16 uniform points, against 0.973-1.004 with a load per row
       (side-by-side probe at 1510a1e).
+    - q4_0 K and V: ``fragment`` (the Gluon kernel, ``q4_fragments``), 4 warps of 32
+      tokens, block ids read just in time, two programs per SM (255 registers). Ragged
+      128K + 7 x 8K: 110.2 us against 185.4 for ``packed`` (bench at ac76a8a and
+      71ea097); side by side in one probe (afa8d20) 110.3 against 194.8 us, with 2 warps
+      111.2, with block ids a tile ahead 113.3 against 112.2 (4e11065), with registers
+      capped at 200 or 168 (spilling) 158.1 and 205.7 (90ec28d). It loses only at one
+      4K sequence: 22.7 against 17.6 us.
     - Else any q4_0: ``packed`` 128-row tiles (q4_0 as half tiles, ``kv_tiles``), one
       stage, two programs per SM: 84.7 us geomean in the same sweep; 64-row tiles 98.5,
       a 168-register cap 114.3, two stages 95.8. One table load per block, not one tile
