@@ -5,11 +5,15 @@ The kernel relabels a row's 128 payload bytes by reshaping them into seven bits 
 permuting the bits (``K_PERM``, ``V_PERM``, ``Q_PERM``); the module documents the same
 maps as formulas (``k_label_to_byte``, ``v_label_to_byte``) and stores the output through
 the V formula. These tests apply the permutations to index tensors with torch and check
-them against the formulas, and that every map is a bijection of the 128 bytes.
+them against the formulas, and that every map is a bijection of the 128 bytes; and they
+compile the kernel for sm_90 on the host, which checks its layout premises.
 """
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 
 from pagedserve.kernels import q4_fragments as qf
@@ -61,3 +65,39 @@ def test_v_rows_map_to_one_group_per_lane_group():
     for g in range(8):
         groups = {qf.v_label_to_byte(r) // 16 for r in range(g, 128, 8)}
         assert groups == {g}
+
+
+def _compile_for_sm90(paged: bool):
+    """The kernel compiled offline for an H100/H200 target, as ``benchmarks/decode_sass.py``
+    compiles it (Triton's bundled ptxas; no GPU)."""
+    import importlib.util
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("decode_sass", bench / "decode_sass.py")
+        decode_sass = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(decode_sass)
+    finally:
+        sys.path.remove(str(bench))
+    from pagedserve.kernels.decode_plan import default_config
+
+    kernel = decode_sass.compile_decode("q4_0", "q4_0", default_config("q4_0", "q4_0"), paged)
+    return decode_sass.loop_stats(kernel)
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_kernel_compiles_for_sm90_with_its_layout_premises(paged):
+    """Compiling checks the premises that the GPU tests, which check values, cannot see
+    (a layout conversion is an identity on values wherever the data lives): every
+    conversion the kernel declares free (``assert_trivial``: the relabelled byte tiles
+    already sit in the threads that hold those MMA operands, V's softmax mask is V's token
+    slice) moves no data between threads, or compilation fails; and the tile loop runs
+    its 96 MMAs per 512 values without shared memory. (A wrong lane of ``V_BYTES`` fails
+    this test; a wrong register order within a thread does not, and costs only byte
+    shuffles.)"""
+    stats = _compile_for_sm90(paged)
+    ops = dict(stats["top_ops"])
+    assert ops.get("HMMA") == 96
+    assert not any(op.startswith(("LDS", "STS", "LDSM", "STSM")) for op in stats["memory_ops"])
