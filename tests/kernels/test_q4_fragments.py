@@ -11,7 +11,11 @@ compile the kernel for sm_90 on the host, which checks its layout premises.
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,24 +71,23 @@ def test_v_rows_map_to_one_group_per_lane_group():
         assert groups == {g}
 
 
-def _compile_for_sm90(paged: bool):
-    """The kernel compiled offline for an H100/H200 target, as ``benchmarks/decode_sass.py``
-    compiles it (Triton's bundled ptxas; no GPU)."""
-    import importlib.util
-    from pathlib import Path
-
-    bench = Path(__file__).resolve().parents[2] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        spec = importlib.util.spec_from_file_location("decode_sass", bench / "decode_sass.py")
-        decode_sass = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(decode_sass)
-    finally:
-        sys.path.remove(str(bench))
-    from pagedserve.kernels.decode_plan import default_config
-
-    kernel = decode_sass.compile_decode("q4_0", "q4_0", default_config("q4_0", "q4_0"), paged)
-    return decode_sass.loop_stats(kernel)
+def _compile_for_sm90(paged: bool) -> dict:
+    """Loop statistics of the kernel compiled offline for an H100/H200 target by
+    ``benchmarks/decode_sass.py`` (Triton's bundled ptxas; no GPU), at the library's q4_0
+    launch. A subprocess without ``TRITON_INTERPRET``: under the interpreter, Triton
+    functions cannot be compiled into a Gluon kernel."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    spec = "q4_0:q4_0:fragment:128:4:1:block-now"
+    args = [sys.executable, str(root / "benchmarks" / "decode_sass.py"), spec]
+    if not paged:
+        args.insert(2, "--contiguous")
+    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    return {
+        "top_ops": ast.literal_eval(lines[1].split("ops ", 1)[1]),
+        "memory_ops": ast.literal_eval(lines[2].split("memory ", 1)[1]),
+    }
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
