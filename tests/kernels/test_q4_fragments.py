@@ -104,3 +104,37 @@ def test_kernel_compiles_for_sm90_with_its_layout_premises(paged):
     ops = dict(stats["top_ops"])
     assert ops.get("HMMA") == 96
     assert not any(op.startswith(("LDS", "STS", "LDSM", "STSM")) for op in stats["memory_ops"])
+
+
+def test_launcher_binds_every_kernel_argument(monkeypatch):
+    """The Gluon kernel runs only on a GPU; on the CPU, check that the launcher's
+    arguments (shared with the Triton kernel) bind the kernel's signature exactly: each
+    run-time argument once, in order, and every compile-time one by name."""
+    from pagedserve.kernels import ops
+    from pagedserve.kernels.decode_plan import DecodeConfig
+    from pagedserve.kv.formats import KVBlockStorage
+
+    arg_names = qf.q4_fragment_decode_kernel.arg_names
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                seen.update(grid=grid, args=args, kwargs=kwargs)
+            return call
+
+    monkeypatch.setattr(qf, "q4_fragment_decode_kernel", Recorder())
+    monkeypatch.setattr(qf, "supports", lambda q, ck, cv: True)
+    ck = KVBlockStorage.allocate("q4_0", 8, 16, 2, 256)
+    cv = KVBlockStorage.allocate("q4_0", 8, 16, 2, 256)
+    q = torch.zeros(3, 12, 256, dtype=torch.float16)
+    table = torch.zeros(3, 2, dtype=torch.int32)
+    lens = torch.tensor([5, 0, 20], dtype=torch.int32)
+    ops.paged_decode_attention(q, ck, cv, table, lens, 0.0625, backend="triton",
+                               config=DecodeConfig(block_n=128, num_warps=4,
+                                                   min_partition=128, quant_dot="fragment"))
+    n = len(seen["args"])
+    assert n == arg_names.index("G")  # the run-time arguments, then the constexprs
+    assert seen["args"][0] is q and seen["args"][n - 1] == 0.0625 * 1.4426950408889634
+    assert set(seen["kwargs"]) - {"num_warps", "maxnreg"} == set(arg_names[n:])
+    assert seen["grid"][1] == 2 and seen["kwargs"]["G"] == 6 and seen["kwargs"]["PAGED"]
