@@ -312,10 +312,25 @@ def paged_decode_attention(
     constants = launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
                                  paged=max_blocks > 1, max_batch=workspace.max_batch,
                                  native=q.is_cuda)
+    ks = cache_k.scales if cache_k.scales is not None else cache_k.data
+    vs = cache_v.scales if cache_v.scales is not None else cache_v.data
+    # Both kernels take the same run-time arguments. The plan never makes more than
+    # max(W, B) chunks per head (decode_plan).
+    grid = (max(workspace.chunk_budget, B), Hkv)
+    args = (
+        q, out, cache_k.data, ks, cache_v.data, vs, block_tables, seq_lens,
+        workspace.part_acc, workspace.part_ml, workspace.group_counters,
+        workspace.seq_counters,
+        B, num_blocks, capacity, workspace.chunk_budget, workspace.max_chunks, Hkv,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        scale * LOG2E,
+    )
     if cfg.quant_dot == "fragment":
-        q4_fragments.launch(q, out, cache_k, cache_v, block_tables, seq_lens, workspace,
-                            scale * LOG2E, constants, cfg.num_warps, cfg.maxnreg)
-        return out
+        q4_fragments.launch(grid, args, constants, cfg.num_warps, cfg.maxnreg)
+    else:
+        _paged_decode_kernel[grid](*args, **constants, num_warps=cfg.num_warps,
+                                   num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
+    return out
     ks = cache_k.scales if cache_k.scales is not None else cache_k.data
     vs = cache_v.scales if cache_v.scales is not None else cache_v.data
     # The plan never makes more than max(W, B) chunks per head (decode_plan).

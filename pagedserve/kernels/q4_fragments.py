@@ -156,6 +156,14 @@ def _arange3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _relabel(x, A: gl.constexpr, B: gl.constexpr, PERM: gl.constexpr, shape: gl.constexpr):
+    """``[A, B, 8 groups, 16 bytes]`` -> the label order: the byte index's seven bits
+    permuted with ``PERM`` (``K_PERM``, ``V_PERM``, ``Q_PERM``), reshaped to ``shape``. It
+    only renames which register or lane holds which index: no data moves."""
+    return gl.reshape(gl.permute(gl.reshape(x, [A, B, 2, 2, 2, 2, 2, 2, 2]), PERM.value), shape)
+
+
+@gluon.jit
 def _load_q_halves(q_base, row_stride, G: gl.constexpr, W: gl.constexpr,
                    layout: gl.constexpr):
     """q of the G heads as the ``A`` operand of ``Q . K^T``: f16 ``[W, 16, 128]`` twice
@@ -169,10 +177,8 @@ def _load_q_halves(q_base, row_stride, G: gl.constexpr, W: gl.constexpr,
                 other=0.0).to(gl.float32).to(gl.float16)  # [W, 16, 256]
     # d = 32 g + 16 half + j -> lo / hi halves of [W, 16, g, j], then bytes -> labels.
     lo, hi = gl.split(gl.permute(gl.reshape(q, [W, 16, 8, 2, 16]), [0, 1, 2, 4, 3]))
-    lo = gl.reshape(gl.permute(gl.reshape(lo, [W, 16, 2, 2, 2, 2, 2, 2, 2]), Q_PERM.value),
-                    [W, 16, 128])
-    hi = gl.reshape(gl.permute(gl.reshape(hi, [W, 16, 2, 2, 2, 2, 2, 2, 2]), Q_PERM.value),
-                    [W, 16, 128])
+    lo = _relabel(lo, W, 16, Q_PERM, [W, 16, 128])
+    hi = _relabel(hi, W, 16, Q_PERM, [W, 16, 128])
     return gl.convert_layout(lo, layout), gl.convert_layout(hi, layout)
 
 
@@ -205,11 +211,9 @@ def _warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, BS: gl.constexpr,
 
 
 @gluon.jit
-def _spread_block_ids(id0, id1, start, tok_hi, W: gl.constexpr, BS: gl.constexpr,
-                      layout: gl.constexpr):
-    """``_warp_block_ids`` -> the block id of each row of the tile, int32 ``[W, 32]`` in
-    ``layout``; -1 past ``tok_hi``."""
-    tok = _tile_tokens(start, W, layout)
+def _spread_block_ids(id0, id1, tok, tok_hi, BS: gl.constexpr, layout: gl.constexpr):
+    """``_warp_block_ids`` -> the block id of each row ``tok`` (``_tile_tokens``) of the
+    tile, int32 ``[W, 32]`` in ``layout``; -1 past ``tok_hi``."""
     warp: gl.constexpr = gl.SliceLayout(1, layout)
     id0 = gl.convert_layout(id0, warp, assert_trivial=True)[:, None]
     id1 = gl.convert_layout(id1, warp, assert_trivial=True)[:, None]
@@ -218,26 +222,25 @@ def _spread_block_ids(id0, id1, start, tok_hi, W: gl.constexpr, BS: gl.constexpr
 
 
 @gluon.jit
-def _tile_ids(table_row, block0, start, tok_hi, W: gl.constexpr, BS: gl.constexpr,
+def _tile_ids(table_row, block0, start, tok, tok_hi, W: gl.constexpr, BS: gl.constexpr,
               PAGED: gl.constexpr, layout: gl.constexpr):
-    """Block id of each row of the tile at ``start``, int32 ``[W, 32]``; -1 past
-    ``tok_hi``. The contiguous layout's one block is ``block0``."""
-    tok = _tile_tokens(start, W, layout)
+    """Block id of each row ``tok`` (``_tile_tokens``) of the tile at ``start``, int32
+    ``[W, 32]`` in ``layout``; -1 past ``tok_hi``. The contiguous layout's one block is
+    ``block0``."""
     if not PAGED:
         return gl.where(tok < tok_hi, tok * 0 + block0, -1)
     elif BS >= 16 and BS & (BS - 1) == 0:
         id0, id1 = _warp_block_ids(table_row, start, tok_hi, W, BS, layout)
-        return _spread_block_ids(id0, id1, start, tok_hi, W, BS, layout)
+        return _spread_block_ids(id0, id1, tok, tok_hi, BS, layout)
     else:
         return gl.load(table_row + tok // BS, mask=tok < tok_hi, other=-1)
 
 
 @gluon.jit
-def _tile_rows(ids, start, num_blocks, num_kv_heads, h, rows_per_block, W: gl.constexpr,
-               BS: gl.constexpr, PAGED: gl.constexpr, layout: gl.constexpr):
-    """Row index (in ``[num_blocks * Hkv * rows_per_block]``) of each row of the tile at
-    ``start`` with block ids ``ids``; -1 where the id is not a block (never read)."""
-    tok = _tile_tokens(start, W, layout)
+def _tile_rows(ids, tok, num_blocks, num_kv_heads, h, rows_per_block, BS: gl.constexpr,
+               PAGED: gl.constexpr):
+    """Row index (in ``[num_blocks * Hkv * rows_per_block]``) of each row ``tok`` of a
+    tile with block ids ``ids``; -1 where the id is not a block (never read)."""
     if PAGED:
         row = tok % BS
     else:
@@ -282,11 +285,8 @@ def _fragments(x, sc, PERM: gl.constexpr, W: gl.constexpr, layout: gl.constexpr)
     the operand ``layout``, dequantized: ``(lo, hi)`` f16 ``(nibble - 8) * d``."""
     T: gl.constexpr = TOKENS_PER_WARP
     sc = gl.broadcast(sc[:, :, :, None], x)[0]
-    x = gl.reshape(gl.permute(gl.reshape(x, [W, T, 2, 2, 2, 2, 2, 2, 2]), PERM.value), [W, 128, T])
-    sc = gl.reshape(gl.permute(gl.reshape(sc, [W, T, 2, 2, 2, 2, 2, 2, 2]), PERM.value),
-                    [W, 128, T])
-    x = gl.convert_layout(x, layout, assert_trivial=True)
-    sc = gl.convert_layout(sc, layout, assert_trivial=True)
+    x = gl.convert_layout(_relabel(x, W, T, PERM, [W, 128, T]), layout, assert_trivial=True)
+    sc = gl.convert_layout(_relabel(sc, W, T, PERM, [W, 128, T]), layout, assert_trivial=True)
     return gl.inline_asm_elementwise(
         Q4_HALVES_ASM, "=r,=r,=r,=r,r,r,r", [x, sc],
         dtype=(gl.float16, gl.float16), is_pure=True, pack=4,
@@ -362,13 +362,13 @@ def q4_fragment_decode_kernel(
     # they address, so that the table lookup's latency is not in front of the payload
     # loads. (Per-row ids a tile ahead would hold 12 more registers and spill.)
     AHEAD: gl.constexpr = TABLE_AHEAD and PAGED and BS >= 16 and BS & (BS - 1) == 0
-    ids_k = _tile_ids(table_row, block0, tok_lo, tok_hi, W, BS, PAGED, KT)
-    ids_v = _tile_ids(table_row, block0, tok_lo, tok_hi, W, BS, PAGED, VT)
+    tok_k = _tile_tokens(tok_lo, W, KT)
+    tok_v = _tile_tokens(tok_lo, W, VT)
+    ids_k = _tile_ids(table_row, block0, tok_lo, tok_k, tok_hi, W, BS, PAGED, KT)
+    ids_v = _tile_ids(table_row, block0, tok_lo, tok_v, tok_hi, W, BS, PAGED, VT)
     kx, ks = _load_rows(kd_ptr, ks_ptr, _tile_rows(
-        ids_k, tok_lo, num_blocks, num_kv_heads, h, rows_per_block, W, BS, PAGED, KT),
-        K_WORDS)
-    v_rows = _tile_rows(ids_v, tok_lo, num_blocks, num_kv_heads, h, rows_per_block, W, BS,
-                        PAGED, VT)
+        ids_k, tok_k, num_blocks, num_kv_heads, h, rows_per_block, BS, PAGED), K_WORDS)
+    v_rows = _tile_rows(ids_v, tok_v, num_blocks, num_kv_heads, h, rows_per_block, BS, PAGED)
     vx, vs = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
     if AHEAD:
         ahead0, ahead1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, BS, KT)
@@ -376,18 +376,19 @@ def q4_fragment_decode_kernel(
         live = gl.convert_layout(v_rows, gl.SliceLayout(2, B_OP), assert_trivial=True) >= 0
         # The next tile's bytes are in flight while this one is computed.
         nxt = start + BLOCK_N
+        tok_k = _tile_tokens(nxt, W, KT)
+        tok_v = _tile_tokens(nxt, W, VT)
         if AHEAD:
-            ids_k = _spread_block_ids(ahead0, ahead1, nxt, tok_hi, W, BS, KT)
-            ids_v = _spread_block_ids(ahead0, ahead1, nxt, tok_hi, W, BS, VT)
+            ids_k = _spread_block_ids(ahead0, ahead1, tok_k, tok_hi, BS, KT)
+            ids_v = _spread_block_ids(ahead0, ahead1, tok_v, tok_hi, BS, VT)
             ahead0, ahead1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, BS, KT)
         else:
-            ids_k = _tile_ids(table_row, block0, nxt, tok_hi, W, BS, PAGED, KT)
-            ids_v = _tile_ids(table_row, block0, nxt, tok_hi, W, BS, PAGED, VT)
+            ids_k = _tile_ids(table_row, block0, nxt, tok_k, tok_hi, W, BS, PAGED, KT)
+            ids_v = _tile_ids(table_row, block0, nxt, tok_v, tok_hi, W, BS, PAGED, VT)
         kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, _tile_rows(
-            ids_k, nxt, num_blocks, num_kv_heads, h, rows_per_block, W, BS, PAGED, KT),
-            K_WORDS)
-        v_rows = _tile_rows(ids_v, nxt, num_blocks, num_kv_heads, h, rows_per_block, W,
-                            BS, PAGED, VT)
+            ids_k, tok_k, num_blocks, num_kv_heads, h, rows_per_block, BS, PAGED), K_WORDS)
+        v_rows = _tile_rows(ids_v, tok_v, num_blocks, num_kv_heads, h, rows_per_block, BS,
+                            PAGED)
         vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
 
         kb = gl.convert_layout(_bytes(kx, W), K_BYTES, assert_trivial=True)
@@ -457,21 +458,13 @@ def supports(q, cache_k, cache_v) -> bool:
             and q.shape[-1] == HEAD_DIM and q.shape[1] // cache_k.num_kv_heads <= MAX_GROUP)
 
 
-def launch(q, out, cache_k, cache_v, block_tables, seq_lens, workspace, qk_scale: float,
-           constants: dict, num_warps: int, maxnreg: int | None) -> None:
-    """One launch over checked arguments (``paged_decode.paged_decode_attention``), with
-    the Triton kernel's compile-time arguments (``paged_decode.launch_constants``) for the
-    plan and the merge."""
-    batch, _, _ = q.shape
-    hkv = cache_k.num_kv_heads
-    grid = (max(workspace.chunk_budget, batch), hkv)
+def launch(grid: tuple[int, int], args: tuple, constants: dict, num_warps: int,
+           maxnreg: int | None) -> None:
+    """One launch over checked arguments: ``paged_decode.paged_decode_attention``'s grid
+    and run-time arguments (the two kernels share them) and the Triton kernel's
+    compile-time arguments (``paged_decode.launch_constants``), of which this kernel takes
+    the plan's, the merge's and the table read's."""
     q4_fragment_decode_kernel[grid](
-        q, out, cache_k.data, cache_k.scales, cache_v.data, cache_v.scales, block_tables,
-        seq_lens, workspace.part_acc, workspace.part_ml, workspace.group_counters,
-        workspace.seq_counters,
-        batch, cache_k.num_blocks, block_tables.shape[1] * cache_k.block_size,
-        workspace.chunk_budget, workspace.max_chunks, hkv,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        qk_scale, W=num_warps, **{k: constants[k] for k in SHARED_CONSTANTS},
+        *args, W=num_warps, **{k: constants[k] for k in SHARED_CONSTANTS},
         **fragment_layouts(num_warps), num_warps=num_warps, maxnreg=maxnreg,
     )
