@@ -331,18 +331,3 @@ def paged_decode_attention(
         _paged_decode_kernel[grid](*args, **constants, num_warps=cfg.num_warps,
                                    num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
     return out
-    ks = cache_k.scales if cache_k.scales is not None else cache_k.data
-    vs = cache_v.scales if cache_v.scales is not None else cache_v.data
-    # The plan never makes more than max(W, B) chunks per head (decode_plan).
-    grid = (max(workspace.chunk_budget, B), Hkv)
-    _paged_decode_kernel[grid](
-        q, out, cache_k.data, ks, cache_v.data, vs, block_tables, seq_lens,
-        workspace.part_acc, workspace.part_ml, workspace.group_counters,
-        workspace.seq_counters,
-        B, num_blocks, capacity, workspace.chunk_budget, workspace.max_chunks, Hkv,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        scale * LOG2E, **constants,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg,
-    )
-    return out
-
