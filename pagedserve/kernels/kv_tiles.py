@@ -147,29 +147,31 @@ def load_group_tile(
 # Each asm invocation takes 4 q4_0 bytes (one register) and their group scale (two f16x2
 # registers). t = [b0 b2 b1 b3] (prmt), so that one lop3 with 0x000f000f | 0x64006400
 # picks the low nibbles of b0 and b1 into the two halves of a register (f16 1024 +
-# nibble); shifts by 8, 4 and 12 give the low nibbles of (b2, b3) and the high nibbles of
-# (b0, b1) and (b2, b3). Minus 1032 -> nibble - 8 (exact); times d (one rounding).
-# Outputs: the low-nibble values of b0..b3, then the high-nibble values (two f16x2
-# registers each).
+# nibble), and one with 0x00f000f0 their high nibbles (f16 1024 + 16 nibble); t >> 8 does
+# the same for b2 and b3. Low: minus 1032 -> nibble - 8. High: times 1/16 minus 72 ->
+# nibble - 8 in one fma, with no shift (Marlin's trick for the upper nibble); both exact.
+# Then times d (one rounding). Outputs: the low-nibble values of b0..b3, then the
+# high-nibble values (two f16x2 registers each).
 Q4_HALVES_ASM = tl.constexpr("""
 {
-.reg .b32 t, u, z, nib, magic, off;
+.reg .b32 t, u, z, nib, hinib, magic, off, sixteenth, hioff;
 mov.b32 z, 0;
 mov.b32 nib, 0x000f000f;
+mov.b32 hinib, 0x00f000f0;
 mov.b32 magic, 0x64006400;
 mov.b32 off, 0x64086408;
+mov.b32 sixteenth, 0x2c002c00;
+mov.b32 hioff, 0xd480d480;
 prmt.b32 t, $4, z, 0x3120;
 lop3.b32 $0, t, nib, magic, 0xea;
+lop3.b32 $2, t, hinib, magic, 0xea;
 shr.b32 u, t, 8;
 lop3.b32 $1, u, nib, magic, 0xea;
-shr.b32 u, t, 4;
-lop3.b32 $2, u, nib, magic, 0xea;
-shr.b32 u, t, 12;
-lop3.b32 $3, u, nib, magic, 0xea;
+lop3.b32 $3, u, hinib, magic, 0xea;
 sub.f16x2 $0, $0, off;
 sub.f16x2 $1, $1, off;
-sub.f16x2 $2, $2, off;
-sub.f16x2 $3, $3, off;
+fma.rn.f16x2 $2, $2, sixteenth, hioff;
+fma.rn.f16x2 $3, $3, sixteenth, hioff;
 mul.f16x2 $0, $0, $5;
 mul.f16x2 $1, $1, $6;
 mul.f16x2 $2, $2, $5;

@@ -39,21 +39,21 @@ other in memory (``k_label_to_byte``, ``v_label_to_byte``). A row's 128 payload 
        label r (0..127) <- byte (r3, r4, r5, r6, r0, r1, r2) as bits b0..b6
 
 so that a thread's bytes, loaded in memory order, are already the registers of its
-fragments for K; V's fragments pair two tokens in a register, so its bytes are repacked
-once (``convert_layout`` between two layouts that differ only in register order).
+fragments for K. V's fragments pair two tokens in a register: its rows split into tokens
+t and t + 1 (a register bit, so no data moves) and ``Q4_PAIRS_ASM`` interleaves a word of
+each with one ``prmt`` as it dequantizes (``_pair_fragments``), so no byte is repacked.
 Payload words, not bytes, wait in registers for the next tile (a byte would take a
 register of its own); each token slice (K's, V's) computes its own rows, since moving
 them between layouts goes through shared memory behind a barrier of all warps.
 
-Measured on the H200 (docs/benchmarks): ragged 128K + 7 x 8K, 110.2 us against 185.4
-for the Triton kernel (46% of the copy bandwidth, against 27%). sm_90 tile loop
-(``benchmarks/decode_sass.py`` compiles both): 2004 instructions per 512 K+V values per
-thread, no shared-memory traffic, against 2135 for the Triton kernel's q4_0 launch; the
-dequantization itself is 1024 of them and the MMAs 96. Nsight
-Compute: issue slots busy 47% (29% before), 0.74 eligible warps per scheduler (0.36),
-still at 255 registers, so two programs (8 warps) per SM: the accumulators of ``O^T``
-(64 registers), q (64: its rows 8..15 are padding) and the next tile's words (64) are
-most of them.
+Measured on the H200 (docs/benchmarks/logs/probes/c90fbf6_q4_0_v_pairs.log): ragged
+128K + 7 x 8K, 97.6 us against 111.2 with V's bytes repacked before the asm, and 185.4
+for the Triton kernel. sm_90 tile loop (``benchmarks/decode_sass.py`` compiles both):
+1687 instructions per 512 K+V values per thread (2004 with the repack), no
+shared-memory traffic, against 2135 for the Triton kernel's q4_0 launch. Still at 255
+registers, so two programs (8 warps) per SM: the accumulators of ``O^T`` (64
+registers), q (64: its rows 8..15 are padding) and the next tile's words (64) are most of
+them.
 """
 
 from __future__ import annotations
@@ -69,6 +69,54 @@ from pagedserve.kernels.decode_merge import NEG_BIG, finish_split
 from pagedserve.kernels.decode_plan import locate_chunk
 from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM
 
+# V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
+# word of 4 bytes of row t ($8), the same 4 bytes of row t + 1 ($9) and the pair of their
+# group scales (d_t, d_t1) ($10; $11 repeats it). One prmt interleaves the rows, u =
+# [t.b0 t.b1 t1.b0 t1.b1], so that the lop3s of Q4_HALVES_ASM (low nibbles with
+# 0x000f000f, high with 0x00f000f0, u >> 8 for the next byte) pick (t, t1) pairs straight
+# into f16 halves; the second prmt does bytes 2 and 3. Outputs, two f16x2 registers each:
+# low nibbles of bytes 0, 1; low nibbles of bytes 2, 3; high nibbles of bytes 0, 1; high
+# nibbles of bytes 2, 3 (``_pair_fragments`` relabels them). Exact as Q4_HALVES_ASM.
+Q4_PAIRS_ASM = tl.constexpr("""
+{
+.reg .b32 t, u, nib, hinib, magic, off, sixteenth, hioff;
+mov.b32 nib, 0x000f000f;
+mov.b32 hinib, 0x00f000f0;
+mov.b32 magic, 0x64006400;
+mov.b32 off, 0x64086408;
+mov.b32 sixteenth, 0x2c002c00;
+mov.b32 hioff, 0xd480d480;
+prmt.b32 t, $8, $9, 0x5410;
+lop3.b32 $0, t, nib, magic, 0xea;
+lop3.b32 $4, t, hinib, magic, 0xea;
+shr.b32 u, t, 8;
+lop3.b32 $1, u, nib, magic, 0xea;
+lop3.b32 $5, u, hinib, magic, 0xea;
+prmt.b32 t, $8, $9, 0x7632;
+lop3.b32 $2, t, nib, magic, 0xea;
+lop3.b32 $6, t, hinib, magic, 0xea;
+shr.b32 u, t, 8;
+lop3.b32 $3, u, nib, magic, 0xea;
+lop3.b32 $7, u, hinib, magic, 0xea;
+sub.f16x2 $0, $0, off;
+sub.f16x2 $1, $1, off;
+sub.f16x2 $2, $2, off;
+sub.f16x2 $3, $3, off;
+fma.rn.f16x2 $4, $4, sixteenth, hioff;
+fma.rn.f16x2 $5, $5, sixteenth, hioff;
+fma.rn.f16x2 $6, $6, sixteenth, hioff;
+fma.rn.f16x2 $7, $7, sixteenth, hioff;
+mul.f16x2 $0, $0, $10;
+mul.f16x2 $1, $1, $10;
+mul.f16x2 $2, $2, $10;
+mul.f16x2 $3, $3, $10;
+mul.f16x2 $4, $4, $10;
+mul.f16x2 $5, $5, $10;
+mul.f16x2 $6, $6, $10;
+mul.f16x2 $7, $7, $10;
+}
+""")
+
 HEAD_DIM = tl.constexpr(256)
 TOKENS_PER_WARP = tl.constexpr(32)
 MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the P @ V product
@@ -76,7 +124,12 @@ MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the P @ V prod
 # first, [b6 b5 b4 b3 b2 b1 b0] = dims 2..8 of [W, T, 2, 2, 2, 2, 2, 2, 2]; the label's
 # bits, most significant first, are read from these dims (dim 1, the token, goes last).
 K_PERM = tl.constexpr([0, 4, 5, 6, 7, 2, 3, 8, 1])  # label c6..c0 = b4 b3 b2 b1 b6 b5 b0
-V_PERM = tl.constexpr([0, 5, 6, 7, 8, 2, 3, 4, 1])  # label r6..r0 = b3 b2 b1 b0 b6 b5 b4
+# V's pair tiles (``_pair_fragments``) joined by nibble half: [W, a3..a0 (token // 2),
+# g2..g0, j3..j0 (the byte index within the group as loaded), x (the asm's output)] ->
+# [W, label r6..r0, token t4..t0]. j0 is the token's low bit (the asm pairs rows t and
+# t + 1), and the byte within the group is (j1, x, j2, j3) as bits 0..3; a label's group is
+# r2..r0 and its byte r6..r3 (``v_label_to_byte``).
+V_PAIR_PERM = tl.constexpr([0, 8, 9, 12, 10, 5, 6, 7, 1, 2, 3, 4, 11])
 Q_PERM = tl.constexpr([0, 1, 4, 5, 6, 7, 2, 3, 8])  # K_PERM for q's [W, heads, bytes]
 
 
@@ -128,15 +181,14 @@ def fragment_layouts(num_warps: int) -> dict:
                    [0, 8, 0, 0], [0, 16, 0, 0]],
         lane_bases=v_lanes, warp_bases=warps, block_bases=[],
         shape=[w, TOKENS_PER_WARP.value, 8, 16])
-    # V as the MMA A operand wants it (relabelled by v_label_to_byte): the same bytes per
-    # thread, registers pairing tokens t and t + 1.
-    v_bytes = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1, 0, 0], [0, 0, 0, 1], [0, 8, 0, 0], [0, 16, 0, 0], [0, 0, 0, 2],
-                   [0, 0, 0, 4], [0, 0, 0, 8]],
-        lane_bases=v_lanes, warp_bases=warps, block_bases=[],
-        shape=[w, TOKENS_PER_WARP.value, 8, 16])
+    # V_LOAD split into rows t and t + 1 (even and odd tokens): [W, 16 token pairs, 8, 16].
+    v_pair = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 0, 8], [0, 4, 0, 0],
+                   [0, 8, 0, 0]],
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
+        warp_bases=warps, block_bases=[], shape=[w, TOKENS_PER_WARP.value // 2, 8, 16])
     return dict(
-        K_WORDS=k_words, K_BYTES=k_bytes, V_WORDS=v_words, V_LOAD=v_load, V_BYTES=v_bytes,
+        K_WORDS=k_words, K_BYTES=k_bytes, V_WORDS=v_words, V_LOAD=v_load, V_PAIR=v_pair,
         MMA=gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[w, 1, 1],
                                       instr_shape=[1, 16, 8]),
         PLAN=gl.BlockedLayout([1], [32], [w], [0]),
@@ -280,17 +332,53 @@ def _bytes(words, W: gl.constexpr):
 
 
 @gluon.jit
-def _fragments(x, sc, PERM: gl.constexpr, W: gl.constexpr, layout: gl.constexpr):
-    """Payload and scales ``[W, 32, 8, 16]`` relabelled to ``[W, 128, 32]`` (``PERM``) in
-    the operand ``layout``, dequantized: ``(lo, hi)`` f16 ``(nibble - 8) * d``."""
+def _k_fragments(x, sc, W: gl.constexpr, layout: gl.constexpr):
+    """K payload and scales ``[W, 32, 8, 16]`` relabelled to ``[W, 128, 32]`` (``K_PERM``)
+    in the operand ``layout``, dequantized: ``(lo, hi)`` f16 ``(nibble - 8) * d``."""
     T: gl.constexpr = TOKENS_PER_WARP
     sc = gl.broadcast(sc[:, :, :, None], x)[0]
-    x = gl.convert_layout(_relabel(x, W, T, PERM, [W, 128, T]), layout, assert_trivial=True)
-    sc = gl.convert_layout(_relabel(sc, W, T, PERM, [W, 128, T]), layout, assert_trivial=True)
+    x = gl.convert_layout(_relabel(x, W, T, K_PERM, [W, 128, T]), layout, assert_trivial=True)
+    sc = gl.convert_layout(_relabel(sc, W, T, K_PERM, [W, 128, T]), layout,
+                           assert_trivial=True)
     return gl.inline_asm_elementwise(
         Q4_HALVES_ASM, "=r,=r,=r,=r,r,r,r", [x, sc],
         dtype=(gl.float16, gl.float16), is_pure=True, pack=4,
     )
+
+
+@gluon.jit
+def _pair_relabel(x, W: gl.constexpr):
+    """``[W, 16, 8, 16, 2]`` (an asm output pair joined) -> ``[W, 128 labels, 32 tokens]``
+    (``V_PAIR_PERM``). It only renames which register holds which index."""
+    return gl.reshape(gl.permute(gl.reshape(x, [W] + [2] * 12), V_PAIR_PERM.value),
+                      [W, 128, TOKENS_PER_WARP])
+
+
+@gluon.jit
+def _pair_fragments(x, sc, W: gl.constexpr, PAIR: gl.constexpr, layout: gl.constexpr):
+    """V payload ``[W, 32, 8, 16]`` (``V_LOAD``) and scales ``[W, 32, 8]`` -> ``V^T`` as
+    the A operand: ``(lo, hi)`` f16 ``[W, 128 labels, 32 tokens]`` in ``layout``,
+    ``(nibble - 8) * d``. The rows split into tokens t and t + 1 (a register basis: no
+    data moves) and ``Q4_PAIRS_ASM`` interleaves them as it dequantizes, so every output
+    register is already an operand register (t, t + 1)."""
+    T: gl.constexpr = TOKENS_PER_WARP
+    even, odd = gl.split(gl.permute(gl.reshape(x, [W, T // 2, 2, 8, 16]), [0, 1, 3, 4, 2]))
+    even = gl.convert_layout(even, PAIR, assert_trivial=True)
+    odd = gl.convert_layout(odd, PAIR, assert_trivial=True)
+    # The asm's scale operand: (d_t, d_t1) at its positions (j0 = 0, 1).
+    d_even, d_odd = gl.split(gl.permute(gl.reshape(sc, [W, T // 2, 2, 8]), [0, 1, 3, 2]))
+    d_even = gl.convert_layout(d_even, gl.SliceLayout(3, PAIR), assert_trivial=True)
+    d_odd = gl.convert_layout(d_odd, gl.SliceLayout(3, PAIR), assert_trivial=True)
+    j = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, PAIR))))
+    d = gl.where((j % 2 == 0)[None, None, None, :], d_even[:, :, :, None],
+                 d_odd[:, :, :, None])  # [W, 16, 8, 16]
+    lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
+        Q4_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [even, odd, d],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4,
+    )
+    lo = _pair_relabel(gl.join(lo0, lo1), W)
+    hi = _pair_relabel(gl.join(hi0, hi1), W)
+    return gl.convert_layout(lo, layout), gl.convert_layout(hi, layout)
 
 
 @gluon.jit
@@ -322,7 +410,7 @@ def q4_fragment_decode_kernel(
     MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr, MERGE_UNROLL: gl.constexpr,
     MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr, W: gl.constexpr,
     K_WORDS: gl.constexpr, K_BYTES: gl.constexpr, V_WORDS: gl.constexpr,
-    V_LOAD: gl.constexpr, V_BYTES: gl.constexpr,
+    V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
     MMA: gl.constexpr, PLAN: gl.constexpr, MERGE: gl.constexpr,
 ):
     T: gl.constexpr = TOKENS_PER_WARP
@@ -392,8 +480,8 @@ def q4_fragment_decode_kernel(
         vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
 
         kb = gl.convert_layout(_bytes(kx, W), K_BYTES, assert_trivial=True)
-        k_lo, k_hi = _fragments(kb, gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES)),
-                                K_PERM, W, B_OP)  # [W, 128, T]
+        k_lo, k_hi = _k_fragments(kb, gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES)), W,
+                                  B_OP)  # [W, 128, T]
         s = mma_v2(q_lo, k_lo, gl.zeros([W, 16, T], gl.float32, MMA))
         s = mma_v2(q_hi, k_hi, s)  # [W, 16, T]
         # Rows 0..7 (the heads), as P^T: [W, T, 8] in the B operand's layout.
@@ -409,9 +497,7 @@ def q4_fragment_decode_kernel(
         p16 = p.to(gl.float16)
 
         vb = gl.convert_layout(_bytes(vx, W), V_LOAD, assert_trivial=True)
-        v_lo, v_hi = _fragments(gl.convert_layout(vb, V_BYTES),
-                                gl.convert_layout(vs, gl.SliceLayout(3, V_BYTES)),
-                                V_PERM, W, A_OP)  # [W, 128, T]
+        v_lo, v_hi = _pair_fragments(vb, vs, W, V_PAIR, A_OP)  # [W, 128, T]
         acc_lo = mma_v2(v_lo, p16, acc_lo * alpha_o)
         acc_hi = mma_v2(v_hi, p16, acc_hi * alpha_o)
         kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next

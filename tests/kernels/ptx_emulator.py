@@ -6,7 +6,8 @@ by instruction, with the semantics of the PTX ISA manual: 32-bit registers as Py
 IEEE half operations (numpy's float16 rounds each result to nearest even, as the GPU does).
 
 Supported: ``.reg .b32`` declarations, ``mov.b32``, ``and.b32``, ``shr.b32``, ``prmt.b32``,
-``lop3.b32``, ``sub.f16x2``, ``mul.f16x2``. Anything else raises, so an edit to the asm that
+``lop3.b32``, ``sub.f16x2``, ``mul.f16x2``, ``fma.rn.f16x2`` (one rounding: the exact
+product and sum in float64, then to f16). Anything else raises, so an edit to the asm that
 uses a new instruction fails loudly here instead of passing untested.
 """
 
@@ -83,6 +84,10 @@ def run(asm: str, inputs: list[int], num_outputs: int) -> list[int]:
             a, b = _halves(val(src[0])), _halves(val(src[1]))
             with np.errstate(over="ignore"):  # f16 overflow gives inf, as on the GPU
                 out = _pack(a - b if op == "sub.f16x2" else a * b)
+        elif op == "fma.rn.f16x2":
+            a, b, c = (_halves(val(t)).astype(np.float64) for t in src)
+            with np.errstate(over="ignore"):
+                out = _pack((a * b + c).astype(np.float16))
         else:
             raise NotImplementedError(f"instruction {op!r} is not emulated")
         regs[dst] = out & MASK

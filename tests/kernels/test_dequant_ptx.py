@@ -1,4 +1,5 @@
-"""The dequantization PTX of ``kv_tiles`` against ``formats.dequantize``, on the host.
+"""The dequantization PTX of ``kv_tiles`` and ``q4_fragments`` against
+``formats.dequantize``, on the host.
 
 The GPU tests run this asm for real; CI cannot, so ``ptx_emulator`` executes it
 instruction by instruction. Every byte value and a spread of scales (negative, tiny,
@@ -48,6 +49,28 @@ def test_q4_0_halves(d):
                              4))
         lo, hi = _q4_values(b, d)
         assert out == lo + hi, b
+
+
+@pytest.mark.parametrize("d_pair", [(1.0, -0.0078125), (61.25, 3.5e-05), (-1024.0, 0.000123)])
+def test_q4_0_pairs(d_pair):
+    """``Q4_PAIRS_ASM`` (the Gluon kernel's V): bytes 0..3 of rows t and t + 1 -> eight
+    registers of (row t, row t + 1) values, each with its row's scale."""
+    from pagedserve.kernels import q4_fragments
+
+    d_t, d_t1 = d_pair
+    for start in range(0, 256, 4):
+        row_t = list(range(start, start + 4))
+        row_t1 = [(b * 37 + 11) % 256 for b in row_t]
+        out = unpack_f16(run(q4_fragments.Q4_PAIRS_ASM.value,
+                             [pack_bytes(row_t), pack_bytes(row_t1), *pack_f16([d_t, d_t1] * 2)],
+                             8))
+        lo_t, hi_t = _q4_values(row_t, d_t)
+        lo_t1, hi_t1 = _q4_values(row_t1, d_t1)
+        want = []
+        for vals_t, vals_t1 in ((lo_t, lo_t1), (hi_t, hi_t1)):
+            for k in range(4):
+                want += [vals_t[k], vals_t1[k]]
+        assert out == want, (row_t, row_t1)
 
 
 def test_emulator_rejects_what_it_does_not_know():

@@ -2,8 +2,9 @@
 tests/kernels/test_paged_decode_gpu.py, ``fragment``).
 
 The kernel relabels a row's 128 payload bytes by reshaping them into seven bits and
-permuting the bits (``K_PERM``, ``V_PERM``, ``Q_PERM``); the module documents the same
-maps as formulas (``k_label_to_byte``, ``v_label_to_byte``) and stores the output through
+permuting the bits (``K_PERM``, ``Q_PERM``; V's pair tiles by ``V_PAIR_PERM``); the
+module documents the same maps as formulas (``k_label_to_byte``, ``v_label_to_byte``)
+and stores the output through
 the V formula. These tests apply the permutations to index tensors with torch and check
 them against the formulas, and that every map is a bijection of the 128 bytes; and they
 compile the kernel for sm_90 on the host, which checks its layout premises.
@@ -36,10 +37,31 @@ def test_k_labels_match_the_documented_map():
     assert sorted(got) == list(range(128))
 
 
-def test_v_labels_match_the_documented_map():
-    got = relabelled_bytes(qf.V_PERM.value)
-    assert got == [qf.v_label_to_byte(r) for r in range(128)]
-    assert sorted(got) == list(range(128))
+def pair_tile_labels() -> torch.Tensor:
+    """``(token, byte)`` at each ``[label, token]`` of ``V^T`` after ``_pair_fragments``,
+    on the host: the rows split into even and odd tokens, ``Q4_PAIRS_ASM``'s outputs at
+    each position (its four operand elements are the four bytes of one word), the join
+    and the ``V_PAIR_PERM`` relabel. Returns int ``[128, 32, 2]``."""
+    a = torch.arange(16)[:, None, None]  # token pair
+    g = torch.arange(8)[None, :, None]
+    j = torch.arange(16)[None, None, :]  # word j // 4, asm position j % 4
+    token = 2 * a + (j % 2)  # the asm pairs rows t, t + 1 at positions (0, 1) and (2, 3)
+    outputs = []
+    for second_half in (0, 1):  # lo0 / lo1 (and hi0 / hi1): bytes 0, 1 or 2, 3 of the word
+        byte = 16 * g + 4 * (j // 4) + 2 * second_half + (j % 4) // 2
+        outputs.append(torch.stack(torch.broadcast_tensors(token, byte), -1))
+    joined = torch.stack(outputs, -2)  # [16, 8, 16, 2 (x), 2 (token, byte)]
+    bits = joined.reshape(1, *[2] * 12, 2)
+    perm = qf.V_PAIR_PERM.value + [13]
+    return bits.permute(*perm).reshape(128, 32, 2)
+
+
+def test_v_pair_labels_match_the_documented_map():
+    got = pair_tile_labels()
+    want_byte = torch.tensor([qf.v_label_to_byte(r) for r in range(128)])
+    assert torch.equal(got[..., 0], torch.arange(32).expand(128, 32))
+    assert torch.equal(got[..., 1], want_byte[:, None].expand(128, 32))
+    assert sorted(want_byte.tolist()) == list(range(128))
 
 
 def test_q_is_relabelled_like_k():
@@ -97,7 +119,7 @@ def test_kernel_compiles_for_sm90_with_its_layout_premises(paged):
     conversion the kernel declares free (``assert_trivial``: the relabelled byte tiles
     already sit in the threads that hold those MMA operands, V's softmax mask is V's token
     slice) moves no data between threads, or compilation fails; and the tile loop runs
-    its 96 MMAs per 512 values without shared memory. (A wrong lane of ``V_BYTES`` fails
+    its 96 MMAs per 512 values without shared memory. (A wrong lane of ``V_PAIR`` fails
     this test; a wrong register order within a thread does not, and costs only byte
     shuffles.)"""
     stats = _compile_for_sm90(paged)
