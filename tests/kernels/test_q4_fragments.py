@@ -4,10 +4,9 @@ tests/kernels/test_paged_decode_gpu.py, ``fragment``).
 The kernel relabels a row's 128 payload bytes by reshaping them into seven bits and
 permuting the bits (``K_PERM``, ``Q_PERM``; V's pair tiles by ``V_PAIR_PERM``); the
 module documents the same maps as formulas (``k_label_to_byte``, ``v_label_to_byte``)
-and stores the output through
-the V formula. These tests apply the permutations to index tensors with torch and check
-them against the formulas, and that every map is a bijection of the 128 bytes; and they
-compile the kernel for sm_90 on the host, which checks its layout premises.
+and stores the output through the V formula. These tests apply the permutations to
+index tensors with torch and check them against the formulas, and that every map is a
+bijection of the 128 bytes; and they compile the kernel for sm_90 on the host, which checks its layout premises.
 """
 
 from __future__ import annotations
