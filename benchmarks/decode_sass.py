@@ -123,7 +123,8 @@ def loop_stats(kernel) -> dict:
             if m:
                 mem[m.group(1)] += 1
     return {"registers": int(regs), "spill_bytes": int(stack), "loop_instructions": size,
-            "top_ops": ops.most_common(8), "memory_ops": dict(mem.most_common(6))}
+            "mma": ops["HMMA"], "top_ops": ops.most_common(8),
+            "memory_ops": dict(mem.most_common(6))}
 
 
 def main(argv: list[str]) -> int:
@@ -145,7 +146,8 @@ def main(argv: list[str]) -> int:
         st = loop_stats(compile_decode(k_type, v_type, cfg, paged))
         per_thread = block_n * D * 2 // (32 * warps)
         print(f"{spec}: {st['registers']} regs, {st['spill_bytes']} B spilled, loop "
-              f"{st['loop_instructions']} instructions for {per_thread} K+V values/thread")
+              f"{st['loop_instructions']} instructions ({st['mma']} MMAs) for {per_thread} K+V "
+              "values/thread")
         print(f"    ops {st['top_ops']}")
         print(f"    memory {st['memory_ops']}")
     return 0

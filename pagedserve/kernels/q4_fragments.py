@@ -8,7 +8,7 @@ takes all 255 registers (two programs per SM, 27% of the copy bandwidth on the r
 case). This kernel, written in Gluon (explicit layouts), never converts a dequantized
 value: each thread loads, as plain 16-byte vectors, exactly the payload bytes whose
 values its ``mma.sync`` fragments hold, and turns them into those fragments in place
-with the same PTX as ``kv_tiles`` (``_Q4_HALVES_ASM``: one ``lop3`` per two values).
+with the PTX of ``kv_tiles`` (``Q4_HALVES_ASM``: one ``lop3`` per two values).
 
 Shape: head_dim 256, K and V both q4_0, at most 8 query heads per K/V head, on a GPU.
 ``paged_decode_attention`` dispatches here for ``quant_dot="fragment"`` and falls back
@@ -21,17 +21,21 @@ in the loop); the warps' states merge once at the end. The next tile's bytes are
 before the current tile is computed (a register double buffer)::
 
     per warp, per 32-token tile
-    S   = Q . K^T    mma m16n8k16: A = q [16 (G heads + 0 rows), 128] x2 halves,
-                                   B = K [128, 32 tokens] x2 halves
-    P   = softmax rows 0..7 of S, kept in registers as the B operand of
+    S^T  = K . Q^T   mma m16n8k16: A = K [32 tokens, 128] x2 halves,
+                                   B = q^T [128, 8 heads (G, then zeros)] x2 halves
+    P^T  = softmax of S^T over tokens, in registers; one movmatrix per 8 x 8 tile turns
+           the accumulator's arrangement into the B operand's
     O^T += V^T . P^T mma m16n8k16: A = V^T [128, 32 tokens] x2 halves, B = P^T [32, 8]
 
-The contraction index of ``Q . K^T`` and the row index of ``O^T`` are *labels*: any
-permutation of head_dim works if q is loaded (and the output stored) through the same
-permutation. Labels are chosen so that each fragment register's bytes sit next to each
-other in memory (``k_label_to_byte``, ``v_label_to_byte``). A row's 128 payload bytes are
-``[group g (8)][byte j (16)]`` (``kv.formats``); byte j of group g holds values
-``32 g + j`` (low nibble, the "lo" half) and ``32 g + 16 + j`` (high nibble, "hi")::
+(With K as the A operand no MMA row is padding: q fills the n = 8 of the B operand,
+where ``S = Q . K^T`` would pad the heads to 16 rows and spend 64 of the 96 MMAs and 64
+registers of q half on zeros.) The contraction index of ``K . Q^T`` and the row index of
+``O^T`` are *labels*: any permutation of head_dim works if q is loaded (and the output
+stored) through the same permutation. Labels are chosen so that each fragment register's
+bytes sit next to each other in memory (``k_label_to_byte``, ``v_label_to_byte``). A
+row's 128 payload bytes are ``[group g (8)][byte j (16)]`` (``kv.formats``); byte j of
+group g holds values ``32 g + j`` (low nibble, the "lo" half) and ``32 g + 16 + j``
+(high nibble, "hi")::
 
     K, per thread: 32 contiguous bytes (2 x 16-byte loads) of each of 4 token rows;
        label c (0..127) <- byte (c0, c3, c4, c5, c6, c1, c2) as bits b0..b6
@@ -39,21 +43,23 @@ other in memory (``k_label_to_byte``, ``v_label_to_byte``). A row's 128 payload 
        label r (0..127) <- byte (r3, r4, r5, r6, r0, r1, r2) as bits b0..b6
 
 so that a thread's bytes, loaded in memory order, are already the registers of its
-fragments for K. V's fragments pair two tokens in a register: its rows split into tokens
-t and t + 1 (a register bit, so no data moves) and ``Q4_PAIRS_ASM`` interleaves a word of
-each with one ``prmt`` as it dequantizes (``_pair_fragments``), so no byte is repacked.
-Payload words, not bytes, wait in registers for the next tile (a byte would take a
-register of its own); each token slice (K's, V's) computes its own rows, since moving
-them between layouts goes through shared memory behind a barrier of all warps.
+fragments for K (dequantized in the B operand's arrangement, then renamed as the A
+operand: the same thread holds the same pairs). V's fragments pair two tokens in a
+register: its rows split into tokens t and t + 1 (a register bit, so no data moves) and
+``Q4_PAIRS_ASM`` interleaves a word of each with one ``prmt`` as it dequantizes
+(``_pair_fragments``), so no byte is repacked. Payload words, not bytes, wait in
+registers for the next tile (a byte would take a register of its own); each token slice
+(K's, V's, the scores') computes its own rows, since moving them between layouts goes
+through shared memory behind a barrier of all warps.
 
-Measured on the H200 (docs/benchmarks/logs/probes/c90fbf6_q4_0_v_pairs.log): ragged
-128K + 7 x 8K, 97.6 us against 111.2 with V's bytes repacked before the asm, and 185.4
-for the Triton kernel. sm_90 tile loop (``benchmarks/decode_sass.py`` compiles both):
-1687 instructions per 512 K+V values per thread (2004 with the repack), no
-shared-memory traffic, against 2135 for the Triton kernel's q4_0 launch. Still at 255
-registers, so two programs (8 warps) per SM: the accumulators of ``O^T`` (64
-registers), q (64: its rows 8..15 are padding) and the next tile's words (64) are most of
-them.
+Measured on the H200, side by side (docs/benchmarks/logs/probes/): ragged 128K + 7 x 8K
+paged, 111.2 us with V's bytes repacked before the asm, 97.6 with ``Q4_PAIRS_ASM``, 93.4
+with ``S^T = K . Q^T`` and unmasked payload loads; 185.4 for the Triton kernel. sm_90
+tile loop (``benchmarks/decode_sass.py`` compiles both): 2004 -> 1687 -> 1557
+instructions per 512 K+V values per thread, no shared-memory traffic (the Triton
+kernel's q4_0 launch: 2135). Still at 255 registers, so two programs (8 warps) per SM:
+the accumulators of ``O^T`` (64 registers), the next tile's words (64) and the current
+tile's fragments are most of them.
 """
 
 from __future__ import annotations
@@ -218,20 +224,40 @@ def _relabel(x, A: gl.constexpr, B: gl.constexpr, PERM: gl.constexpr, shape: gl.
 @gluon.jit
 def _load_q_halves(q_base, row_stride, G: gl.constexpr, W: gl.constexpr,
                    layout: gl.constexpr):
-    """q of the G heads as the ``A`` operand of ``Q . K^T``: f16 ``[W, 16, 128]`` twice
-    (lo and hi labels, ``k_label_to_byte``), rows >= G zero, the same in every warp.
-    Loaded in 16-byte vectors and relabelled; one conversion into the operand layout."""
+    """q of the G heads as the ``B`` operand of ``S^T = K . Q^T``: f16 ``[W, 128, 8]``
+    twice (lo and hi labels, ``k_label_to_byte``; heads >= G zero), the same in every
+    warp. Loaded in 16-byte vectors and relabelled; one conversion into the operand
+    layout."""
     QL: gl.constexpr = gl.BlockedLayout([1, 1, 32], [1, 4, 8], [W, 1, 1], [2, 1, 0])
     warp = _arange3(W, 0, QL)
-    head = _arange3(16, 1, QL)
+    head = _arange3(MAX_GROUP, 1, QL)
     d = _arange3(HEAD_DIM, 2, QL)
     q = gl.load(q_base + (warp * 0 + head * row_stride + d), mask=(warp * 0 + head + d * 0) < G,
-                other=0.0).to(gl.float32).to(gl.float16)  # [W, 16, 256]
-    # d = 32 g + 16 half + j -> lo / hi halves of [W, 16, g, j], then bytes -> labels.
-    lo, hi = gl.split(gl.permute(gl.reshape(q, [W, 16, 8, 2, 16]), [0, 1, 2, 4, 3]))
-    lo = _relabel(lo, W, 16, Q_PERM, [W, 16, 128])
-    hi = _relabel(hi, W, 16, Q_PERM, [W, 16, 128])
+                other=0.0).to(gl.float32).to(gl.float16)  # [W, 8, 256]
+    # d = 32 g + 16 half + j -> lo / hi halves of [W, 8, g, j], then bytes -> labels.
+    lo, hi = gl.split(gl.permute(gl.reshape(q, [W, MAX_GROUP, 8, 2, 16]), [0, 1, 2, 4, 3]))
+    lo = gl.permute(_relabel(lo, W, MAX_GROUP, Q_PERM, [W, MAX_GROUP, 128]), [0, 2, 1])
+    hi = gl.permute(_relabel(hi, W, MAX_GROUP, Q_PERM, [W, MAX_GROUP, 128]), [0, 2, 1])
     return gl.convert_layout(lo, layout), gl.convert_layout(hi, layout)
+
+
+# Transposes an 8 x 8 f16 tile held in the MMA accumulator's arrangement (thread l: row
+# l // 4, columns 2 (l % 4) and + 1), warp-wide, into the same arrangement.
+MOVMATRIX_ASM = tl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+
+
+@gluon.jit
+def _scores_to_b_operand(p, W: gl.constexpr, layout: gl.constexpr):
+    """``P^T`` f16 ``[W, T tokens, 8 heads]`` in the accumulator layout of ``S^T`` ->
+    the same values in the B operand ``layout`` of ``O^T += V^T . P^T``: one ``movmatrix``
+    per 8 x 8 tile. After it, the register that held (token t, head h) holds (token
+    8 (t // 8) + h, head t % 8): swapping those index bits back is a relabel."""
+    T: gl.constexpr = TOKENS_PER_WARP
+    y = gl.inline_asm_elementwise(MOVMATRIX_ASM, "=r,r", [p], dtype=gl.float16, is_pure=True,
+                                  pack=2)
+    z = gl.reshape(gl.permute(gl.reshape(y, [W, T // 8, 8, MAX_GROUP]), [0, 1, 3, 2]),
+                   [W, T, MAX_GROUP])
+    return gl.convert_layout(z, layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -302,6 +328,12 @@ def _tile_rows(ids, tok, num_blocks, num_kv_heads, h, rows_per_block, BS: gl.con
 
 
 @gluon.jit
+def _live_rows(ids, num_blocks):
+    """Which rows of a tile with block ids ``ids`` (``_tile_ids``) hold tokens."""
+    return (ids >= 0) & (ids < num_blocks)
+
+
+@gluon.jit
 def _load_rows(data_ptr, scale_ptr, rows, layout: gl.constexpr):
     """Payload as int32 words ``[W, 32, 8, 4]`` and group scales ``[W, 32, 8]`` (f16) of
     the rows ``rows`` (int32 ``[W, 32]`` in ``layout``'s token slice, ``_token_slice``;
@@ -314,8 +346,9 @@ def _load_rows(data_ptr, scale_ptr, rows, layout: gl.constexpr):
     i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
     sc = gl.load(scale_ptr + row[:, :, None] * 8 + g, mask=valid[:, :, None], other=0.0)
     word_off = (row[:, :, None] * (HEAD_DIM // 8) + g * 4)[:, :, :, None] + i[None, None, None, :]
-    words = gl.load(data_ptr.to(gl.pointer_type(gl.int32)) + word_off,
-                    mask=valid[:, :, None, None], other=0)
+    # Unmasked: a row not read points at row 0 of the pool, and its zero scale makes every
+    # value of it an exact 0 (a masked vector load would first zero its registers).
+    words = gl.load(data_ptr.to(gl.pointer_type(gl.int32)) + word_off)
     return words, sc
 
 
@@ -418,7 +451,8 @@ def q4_fragment_decode_kernel(
     D: gl.constexpr = HEAD_DIM
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-    HEADS: gl.constexpr = gl.SliceLayout(1, B_OP)  # [W, 8] per-head state, as P^T's n
+    HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8] per-head state, as S^T's n
+    TOKENS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, T], as S^T's m
     pid = gl.program_id(0)
     h = gl.program_id(1)
     num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
@@ -428,7 +462,7 @@ def q4_fragment_decode_kernel(
         return
 
     q_lo, q_hi = _load_q_halves(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, W,
-                                A_OP)
+                                B_OP)
     m_i = gl.full([W, MAX_GROUP], NEG_BIG, gl.float32, HEADS)
     l_i = gl.zeros([W, MAX_GROUP], gl.float32, HEADS)
     acc_lo = gl.zeros([W, 128, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
@@ -441,9 +475,9 @@ def q4_fragment_decode_kernel(
     else:
         rows_per_block = capacity  # one block per sequence, padded to the longest
         block0 = gl.load(table_row)
-    # K's and V's token slices each compute their rows: converting one set between
-    # layouts would go through shared memory, behind a barrier of all warps, every tile.
-    # V's token slice is also the one of P^T's tokens (the softmax mask).
+    # K's and V's token slices, and the scores' (the softmax mask), each compute their
+    # rows: converting one set between layouts would go through shared memory, behind a
+    # barrier of all warps, every tile.
     KT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, K_WORDS))
     VT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
     # AHEAD: the next tile's block ids (two per warp) are loaded a tile before the rows
@@ -458,21 +492,25 @@ def q4_fragment_decode_kernel(
         ids_k, tok_k, num_blocks, num_kv_heads, h, rows_per_block, BS, PAGED), K_WORDS)
     v_rows = _tile_rows(ids_v, tok_v, num_blocks, num_kv_heads, h, rows_per_block, BS, PAGED)
     vx, vs = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
+    live = _live_rows(_tile_ids(table_row, block0, tok_lo, _tile_tokens(tok_lo, W, TOKENS),
+                                tok_hi, W, BS, PAGED, TOKENS), num_blocks)
     if AHEAD:
         ahead0, ahead1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, BS, KT)
     for start in range(tok_lo, tok_hi, BLOCK_N):
-        live = gl.convert_layout(v_rows, gl.SliceLayout(2, B_OP), assert_trivial=True) >= 0
         # The next tile's bytes are in flight while this one is computed.
         nxt = start + BLOCK_N
         tok_k = _tile_tokens(nxt, W, KT)
         tok_v = _tile_tokens(nxt, W, VT)
+        tok_s = _tile_tokens(nxt, W, TOKENS)
         if AHEAD:
             ids_k = _spread_block_ids(ahead0, ahead1, tok_k, tok_hi, BS, KT)
             ids_v = _spread_block_ids(ahead0, ahead1, tok_v, tok_hi, BS, VT)
+            ids_s = _spread_block_ids(ahead0, ahead1, tok_s, tok_hi, BS, TOKENS)
             ahead0, ahead1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, BS, KT)
         else:
             ids_k = _tile_ids(table_row, block0, nxt, tok_k, tok_hi, W, BS, PAGED, KT)
             ids_v = _tile_ids(table_row, block0, nxt, tok_v, tok_hi, W, BS, PAGED, VT)
+            ids_s = _tile_ids(table_row, block0, nxt, tok_s, tok_hi, W, BS, PAGED, TOKENS)
         kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, _tile_rows(
             ids_k, tok_k, num_blocks, num_kv_heads, h, rows_per_block, BS, PAGED), K_WORDS)
         v_rows = _tile_rows(ids_v, tok_v, num_blocks, num_kv_heads, h, rows_per_block, BS,
@@ -481,20 +519,22 @@ def q4_fragment_decode_kernel(
 
         kb = gl.convert_layout(_bytes(kx, W), K_BYTES, assert_trivial=True)
         k_lo, k_hi = _k_fragments(kb, gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES)), W,
-                                  B_OP)  # [W, 128, T]
-        s = mma_v2(q_lo, k_lo, gl.zeros([W, 16, T], gl.float32, MMA))
-        s = mma_v2(q_hi, k_hi, s)  # [W, 16, T]
-        # Rows 0..7 (the heads), as P^T: [W, T, 8] in the B operand's layout.
-        s8 = gl.split(gl.permute(gl.reshape(s, [W, 2, 8, T]), [0, 2, 3, 1]))[0]
-        st = gl.convert_layout(gl.permute(s8, [0, 2, 1]), B_OP)
-        st = gl.where(live[:, :, None], st * qk_scale, float("-inf"))
+                                  B_OP)  # [W, 128, T]: dequantized where K's bytes were loaded
+        # The A operand of S^T = K . Q^T ([W, T, 128]) holds the same pairs in the same
+        # threads: a register renaming.
+        k_lo = gl.convert_layout(gl.permute(k_lo, [0, 2, 1]), A_OP)
+        k_hi = gl.convert_layout(gl.permute(k_hi, [0, 2, 1]), A_OP)
+        st = (mma_v2(k_lo, q_lo, gl.zeros([W, T, MAX_GROUP], gl.float32, MMA))
+              + mma_v2(k_hi, q_hi, gl.zeros([W, T, MAX_GROUP], gl.float32, MMA)))
+        st = gl.where(live[:, :, None], st * qk_scale, float("-inf"))  # [W, T, 8]
         m_new = gl.maximum(m_i, gl.max(st, axis=1))
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(st - m_new[:, None, :])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         m_i = m_new
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, MMA))[:, None, :]
-        p16 = p.to(gl.float16)
+        alpha_o = alpha[:, None, :]
+        p16 = _scores_to_b_operand(p.to(gl.float16), W, B_OP)
+        live = _live_rows(ids_s, num_blocks)
 
         vb = gl.convert_layout(_bytes(vx, W), V_LOAD, assert_trivial=True)
         v_lo, v_hi = _pair_fragments(vb, vs, W, V_PAIR, A_OP)  # [W, 128, T]
@@ -506,7 +546,7 @@ def q4_fragment_decode_kernel(
     m = gl.max(m_i, axis=0)  # [8]
     wgt = gl.exp2(m_i - m[None, :])  # [W, 8]
     l_sum = gl.sum(l_i * wgt, axis=0)
-    wgt_o = gl.convert_layout(wgt, gl.SliceLayout(1, MMA))[:, None, :]
+    wgt_o = wgt[:, None, :]
     o_lo = gl.sum(acc_lo * wgt_o, axis=0)  # [128, 8]
     o_hi = gl.sum(acc_hi * wgt_o, axis=0)
     O_LAYOUT: gl.constexpr = gl.SliceLayout(0, MMA)
