@@ -161,12 +161,12 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
       0.997-1.018 over the 16 uniform points, against 0.973-1.004 with a load per row
       (side-by-side probe at 1510a1e).
     - q4_0 K and V: ``fragment`` (the Gluon kernel, ``q4_fragments``), 4 warps of 32
-      tokens, block ids read just in time, two programs per SM (255 registers). Ragged
-      128K + 7 x 8K: 110.2 us against 185.4 for ``packed`` (bench at ac76a8a and
-      71ea097); side by side in one probe (afa8d20) 110.3 against 194.8 us, with 2 warps
-      111.2, with block ids a tile ahead 113.3 against 112.2 (4e11065), with registers
-      capped at 200 or 168 (spilling) 158.1 and 205.7 (90ec28d). It loses only at one
-      4K sequence: 22.7 against 17.6 us.
+      tokens, each warp's two block ids read a tile ahead of its rows, two programs per
+      SM (255 registers). Side by side on the H200 (probe at bb0c77c): ragged 128K +
+      7 x 8K paged 84.7 us (85.2 with ids read just in time), paged / contiguous
+      0.979-0.990 over six points (0.952-0.979 just in time). Earlier forms of the
+      kernel: 110.3 against 194.8 us for ``packed`` (afa8d20); 8 warps, or registers
+      capped at 200 or 168 (spilling), were slower (4e11065, 90ec28d).
     - Else any q4_0: ``packed`` 128-row tiles (q4_0 as half tiles, ``kv_tiles``), one
       stage, two programs per SM: 84.7 us geomean in the same sweep; 64-row tiles 98.5,
       a 168-register cap 114.3, two stages 95.8. One table load per block, not one tile
@@ -184,7 +184,7 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
                             quant_dot="element", maxnreg=168, table_read="block")
     if k_type == v_type == "q4_0":
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
-                            quant_dot="fragment", table_read="block", table_ahead=False)
+                            quant_dot="fragment", table_read="block", table_ahead=True)
     if "q4_0" in (k_type, v_type):
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="packed", table_read="block", table_ahead=False)

@@ -307,8 +307,9 @@ def paged_decode_attention(
 
     if cfg.quant_dot == "fragment" and not q4_fragments.supports(q, cache_k, cache_v):
         # The Gluon kernel's shapes only, and no Gluon in the interpreter: the same
-        # values from the Triton kernel's 16-byte-vector dequantization.
-        cfg = dataclasses.replace(cfg, quant_dot="packed")
+        # values from the Triton kernel's 16-byte-vector dequantization, with its own
+        # table read (``default_config``'s for q4_0 in packed mode).
+        cfg = dataclasses.replace(cfg, quant_dot="packed", table_ahead=False)
     constants = launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
                                  paged=max_blocks > 1, max_batch=workspace.max_batch,
                                  native=q.is_cuda)

@@ -261,22 +261,13 @@ def _scores_to_b_operand(p, W: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _tile_tokens(start, W: gl.constexpr, layout: gl.constexpr):
-    """Token index of each row of the tile at ``start``: int32 ``[W, 32]`` in ``layout``
-    (warp w takes tokens ``start + 32 w ..``)."""
-    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
-    t = gl.arange(0, TOKENS_PER_WARP, layout=gl.SliceLayout(0, layout))
-    return start + w[:, None] * TOKENS_PER_WARP + t[None, :]
-
-
-@gluon.jit
 def _warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, BS: gl.constexpr,
                     layout: gl.constexpr):
     """The one or two block ids of each warp's 32 tokens of the tile at ``start``: int32
     ``[W]`` twice, in ``layout``'s warp slice; -1 past ``tok_hi``. A warp's tokens start
     at a multiple of 32 (chunks start at multiples of the tile) and ``BS`` is a power of
-    2 >= 16, so they lie in one block or two: two loads per thread (one address per
-    warp each), not one per token."""
+    2 >= 16 (``WARP_IDS``), so they lie in one block or two: two loads per thread (one
+    address per warp each), not one per token."""
     w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
     first = start + w * TOKENS_PER_WARP  # [W]
     blk = first // BS
@@ -289,62 +280,61 @@ def _warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, BS: gl.constexpr,
 
 
 @gluon.jit
-def _spread_block_ids(id0, id1, tok, tok_hi, BS: gl.constexpr, layout: gl.constexpr):
-    """``_warp_block_ids`` -> the block id of each row ``tok`` (``_tile_tokens``) of the
-    tile, int32 ``[W, 32]`` in ``layout``; -1 past ``tok_hi``."""
-    warp: gl.constexpr = gl.SliceLayout(1, layout)
-    id0 = gl.convert_layout(id0, warp, assert_trivial=True)[:, None]
-    id1 = gl.convert_layout(id1, warp, assert_trivial=True)[:, None]
-    ids = gl.where(tok % TOKENS_PER_WARP >= BS, id1, id0)
-    return gl.where(tok < tok_hi, ids, -1)
+def _tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
+               rows_per_block, W: gl.constexpr, BS: gl.constexpr, PAGED: gl.constexpr,
+               WARP_IDS: gl.constexpr, layout: gl.constexpr):
+    """``(row, live)`` of each row of the tile at ``start`` (warp w takes tokens
+    ``start + 32 w ..``), int32 and bool ``[W, 32]`` in ``layout``: the row's index in the
+    pool's ``[num_blocks * Hkv * rows_per_block]`` rows, and whether it holds a token of a
+    block in the pool (``row`` is meaningless where not).
 
-
-@gluon.jit
-def _tile_ids(table_row, block0, start, tok, tok_hi, W: gl.constexpr, BS: gl.constexpr,
-              PAGED: gl.constexpr, layout: gl.constexpr):
-    """Block id of each row ``tok`` (``_tile_tokens``) of the tile at ``start``, int32
-    ``[W, 32]`` in ``layout``; -1 past ``tok_hi``. The contiguous layout's one block is
-    ``block0``."""
+    ``id0``, ``id1``: ``_warp_block_ids`` (``WARP_IDS``), or the contiguous layout's one
+    block (``PAGED=False``). From warp-uniform block bases a row is a base plus a
+    constant per register: the token's offset within its warp (``t``) is a register or
+    lane index, so whether it is in the warp's first or second block is known per
+    register. Otherwise (block sizes below 16 or not powers of 2) each row reads its own
+    block id."""
+    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))[:, None]
+    t = gl.arange(0, TOKENS_PER_WARP, layout=gl.SliceLayout(0, layout))[None, :]
+    first = start + w * TOKENS_PER_WARP  # [W, 1]
+    live = t < tok_hi - first
     if not PAGED:
-        return gl.where(tok < tok_hi, tok * 0 + block0, -1)
-    elif BS >= 16 and BS & (BS - 1) == 0:
-        id0, id1 = _warp_block_ids(table_row, start, tok_hi, W, BS, layout)
-        return _spread_block_ids(id0, id1, tok, tok_hi, BS, layout)
+        ok = (id0 >= 0) & (id0 < num_blocks)
+        row = (id0 * num_kv_heads + h) * rows_per_block + first + t
+    elif WARP_IDS:
+        warp: gl.constexpr = gl.SliceLayout(1, layout)
+        id0 = gl.convert_layout(id0, warp, assert_trivial=True)[:, None]
+        id1 = gl.convert_layout(id1, warp, assert_trivial=True)[:, None]
+        base0 = (id0 * num_kv_heads + h) * BS
+        ok0 = (id0 >= 0) & (id0 < num_blocks)
+        if BS < TOKENS_PER_WARP:
+            second = t >= BS
+            base1 = (id1 * num_kv_heads + h) * BS
+            ok1 = (id1 >= 0) & (id1 < num_blocks)
+            row = gl.where(second, base1, base0) + (t % BS)
+            ok = gl.where(second, ok1, ok0)
+        else:
+            row = base0 + first % BS + t
+            ok = ok0
     else:
-        return gl.load(table_row + tok // BS, mask=tok < tok_hi, other=-1)
+        tok = first + t
+        ids = gl.load(table_row + tok // BS, mask=live, other=-1)
+        ok = (ids >= 0) & (ids < num_blocks)
+        row = (ids * num_kv_heads + h) * BS + tok % BS
+    return row, live & ok
 
 
 @gluon.jit
-def _tile_rows(ids, tok, num_blocks, num_kv_heads, h, rows_per_block, BS: gl.constexpr,
-               PAGED: gl.constexpr):
-    """Row index (in ``[num_blocks * Hkv * rows_per_block]``) of each row ``tok`` of a
-    tile with block ids ``ids``; -1 where the id is not a block (never read)."""
-    if PAGED:
-        row = tok % BS
-    else:
-        row = tok
-    valid = (ids >= 0) & (ids < num_blocks)
-    return gl.where(valid, (ids * num_kv_heads + h) * rows_per_block + row, -1)
-
-
-@gluon.jit
-def _live_rows(ids, num_blocks):
-    """Which rows of a tile with block ids ``ids`` (``_tile_ids``) hold tokens."""
-    return (ids >= 0) & (ids < num_blocks)
-
-
-@gluon.jit
-def _load_rows(data_ptr, scale_ptr, rows, layout: gl.constexpr):
+def _load_rows(data_ptr, scale_ptr, rows, live, layout: gl.constexpr):
     """Payload as int32 words ``[W, 32, 8, 4]`` and group scales ``[W, 32, 8]`` (f16) of
-    the rows ``rows`` (int32 ``[W, 32]`` in ``layout``'s token slice, ``_token_slice``;
-    -1: not read, scale 0), in ``layout``. Words,
-    not bytes, wait in registers for the next tile: a byte would take a register."""
+    the rows ``rows`` where ``live`` (``_tile_rows``, in ``layout``'s token slice), in
+    ``layout``; rows not live read row 0 with scale 0. Words, not bytes, wait in registers
+    for the next tile: a byte would take a register."""
     L3: gl.constexpr = gl.SliceLayout(3, layout)
-    valid = rows >= 0
-    row = gl.where(valid, rows, 0).to(gl.int64)
+    row = gl.where(live, rows, 0).to(gl.int64)
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
     i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
-    sc = gl.load(scale_ptr + row[:, :, None] * 8 + g, mask=valid[:, :, None], other=0.0)
+    sc = gl.load(scale_ptr + row[:, :, None] * 8 + g, mask=live[:, :, None], other=0.0)
     word_off = (row[:, :, None] * (HEAD_DIM // 8) + g * 4)[:, :, :, None] + i[None, None, None, :]
     # Unmasked: a row not read points at row 0 of the pool, and its zero scale makes every
     # value of it an exact 0 (a masked vector load would first zero its registers).
@@ -480,42 +470,42 @@ def q4_fragment_decode_kernel(
     # barrier of all warps, every tile.
     KT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, K_WORDS))
     VT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
+    WARP_IDS: gl.constexpr = PAGED and BS >= 16 and BS & (BS - 1) == 0
     # AHEAD: the next tile's block ids (two per warp) are loaded a tile before the rows
     # they address, so that the table lookup's latency is not in front of the payload
-    # loads. (Per-row ids a tile ahead would hold 12 more registers and spill.)
-    AHEAD: gl.constexpr = TABLE_AHEAD and PAGED and BS >= 16 and BS & (BS - 1) == 0
-    tok_k = _tile_tokens(tok_lo, W, KT)
-    tok_v = _tile_tokens(tok_lo, W, VT)
-    ids_k = _tile_ids(table_row, block0, tok_lo, tok_k, tok_hi, W, BS, PAGED, KT)
-    ids_v = _tile_ids(table_row, block0, tok_lo, tok_v, tok_hi, W, BS, PAGED, VT)
-    kx, ks = _load_rows(kd_ptr, ks_ptr, _tile_rows(
-        ids_k, tok_k, num_blocks, num_kv_heads, h, rows_per_block, BS, PAGED), K_WORDS)
-    v_rows = _tile_rows(ids_v, tok_v, num_blocks, num_kv_heads, h, rows_per_block, BS, PAGED)
-    vx, vs = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
-    live = _live_rows(_tile_ids(table_row, block0, tok_lo, _tile_tokens(tok_lo, W, TOKENS),
-                                tok_hi, W, BS, PAGED, TOKENS), num_blocks)
+    # loads.
+    AHEAD: gl.constexpr = TABLE_AHEAD and WARP_IDS
+    if WARP_IDS:
+        id0, id1 = _warp_block_ids(table_row, tok_lo, tok_hi, W, BS, KT)
+    else:
+        id0 = block0
+        id1 = block0
+    rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                            rows_per_block, W, BS, PAGED, WARP_IDS, KT)
+    kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, K_WORDS)
+    rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                            rows_per_block, W, BS, PAGED, WARP_IDS, VT)
+    vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, V_WORDS)
+    live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                      rows_per_block, W, BS, PAGED, WARP_IDS, TOKENS)[1]
     if AHEAD:
-        ahead0, ahead1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, BS, KT)
+        id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, BS, KT)
     for start in range(tok_lo, tok_hi, BLOCK_N):
         # The next tile's bytes are in flight while this one is computed.
         nxt = start + BLOCK_N
-        tok_k = _tile_tokens(nxt, W, KT)
-        tok_v = _tile_tokens(nxt, W, VT)
-        tok_s = _tile_tokens(nxt, W, TOKENS)
         if AHEAD:
-            ids_k = _spread_block_ids(ahead0, ahead1, tok_k, tok_hi, BS, KT)
-            ids_v = _spread_block_ids(ahead0, ahead1, tok_v, tok_hi, BS, VT)
-            ids_s = _spread_block_ids(ahead0, ahead1, tok_s, tok_hi, BS, TOKENS)
-            ahead0, ahead1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, BS, KT)
+            nid0, nid1 = id0, id1
+            id0, id1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, BS, KT)
+        elif WARP_IDS:
+            nid0, nid1 = _warp_block_ids(table_row, nxt, tok_hi, W, BS, KT)
         else:
-            ids_k = _tile_ids(table_row, block0, nxt, tok_k, tok_hi, W, BS, PAGED, KT)
-            ids_v = _tile_ids(table_row, block0, nxt, tok_v, tok_hi, W, BS, PAGED, VT)
-            ids_s = _tile_ids(table_row, block0, nxt, tok_s, tok_hi, W, BS, PAGED, TOKENS)
-        kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, _tile_rows(
-            ids_k, tok_k, num_blocks, num_kv_heads, h, rows_per_block, BS, PAGED), K_WORDS)
-        v_rows = _tile_rows(ids_v, tok_v, num_blocks, num_kv_heads, h, rows_per_block, BS,
-                            PAGED)
-        vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, v_rows, V_WORDS)
+            nid0, nid1 = id0, id1
+        rows, live_k = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                  h, rows_per_block, W, BS, PAGED, WARP_IDS, KT)
+        kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, K_WORDS)
+        rows, live_v = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                  h, rows_per_block, W, BS, PAGED, WARP_IDS, VT)
+        vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, V_WORDS)
 
         kb = gl.convert_layout(_bytes(kx, W), K_BYTES, assert_trivial=True)
         k_lo, k_hi = _k_fragments(kb, gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES)), W,
@@ -534,7 +524,8 @@ def q4_fragment_decode_kernel(
         m_i = m_new
         alpha_o = alpha[:, None, :]
         p16 = _scores_to_b_operand(p.to(gl.float16), W, B_OP)
-        live = _live_rows(ids_s, num_blocks)
+        live = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
+                          rows_per_block, W, BS, PAGED, WARP_IDS, TOKENS)[1]
 
         vb = gl.convert_layout(_bytes(vx, W), V_LOAD, assert_trivial=True)
         v_lo, v_hi = _pair_fragments(vb, vs, W, V_PAIR, A_OP)  # [W, 128, T]

@@ -6,6 +6,7 @@ Skipped without CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -188,6 +189,17 @@ def test_fragment_kernel_gqa(hkv, group):
 ], ids=["w4", "w2", "w8"])
 def test_fragment_kernel_many_partitions(config):
     check("q4_0", "q4_0", EDGE_LENS, config=config, ws_kwargs=dict(chunks_per_head=1024))
+
+
+@pytest.mark.parametrize("table_ahead", [True, False], ids=["ahead", "just-in-time"])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 48])
+def test_fragment_kernel_block_sizes(block_size, table_ahead):
+    """Rows from two block ids per warp (16: a warp's 32 tokens span two blocks; 32, 64:
+    one, at an offset in it), and from one id per row (8, 48: not a power of 2 >= 16),
+    with many partitions so that chunks start mid-block."""
+    cfg = dataclasses.replace(FRAGMENT, table_ahead=table_ahead)
+    check("q4_0", "q4_0", EDGE_LENS, config=cfg, block_size=block_size,
+          ws_kwargs=dict(chunks_per_head=64))
 
 
 def test_fragment_kernel_ragged_and_bf16_queries():
