@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from pagedserve.kernels import q4_fragments  # noqa: E402
+from pagedserve.kernels import quant_fragments  # noqa: E402
 from pagedserve.kernels.decode_plan import DecodeConfig  # noqa: E402
 from pagedserve.kernels.paged_decode import _paged_decode_kernel, launch_constants  # noqa: E402
 
@@ -48,13 +48,14 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
     """The compiled kernel for one launch configuration (Qwen3.5 attention shape; the
     paged or the contiguous layout's tile addressing), with the compile-time arguments
     the library's launcher would pass (``paged_decode.launch_constants``; for
-    ``fragment``, the Gluon kernel's subset and layouts, as ``q4_fragments.launch``)."""
+    ``fragment``, the Gluon kernel's subset and layouts, as ``quant_fragments.launch``)."""
     const = launch_constants(cfg, k_type, v_type, HQ // HKV, D, BS, paged=paged,
                              max_batch=8, native=True)
     if cfg.quant_dot == "fragment":
-        kernel, source = q4_fragments.q4_fragment_decode_kernel, GluonASTSource
-        const = {k: const[k] for k in q4_fragments.SHARED_CONSTANTS}
-        const.update(W=cfg.num_warps, **q4_fragments.fragment_layouts(cfg.num_warps))
+        kernel, source = quant_fragments.fragment_decode_kernel, GluonASTSource
+        const = {k: const[k] for k in quant_fragments.SHARED_CONSTANTS}
+        const.update(quant_fragments.kernel_constants(k_type, cfg.num_warps,
+                                                      cfg.block_n // cfg.num_warps))
     else:
         kernel, source = _paged_decode_kernel, ASTSource
     names = kernel.arg_names

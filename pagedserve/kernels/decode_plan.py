@@ -90,10 +90,11 @@ class DecodeConfig:
             scores (K) and folded into p (V). ``"element"``: dequantize each element to
             f16 (one multiply) and run one full-width dot. ``"packed"``: the same values
             as ``element``, from 16-byte row loads, two per instruction (f16x2 PTX) on a
-            GPU (``kv_tiles``). ``"fragment"``: q4_0 K and V only, a Gluon kernel that
-            dequantizes into the tensor cores' operand registers (``q4_fragments``; each
-            warp takes 32 tokens of a tile, so ``block_n = 32 * num_warps``); other
-            types, shapes and the interpreter fall back to ``packed``.
+            GPU (``kv_tiles``). ``"fragment"``: K and V both q4_0 or both q8_0, a Gluon
+            kernel that dequantizes into the tensor cores' operand registers
+            (``quant_fragments``; each warp takes ``block_n / num_warps`` tokens of a
+            tile, 16 or 32); other types, shapes and the interpreter fall back to
+            ``packed``.
         table_read: how a paged tile finds its rows' blocks. ``"row"``: one block-table
             load per row; ``"block"``: one per K/V block, broadcast to its rows (fewer
             loads and address computations; used when ``block_n`` is a multiple of the
@@ -141,10 +142,12 @@ class DecodeConfig:
             raise ValueError(
                 f"quant_dot {self.quant_dot!r} is not a mode; accepted: {list(QUANT_DOT_MODES)}"
             )
-        if self.quant_dot == "fragment" and self.block_n != 32 * self.num_warps:
+        if self.quant_dot == "fragment" and self.block_n not in (16 * self.num_warps,
+                                                                 32 * self.num_warps):
             raise ValueError(
-                f"quant_dot 'fragment' takes 32 tokens per warp: block_n must be 32 * "
-                f"num_warps = {32 * self.num_warps}, got {self.block_n}"
+                f"quant_dot 'fragment' takes 16 or 32 tokens per warp: block_n must be "
+                f"{16 * self.num_warps} or {32 * self.num_warps} for num_warps="
+                f"{self.num_warps}, got {self.block_n}"
             )
 
 
@@ -153,14 +156,18 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
     """The launch choice per K/V type pair, from H200 runs of ``bench_attention.py``'s sweep
     and side-by-side probes (docs/benchmarks/attention.md).
 
-    - Any q8_0: ``element`` 64-row tiles, one stage, at most 168 registers, so that three
-      programs share an SM (``default_occupancy``): 105.4 us geomean in the ff68079 sweep,
-      against 135.9 without the register cap and 106.7 in ``packed`` mode (whose paged
-      steps a side-by-side probe also found 1-4% slower). At 128-row tiles the loop
-      spilled at 255 registers. One block-table load per 16-row block: paged / contiguous
-      0.997-1.018 over the 16 uniform points, against 0.973-1.004 with a load per row
-      (side-by-side probe at 1510a1e).
-    - q4_0 K and V: ``fragment`` (the Gluon kernel, ``q4_fragments``), 4 warps of 32
+    - q8_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of 16
+      tokens (32 spill: 208 bytes in the sm_90 loop), block ids a tile ahead, two
+      programs per SM (254 registers). Side by side on the H200 (probe at 1461e50, against
+      the Triton ``element`` launch below): ragged 119.1 us against 244.1, 8 x 128K 542.9
+      against 1233.8, paged / contiguous 0.978-0.994 over six points (0.935-0.985); one
+      4K sequence is slower, 23.9 against 20.2 us. Three programs per SM: 143.0 us ragged.
+    - Any other q8_0 (mixed with another type): ``element`` 64-row tiles, one stage, at
+      most 168 registers, so that three programs share an SM (``default_occupancy``):
+      105.4 us geomean in the ff68079 sweep, against 135.9 without the register cap and
+      106.7 in ``packed`` mode. At 128-row tiles the loop spilled at 255 registers. One
+      block-table load per 16-row block.
+    - q4_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of 32
       tokens, each warp's two block ids read a tile ahead of its rows, two programs per
       SM (255 registers). Side by side on the H200 (probe at bb0c77c): ragged 128K +
       7 x 8K paged 84.7 us (85.2 with ids read just in time), paged / contiguous
@@ -179,6 +186,9 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
 
     The minimum chunk is 128 tokens for all (the sweep's choice, for 4K contexts).
     """
+    if k_type == v_type == "q8_0":
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
+                            quant_dot="fragment", table_read="block", table_ahead=True)
     if "q8_0" in (k_type, v_type):
         return DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="element", maxnreg=168, table_read="block")
@@ -197,11 +207,14 @@ def default_occupancy(k_type: str, v_type: str) -> float:
     many as ``default_config``'s launch fits on an SM, since a chunk count above that
     leaves a second wave.
 
-    q8_0: three (168 registers x 128 threads). q4_0: two (255 registers). f16: one (two
+    q8_0 or q4_0 K and V (the Gluon kernel): two (255 registers). Other q8_0: three (168
+    registers x 128 threads). Other q4_0: two (255 registers). f16: one (two
     stages of 128-row K and V tiles take 143 KB of shared memory, per Nsight Compute): at
     2 x 4K the plan for two programs per SM made two waves, 30.8 us against 24.2 us at
     one (side-by-side probe on the H200, 2026-11-29).
     """
+    if k_type == v_type == "q8_0":
+        return DEFAULT_OCCUPANCY
     if "q8_0" in (k_type, v_type):
         return 3.0
     if "q4_0" in (k_type, v_type):

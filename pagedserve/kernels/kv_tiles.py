@@ -179,7 +179,7 @@ mul.f16x2 $3, $3, $6;
 }
 """)
 
-_Q8_PAIRS_ASM = tl.constexpr("""
+Q8_PAIRS_ASM = tl.constexpr("""
 {
 .reg .b32 t, z, sign, magic, off;
 mov.b32 z, 0;
@@ -220,7 +220,7 @@ def _q8_values(qs, scale, NATIVE: tl.constexpr):
     ``qs * d`` in f16."""
     if NATIVE:
         return tl.inline_asm_elementwise(
-            _Q8_PAIRS_ASM, "=r,=r,r,r,r", [qs, scale],
+            Q8_PAIRS_ASM, "=r,=r,r,r,r", [qs, scale],
             dtype=tl.float16, is_pure=True, pack=4,
         )
     else:

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels import guards, q4_fragments
+from pagedserve.kernels import guards, quant_fragments
 from pagedserve.kernels.decode_merge import MERGE_UNROLL, NEG_BIG, finish_split
 from pagedserve.kernels.decode_plan import (
     MERGE_GROUP,
@@ -305,7 +305,7 @@ def paged_decode_attention(
     if B == 0:
         return out
 
-    if cfg.quant_dot == "fragment" and not q4_fragments.supports(q, cache_k, cache_v):
+    if cfg.quant_dot == "fragment" and not quant_fragments.supports(q, cache_k, cache_v):
         # The Gluon kernel's shapes only, and no Gluon in the interpreter: the same
         # values from the Triton kernel's 16-byte-vector dequantization, with its own
         # table read (``default_config``'s for q4_0 in packed mode).
@@ -327,7 +327,8 @@ def paged_decode_attention(
         scale * LOG2E,
     )
     if cfg.quant_dot == "fragment":
-        q4_fragments.launch(grid, args, constants, cfg.num_warps, cfg.maxnreg)
+        quant_fragments.launch(grid, args, constants, cache_k.kv_type, cfg.num_warps,
+                               cfg.block_n // cfg.num_warps, cfg.maxnreg)
     else:
         _paged_decode_kernel[grid](*args, **constants, num_warps=cfg.num_warps,
                                    num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)

@@ -64,9 +64,12 @@ def test_config_and_workspace_reject_bad_values():
         DecodeConfig(block_n=48)
     with pytest.raises(ValueError, match="min_partition must be a positive multiple"):
         DecodeConfig(block_n=64, min_partition=96)
-    with pytest.raises(ValueError, match=r"block_n must be 32 \* num_warps = 128, got 64"):
-        DecodeConfig(block_n=64, num_warps=4, quant_dot="fragment")
+    with pytest.raises(ValueError, match=r"block_n must be 64 or 128 for num_warps=4, got 32"):
+        DecodeConfig(block_n=32, num_warps=4, quant_dot="fragment")
+    with pytest.raises(ValueError, match=r"block_n must be 16 or 32 for num_warps=1, got 64"):
+        DecodeConfig(block_n=64, num_warps=1, quant_dot="fragment")
     assert DecodeConfig(block_n=64, num_warps=2, quant_dot="fragment").block_n == 64
+    assert DecodeConfig(block_n=64, num_warps=4, quant_dot="fragment").block_n == 64
     with pytest.raises(ValueError, match="quant_dot 'int8'"):
         DecodeConfig(quant_dot="int8")
     for bad in (16, 100, 256):

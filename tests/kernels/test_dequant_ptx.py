@@ -1,4 +1,4 @@
-"""The dequantization PTX of ``kv_tiles`` and ``q4_fragments`` against
+"""The dequantization PTX of ``kv_tiles`` and ``quant_fragments`` against
 ``formats.dequantize``, on the host.
 
 The GPU tests run this asm for real; CI cannot, so ``ptx_emulator`` executes it
@@ -34,7 +34,7 @@ def _q4_values(byte_values: list[int], d: float) -> tuple[list[float], list[floa
 def test_q8_0_pairs(d):
     for start in range(-128, 128, 4):
         qs = list(range(start, start + 4))
-        out = run(kv_tiles._Q8_PAIRS_ASM.value, [pack_bytes(qs), *pack_f16([d] * 4)], 2)
+        out = run(kv_tiles.Q8_PAIRS_ASM.value, [pack_bytes(qs), *pack_f16([d] * 4)], 2)
         data = torch.tensor([qs + [0] * 28], dtype=torch.int8)
         want = formats.dequantize(data, torch.tensor([[d]], dtype=torch.float16), "q8_0",
                                   torch.float16)[0, :4].tolist()
@@ -55,13 +55,13 @@ def test_q4_0_halves(d):
 def test_q4_0_pairs(d_pair):
     """``Q4_PAIRS_ASM`` (the Gluon kernel's V): bytes 0..3 of rows t and t + 1 -> eight
     registers of (row t, row t + 1) values, each with its row's scale."""
-    from pagedserve.kernels import q4_fragments
+    from pagedserve.kernels import quant_fragments
 
     d_t, d_t1 = d_pair
     for start in range(0, 256, 4):
         row_t = list(range(start, start + 4))
         row_t1 = [(b * 37 + 11) % 256 for b in row_t]
-        out = unpack_f16(run(q4_fragments.Q4_PAIRS_ASM.value,
+        out = unpack_f16(run(quant_fragments.Q4_PAIRS_ASM.value,
                              [pack_bytes(row_t), pack_bytes(row_t1), *pack_f16([d_t, d_t1] * 2)],
                              8))
         lo_t, hi_t = _q4_values(row_t, d_t)
@@ -70,6 +70,28 @@ def test_q4_0_pairs(d_pair):
         for vals_t, vals_t1 in ((lo_t, lo_t1), (hi_t, hi_t1)):
             for k in range(4):
                 want += [vals_t[k], vals_t1[k]]
+        assert out == want, (row_t, row_t1)
+
+
+@pytest.mark.parametrize("d_pair", [(1.0, -0.0078125), (61.25, 3.5e-05), (-1024.0, 0.000123)])
+def test_q8_0_pairs_of_rows(d_pair):
+    """``Q8_PAIRS_ROWS_ASM`` (the Gluon kernel's q8_0 V): bytes 0..3 of rows t and t + 1
+    -> four registers of (row t, row t + 1) values, each with its row's scale."""
+    from pagedserve.kernels import quant_fragments
+
+    d_t, d_t1 = d_pair
+    for start in range(-128, 128, 4):
+        row_t = list(range(start, start + 4))
+        row_t1 = [((b * 37 + 11) % 256) - 128 for b in row_t]
+        out = unpack_f16(run(quant_fragments.Q8_PAIRS_ROWS_ASM.value,
+                             [pack_bytes(row_t), pack_bytes(row_t1), *pack_f16([d_t, d_t1] * 2)],
+                             4))
+        want = []
+        for k in range(4):
+            for row, d in ((row_t, d_t), (row_t1, d_t1)):
+                data = torch.tensor([[row[k]] + [0] * 31], dtype=torch.int8)
+                want += formats.dequantize(data, torch.tensor([[d]], dtype=torch.float16),
+                                           "q8_0", torch.float16)[0, :1].tolist()
         assert out == want, (row_t, row_t1)
 
 

@@ -139,19 +139,21 @@ def test_triton_many_partials_merge_in_several_trips():
 
 @needs_triton
 @pytest.mark.parametrize("k_type,v_type,d", [("q4_0", "q4_0", 64), ("q4_0", "q4_0", 256),
-                                             ("q8_0", "q4_0", 64)])
+                                             ("q8_0", "q8_0", 256), ("q8_0", "q4_0", 64)])
 def test_triton_fragment_mode_falls_back_off_gpu(k_type, v_type, d):
-    """``fragment`` is a Gluon kernel for q4_0 K and V at head_dim 256 on a GPU; the
-    interpreter (and other types or shapes) run the packed Triton path, still exact."""
+    """``fragment`` is a Gluon kernel for q4_0 or q8_0 K and V at head_dim 256 on a GPU;
+    the interpreter (and other types or shapes) run the packed Triton path, still
+    exact."""
     cfg = DecodeConfig(block_n=32, num_warps=1, min_partition=32, quant_dot="fragment")
     out, ref = run(k_type, v_type, [3, 45, 70], d=d, group=3, config=cfg)
     assert rel_error(out, ref) <= bound(k_type, v_type)
 
 
 @needs_triton
-def test_triton_default_config():
-    out, ref = run("q4_0", "q4_0", [70, 5], config=None, chunks_per_head=None)
-    assert rel_error(out, ref) <= bound("q4_0", "q4_0")
+@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
+def test_triton_default_config(kv_type):
+    out, ref = run(kv_type, kv_type, [70, 5], config=None, chunks_per_head=None)
+    assert rel_error(out, ref) <= bound(kv_type, kv_type)
 
 
 @needs_triton

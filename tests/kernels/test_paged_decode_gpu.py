@@ -171,68 +171,83 @@ def test_cuda_graph_capture_and_replay():
         assert ws.counters_clear()
 
 
-# The Gluon kernel for q4_0 K and V (kernels/q4_fragments.py): 32 tokens per warp.
+# The Gluon kernel for q4_0 or q8_0 K and V (kernels/quant_fragments.py): 32 tokens per
+# warp for q4_0, 16 for q8_0 (the library's defaults).
 FRAGMENT = DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
                         quant_dot="fragment")
+FRAGMENT_Q8 = DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
+                           quant_dot="fragment")
+FRAGMENT_CONFIGS = {"q4_0": FRAGMENT, "q8_0": FRAGMENT_Q8}
 
 
+@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("hkv,group", [(4, 6), (8, 1), (4, 2), (2, 8)])
-def test_fragment_kernel_gqa(hkv, group):
-    check("q4_0", "q4_0", EDGE_LENS, hkv=hkv, group=group, config=FRAGMENT)
+def test_fragment_kernel_gqa(hkv, group, kv_type):
+    check(kv_type, kv_type, EDGE_LENS, hkv=hkv, group=group, config=FRAGMENT_CONFIGS[kv_type])
 
 
-@pytest.mark.parametrize("config", [
-    FRAGMENT,
-    DecodeConfig(block_n=64, num_warps=2, num_stages=1, min_partition=64, quant_dot="fragment"),
-    DecodeConfig(block_n=256, num_warps=8, num_stages=1, min_partition=256,
-                 quant_dot="fragment"),
-], ids=["w4", "w2", "w8"])
-def test_fragment_kernel_many_partitions(config):
-    check("q4_0", "q4_0", EDGE_LENS, config=config, ws_kwargs=dict(chunks_per_head=1024))
+@pytest.mark.parametrize("kv_type,config", [
+    ("q4_0", FRAGMENT),
+    ("q4_0", DecodeConfig(block_n=64, num_warps=2, num_stages=1, min_partition=64,
+                          quant_dot="fragment")),
+    ("q4_0", DecodeConfig(block_n=256, num_warps=8, num_stages=1, min_partition=256,
+                          quant_dot="fragment")),
+    ("q4_0", DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=64,
+                          quant_dot="fragment")),
+    ("q8_0", FRAGMENT_Q8),
+    ("q8_0", DecodeConfig(block_n=32, num_warps=2, num_stages=1, min_partition=64,
+                          quant_dot="fragment")),
+], ids=["q4-w4", "q4-w2", "q4-w8", "q4-w4-t16", "q8-w4", "q8-w2"])
+def test_fragment_kernel_many_partitions(kv_type, config):
+    check(kv_type, kv_type, EDGE_LENS, config=config, ws_kwargs=dict(chunks_per_head=1024))
 
 
+@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("table_ahead", [True, False], ids=["ahead", "just-in-time"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 48])
-def test_fragment_kernel_block_sizes(block_size, table_ahead):
-    """Rows from two block ids per warp (16: a warp's 32 tokens span two blocks; 32, 64:
-    one, at an offset in it), and from one id per row (8, 48: not a power of 2 >= 16),
-    with many partitions so that chunks start mid-block."""
-    cfg = dataclasses.replace(FRAGMENT, table_ahead=table_ahead)
-    check("q4_0", "q4_0", EDGE_LENS, config=cfg, block_size=block_size,
+def test_fragment_kernel_block_sizes(block_size, table_ahead, kv_type):
+    """Rows from two block ids per warp (16 with 32 tokens per warp: a warp's tokens span
+    two blocks; 32, 64: one, at an offset in it), and from one id per row (8, 48: not a
+    power of 2 >= 16), with many partitions so that chunks start mid-block."""
+    cfg = dataclasses.replace(FRAGMENT_CONFIGS[kv_type], table_ahead=table_ahead)
+    check(kv_type, kv_type, EDGE_LENS, config=cfg, block_size=block_size,
           ws_kwargs=dict(chunks_per_head=64))
 
 
-def test_fragment_kernel_ragged_and_bf16_queries():
+@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
+def test_fragment_kernel_ragged_and_bf16_queries(kv_type):
     lens = [131072] + [8192] * 7
-    ck, cv, table, tables = build_pool("q4_0", "q4_0", lens, num_kv_heads=4, head_dim=256,
+    ck, cv, table, tables = build_pool(kv_type, kv_type, lens, num_kv_heads=4, head_dim=256,
                                        device="cuda")
     q = torch.randn(8, 24, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
     out = ops.paged_decode_attention(q.cuda(), ck, cv, table,
                                      torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                     0.0625, config=FRAGMENT)
+                                     0.0625, config=FRAGMENT_CONFIGS[kv_type])
     torch.cuda.synchronize()
-    assert rel_error(out, decode_oracle(q, ck, cv, tables, lens, 0.0625)) <= bound("bf16", "q4_0")
+    assert rel_error(out, decode_oracle(q, ck, cv, tables, lens, 0.0625)) <= bound("bf16", kv_type)
 
 
-def test_fragment_kernel_contiguous_layout():
+@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
+def test_fragment_kernel_contiguous_layout(kv_type):
     lens = [4096, 1, 0, 2500]
-    ck, cv, _, _ = build_pool("q4_0", "q4_0", [4096] * 4, num_kv_heads=4, head_dim=256,
+    ck, cv, _, _ = build_pool(kv_type, kv_type, [4096] * 4, num_kv_heads=4, head_dim=256,
                               block_size=4096, extra_blocks=0, device="cuda")
     table = torch.tensor([[3], [1], [0], [2]], dtype=torch.int32)
     q = torch.randn(4, 24, 256).half()
     out = ops.paged_decode_attention(q.cuda(), ck, cv, table.cuda(),
                                      torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                     0.0625, config=FRAGMENT)
+                                     0.0625, config=FRAGMENT_CONFIGS[kv_type])
     torch.cuda.synchronize()
     ref = decode_oracle(q, ck, cv, table.tolist(), lens, 0.0625)
-    assert rel_error(out, ref) <= bound("q4_0", "q4_0")
+    assert rel_error(out, ref) <= bound(kv_type, kv_type)
 
 
-def test_fragment_kernel_masks_invalid_block_ids():
+@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
+def test_fragment_kernel_masks_invalid_block_ids(kv_type):
     """A table entry outside the pool reads nothing: its tokens drop out of the softmax
     exactly as if the sequence ended before them (validate=False, the hot path)."""
     lens = [100, 40]
-    ck, cv, table, tables = build_pool("q4_0", "q4_0", lens, num_kv_heads=4, head_dim=256,
+    ck, cv, table, tables = build_pool(kv_type, kv_type, lens, num_kv_heads=4, head_dim=256,
                                        device="cuda")
     bad = table.clone()
     bad[0, 3] = ck.num_blocks + 5  # tokens 48..63 of sequence 0
@@ -240,9 +255,9 @@ def test_fragment_kernel_masks_invalid_block_ids():
     q = torch.randn(2, 24, 256).half()
     out = ops.paged_decode_attention(q.cuda(), ck, cv, bad,
                                      torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                     0.0625, config=FRAGMENT, validate=False)
+                                     0.0625, config=FRAGMENT_CONFIGS[kv_type], validate=False)
     torch.cuda.synchronize()
     for b, hole in ((0, range(48, 64)), (1, range(16, 32))):
         live = [[t not in hole for t in range(lens[b])]]
         ref = decode_oracle(q[b:b + 1], ck, cv, [tables[b]], [lens[b]], 0.0625, live=live)
-        assert rel_error(out[b:b + 1], ref) <= bound("q4_0", "q4_0")
+        assert rel_error(out[b:b + 1], ref) <= bound(kv_type, kv_type)

@@ -1,4 +1,4 @@
-"""The Gluon q4_0 kernel's label maps, on the host (the kernel itself runs on a GPU only:
+"""The Gluon q4_0 / q8_0 kernel's label maps, on the host (the kernel itself runs on a GPU only:
 tests/kernels/test_paged_decode_gpu.py, ``fragment``).
 
 The kernel relabels a row's 128 payload bytes by reshaping them into seven bits and
@@ -22,86 +22,107 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.kernels import q4_fragments as qf
+from pagedserve.kernels import quant_fragments as qf
+
+GEOMETRIES = [qf.GEOMETRY["q4_0"], qf.GEOMETRY["q8_0"]]
+IDS = ["q4_0", "q8_0"]
 
 
-def relabelled_bytes(perm: list[int]) -> list[int]:
+def relabelled_bytes(perm: list[int], label_bits: int) -> list[int]:
     """The byte at each label after the kernel's reshape / permute / reshape of one row
-    (``perm`` over ``[W, T, b6 .. b0]``; W = T = 1 here)."""
-    byte = torch.arange(128).reshape(1, 1, *[2] * 7)
-    return byte.permute(*perm).reshape(128).tolist()
+    (``perm`` over ``[W, T, b_{n-1} .. b_0]``; W = T = 1 here)."""
+    byte = torch.arange(1 << label_bits).reshape(1, 1, *[2] * label_bits)
+    return byte.permute(*perm).reshape(1 << label_bits).tolist()
 
 
-def test_k_labels_match_the_documented_map():
-    got = relabelled_bytes(qf.K_PERM.value)
-    assert got == [qf.k_label_to_byte(c) for c in range(128)]
-    assert sorted(got) == list(range(128))
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=IDS)
+def test_k_labels_match_the_documented_map(geo):
+    layouts = qf.fragment_layouts(geo.kv_type, 1, 16)
+    got = relabelled_bytes(layouts["K_PERM"], geo.label_bits)
+    assert got == [qf.k_label_to_byte(c, geo.label_bits) for c in range(geo.labels)]
+    assert sorted(got) == list(range(geo.labels))
 
 
-def pair_tile_labels() -> torch.Tensor:
+def test_q4_k_labels_are_the_documented_bit_order():
+    """q4_0's map written out: label c <- byte (c0, c3, c4, c5, c6, c1, c2) as bits b0..b6."""
+    for c in range(128):
+        bits = [(c >> i) & 1 for i in (0, 3, 4, 5, 6, 1, 2)]
+        assert qf.k_label_to_byte(c, 7) == sum(b << i for i, b in enumerate(bits))
+
+
+def pair_tile_labels(geo, tokens: int) -> torch.Tensor:
     """``(token, byte)`` at each ``[label, token]`` of ``V^T`` after ``_pair_fragments``,
-    on the host: the rows split into even and odd tokens, ``Q4_PAIRS_ASM``'s outputs at
-    each position (its four operand elements are the four bytes of one word), the join
-    and the ``V_PAIR_PERM`` relabel. Returns int ``[128, 32, 2]``."""
-    a = torch.arange(16)[:, None, None]  # token pair
+    on the host: the rows split into even and odd tokens, the pair asm's outputs at each
+    position (its four operand elements are the four bytes of one word), the join and the
+    ``V_PAIR_PERM`` relabel. Returns int ``[NL, T, 2]``."""
+    gb = geo.group_bytes
+    a = torch.arange(tokens // 2)[:, None, None]  # token pair
     g = torch.arange(8)[None, :, None]
-    j = torch.arange(16)[None, None, :]  # word j // 4, asm position j % 4
+    j = torch.arange(gb)[None, None, :]  # word j // 4, asm position j % 4
     token = 2 * a + (j % 2)  # the asm pairs rows t, t + 1 at positions (0, 1) and (2, 3)
     outputs = []
-    for second_half in (0, 1):  # lo0 / lo1 (and hi0 / hi1): bytes 0, 1 or 2, 3 of the word
-        byte = 16 * g + 4 * (j // 4) + 2 * second_half + (j % 4) // 2
+    for second_half in (0, 1):  # first / second output: bytes 0, 1 or 2, 3 of the word
+        byte = gb * g + 4 * (j // 4) + 2 * second_half + (j % 4) // 2
         outputs.append(torch.stack(torch.broadcast_tensors(token, byte), -1))
-    joined = torch.stack(outputs, -2)  # [16, 8, 16, 2 (x), 2 (token, byte)]
-    bits = joined.reshape(1, *[2] * 12, 2)
-    perm = qf.V_PAIR_PERM.value + [13]
-    return bits.permute(*perm).reshape(128, 32, 2)
+    joined = torch.stack(outputs, -2)  # [T / 2, 8, GB, 2 (x), 2 (token, byte)]
+    perm = qf.fragment_layouts(geo.kv_type, 1, tokens)["V_PAIR_PERM"]
+    bits = joined.reshape(1, *[2] * (len(perm) - 1), 2)
+    return bits.permute(*perm, len(perm)).reshape(geo.labels, tokens, 2)
 
 
-def test_v_pair_labels_match_the_documented_map():
-    got = pair_tile_labels()
-    want_byte = torch.tensor([qf.v_label_to_byte(r) for r in range(128)])
-    assert torch.equal(got[..., 0], torch.arange(32).expand(128, 32))
-    assert torch.equal(got[..., 1], want_byte[:, None].expand(128, 32))
-    assert sorted(want_byte.tolist()) == list(range(128))
+@pytest.mark.parametrize("tokens", [16, 32])
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=IDS)
+def test_v_pair_labels_match_the_documented_map(geo, tokens):
+    got = pair_tile_labels(geo, tokens)
+    want_byte = torch.tensor([qf.v_label_to_byte(r, geo.label_bits) for r in range(geo.labels)])
+    assert torch.equal(got[..., 0], torch.arange(tokens).expand(geo.labels, tokens))
+    assert torch.equal(got[..., 1], want_byte[:, None].expand(geo.labels, tokens))
+    assert sorted(want_byte.tolist()) == list(range(geo.labels))
 
 
-def test_q_is_relabelled_like_k():
-    """q's labels (``[W, heads, b6 .. b0]``) must pair with K's, value for value."""
-    byte = torch.arange(128).reshape(1, 1, *[2] * 7)
-    q_bytes = byte.permute(*qf.Q_PERM.value).reshape(128).tolist()
-    assert q_bytes == relabelled_bytes(qf.K_PERM.value)
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=IDS)
+def test_q_is_relabelled_like_k(geo):
+    """q's labels (``[W, heads, b_{n-1} .. b_0]``) must pair with K's, value for value."""
+    layouts = qf.fragment_layouts(geo.kv_type, 1, 16)
+    byte = torch.arange(geo.labels).reshape(1, 1, *[2] * geo.label_bits)
+    q_bytes = byte.permute(*layouts["Q_PERM"]).reshape(geo.labels).tolist()
+    assert q_bytes == relabelled_bytes(layouts["K_PERM"], geo.label_bits)
 
 
-def test_k_fragment_registers_hold_contiguous_bytes():
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=IDS)
+def test_k_fragment_registers_hold_contiguous_bytes(geo):
     """The layout's premise: the labels one thread holds in one k-step (c, c+1, c+8, c+9
     for c = 16 s + 2 t) are four consecutive bytes, so a thread's words need no
-    repacking; its 32 labels over the 8 k-steps are 32 contiguous bytes."""
+    repacking; its labels over all k-steps are contiguous bytes (2 groups)."""
+    n = geo.labels
+    per_thread = n // 4
     for t in range(4):
         held = []
-        for s in range(8):
+        for s in range(n // 16):
             c = 16 * s + 2 * t
-            word = [qf.k_label_to_byte(x) for x in (c, c + 1, c + 8, c + 9)]
+            word = [qf.k_label_to_byte(x, geo.label_bits) for x in (c, c + 1, c + 8, c + 9)]
             assert word == list(range(word[0], word[0] + 4))
             held += word
-        assert sorted(held) == list(range(32 * t, 32 * t + 32))
+        assert sorted(held) == list(range(per_thread * t, per_thread * t + per_thread))
 
 
-def test_v_rows_map_to_one_group_per_lane_group():
-    """V's output rows r and r + 8 k for one lane (r % 8 fixed) come from one 16-byte group,
-    whose scale is then one per token for that thread."""
+@pytest.mark.parametrize("geo", GEOMETRIES, ids=IDS)
+def test_v_rows_map_to_one_group_per_lane_group(geo):
+    """V's output rows r and r + 8 k for one lane (r % 8 fixed) come from one group, whose
+    scale is then one per token for that thread."""
     for g in range(8):
-        groups = {qf.v_label_to_byte(r) // 16 for r in range(g, 128, 8)}
+        groups = {qf.v_label_to_byte(r, geo.label_bits) // geo.group_bytes
+                  for r in range(g, geo.labels, 8)}
         assert groups == {g}
 
 
-def _compile_for_sm90(paged: bool) -> dict:
+def _compile_for_sm90(spec: str, paged: bool) -> dict:
     """Loop statistics of the kernel compiled offline for an H100/H200 target by
     ``benchmarks/decode_sass.py`` (Triton's bundled ptxas; no GPU), at the library's q4_0
     launch. A subprocess without ``TRITON_INTERPRET``: under the interpreter, Triton
     functions cannot be compiled into a Gluon kernel."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    spec = "q4_0:q4_0:fragment:128:4:1:block-now"
     args = [sys.executable, str(root / "benchmarks" / "decode_sass.py"), spec]
     if not paged:
         args.insert(2, "--contiguous")
@@ -113,18 +134,22 @@ def _compile_for_sm90(paged: bool) -> dict:
     }
 
 
+@pytest.mark.parametrize("spec,mma", [("q4_0:q4_0:fragment:128:4:1:block", 64),
+                                      ("q8_0:q8_0:fragment:64:4:1:block", 32)],
+                         ids=["q4_0", "q8_0"])
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
-def test_kernel_compiles_for_sm90_with_its_layout_premises(paged):
+def test_kernel_compiles_for_sm90_with_its_layout_premises(spec, mma, paged):
     """Compiling checks the premises that the GPU tests, which check values, cannot see (a
     layout conversion is an identity on values wherever the data lives): every
     conversion the kernel declares free (``assert_trivial``: the relabelled byte
     tiles already sit in the threads that hold those MMA operands; the scores after
     ``movmatrix`` are the B operand of ``P @ V``) moves no data between threads, or
-    compilation fails; and the tile loop runs its 64 MMAs per 512 values without
+    compilation fails; and the tile loop runs its MMAs (64 per 512 q4_0 values, 32 per 256
+    q8_0 values) without
     shared memory. (A wrong lane of ``V_PAIR`` fails this test; a wrong register
     order within a thread does not, and costs only byte shuffles.)"""
-    stats = _compile_for_sm90(paged)
-    assert stats["mma"] == 64
+    stats = _compile_for_sm90(spec, paged)
+    assert stats["mma"] == mma
     assert not any(op.startswith(("LDS", "STS", "LDSM", "STSM")) for op in stats["memory_ops"])
 
 
@@ -136,7 +161,7 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     from pagedserve.kernels.decode_plan import DecodeConfig
     from pagedserve.kv.formats import KVBlockStorage
 
-    arg_names = qf.q4_fragment_decode_kernel.arg_names
+    arg_names = qf.fragment_decode_kernel.arg_names
     seen = {}
 
     class Recorder:
@@ -145,7 +170,7 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
                 seen.update(grid=grid, args=args, kwargs=kwargs)
             return call
 
-    monkeypatch.setattr(qf, "q4_fragment_decode_kernel", Recorder())
+    monkeypatch.setattr(qf, "fragment_decode_kernel", Recorder())
     monkeypatch.setattr(qf, "supports", lambda q, ck, cv: True)
     ck = KVBlockStorage.allocate("q4_0", 8, 16, 2, 256)
     cv = KVBlockStorage.allocate("q4_0", 8, 16, 2, 256)

@@ -1,0 +1,748 @@
+"""Gluon paged decode for q4_0 or q8_0 K and V, dequantized straight into MMA fragments.
+
+The Triton kernel (``paged_decode``) dequantizes a whole ``[block_n, D]`` tile in a
+layout of Triton's choosing, then Triton stages it through shared memory into the
+tensor cores' operand layout. For q4_0 that staging and the register shuffles around
+it cost more instructions than the dequantization itself, and the materialized tile
+takes all 255 registers (two programs per SM, 27% of the copy bandwidth on the ragged
+case). This kernel, written in Gluon (explicit layouts), never converts a dequantized
+value: each thread loads, as plain 16-byte vectors, exactly the payload bytes whose
+values its ``mma.sync`` fragments hold, and turns them into those fragments in place
+with a few lines of PTX (``Q4_HALVES_ASM``, ``Q8_PAIRS_ASM`` of ``kv_tiles``; the pair
+forms below), about two instructions per value.
+
+Shape: head_dim 256, K and V both q4_0 or both q8_0, at most 8 query heads per K/V head,
+on a GPU. ``paged_decode_attention`` dispatches here for ``quant_dot="fragment"`` and
+falls back to the Triton kernel's ``packed`` mode otherwise (the interpreter runs no
+Gluon). One kernel serves both types; ``Geometry`` holds what differs: a q4_0 row is 8
+groups of 16 bytes, each byte two values (a "lo" and a "hi" label row, so every product
+runs twice); a q8_0 row is 8 groups of 32 bytes, one value each.
+
+Work split. Program ``(c, h)`` takes chunk ``c`` of the partition plan (``decode_plan``)
+for K/V head ``h``, as the Triton kernel does. Each of its W warps walks its own T
+tokens (32 for q4_0, 16 for q8_0, whose rows are twice the bytes) of every ``T W``-token
+tile with its own online softmax (no cross-warp traffic in the loop); the warps' states
+merge once at the end. The next tile's bytes are loaded before the current tile is
+computed (a register double buffer)::
+
+    per warp, per T-token tile (NL = 128 labels x2 halves for q4_0, 256 for q8_0)
+    S^T  = K . Q^T   mma m16n8k16: A = K [T tokens, NL],
+                                   B = q^T [NL, 8 heads (G, then zeros)]
+    P^T  = softmax of S^T over tokens, in registers; one movmatrix per 8 x 8 tile turns
+           the accumulator's arrangement into the B operand's
+    O^T += V^T . P^T mma m16n8k16: A = V^T [NL, T tokens], B = P^T [T, 8]
+
+(With K as the A operand no MMA row is padding: q fills the n = 8 of the B operand,
+where ``S = Q . K^T`` would pad the heads to 16 rows and spend 64 of the 96 MMAs and 64
+registers of q half on zeros.) The contraction index of ``K . Q^T`` and the row index of
+``O^T`` are *labels*: any permutation of head_dim works if q is loaded (and the output
+stored) through the same permutation. Labels are chosen so that each fragment register's
+bytes sit next to each other in memory (``k_label_to_byte``, ``v_label_to_byte``). A
+row's 128 payload bytes are ``[group g (8)][byte j (16)]`` (``kv.formats``); byte j of
+group g holds values ``32 g + j`` (low nibble, the "lo" half) and ``32 g + 16 + j``
+(high nibble, "hi")::
+
+    K, per thread: 2 groups of contiguous bytes (32 for q4_0, 64 for q8_0) of each of
+       its token rows (4 or 2); label c <- byte (c0, c3, c4, .., c1, c2) as bits b0..
+       (q4_0: c0..c6 -> b0 b5 b6 b1 b2 b3 b4; ``k_label_to_byte``)
+    V, per thread: one group (16 or 32 bytes) of each of 8 or 4 token rows;
+       label r <- byte (r3, r4, .., r0, r1, r2) as bits b0.. (``v_label_to_byte``)
+
+so that a thread's bytes, loaded in memory order, are already the registers of its
+fragments for K (dequantized in the B operand's arrangement, then renamed as the A
+operand: the same thread holds the same pairs). V's fragments pair two tokens in a
+register: its rows split into tokens t and t + 1 (a register bit, so no data moves) and
+``Q4_PAIRS_ASM`` (``Q8_PAIRS_ROWS_ASM``) interleaves a word of each with one ``prmt`` as
+it dequantizes (``_pair_fragments``), so no byte is repacked. Payload words, not bytes, wait in
+registers for the next tile (a byte would take a register of its own); each token slice
+(K's, V's, the scores') computes its own rows, since moving them between layouts goes
+through shared memory behind a barrier of all warps.
+
+Measured on the H200, side by side (docs/benchmarks/logs/probes/). q4_0, ragged 128K + 7 x
+8K paged: 111.2 us with V's bytes repacked before the asm, 97.6 with ``Q4_PAIRS_ASM``,
+93.4 with ``S^T = K . Q^T`` and unmasked payload loads, 84.7 with rows from warp-uniform
+block bases (185.4 for the Triton kernel). q8_0: 119.1 us against 244.1 for the Triton
+kernel. sm_90 tile loop (``benchmarks/decode_sass.py``): q4_0 2004 -> 1687 -> 1557 ->
+1363 instructions per 512 K+V values per thread; q8_0 819 per 256 (the Triton kernel's
+q8_0 launch: 1681); no shared-memory traffic. 254-255 registers, so two programs (8
+warps) per SM: the accumulators of ``O^T`` (64 registers), the next tile's words (64)
+and the current tile's fragments are most of them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from pagedserve.kernels.decode_merge import NEG_BIG, finish_split
+from pagedserve.kernels.decode_plan import locate_chunk
+from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM, Q8_PAIRS_ASM
+
+# V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
+# word of 4 bytes of row t ($8), the same 4 bytes of row t + 1 ($9) and the pair of their
+# group scales (d_t, d_t1) ($10; $11 repeats it). One prmt interleaves the rows, u =
+# [t.b0 t.b1 t1.b0 t1.b1], so that the lop3s of Q4_HALVES_ASM (low nibbles with
+# 0x000f000f, high with 0x00f000f0, u >> 8 for the next byte) pick (t, t1) pairs straight
+# into f16 halves; the second prmt does bytes 2 and 3. Outputs, two f16x2 registers each:
+# low nibbles of bytes 0, 1; low nibbles of bytes 2, 3; high nibbles of bytes 0, 1; high
+# nibbles of bytes 2, 3 (``_pair_fragments`` relabels them). Exact as Q4_HALVES_ASM.
+Q4_PAIRS_ASM = tl.constexpr("""
+{
+.reg .b32 t, u, nib, hinib, magic, off, sixteenth, hioff;
+mov.b32 nib, 0x000f000f;
+mov.b32 hinib, 0x00f000f0;
+mov.b32 magic, 0x64006400;
+mov.b32 off, 0x64086408;
+mov.b32 sixteenth, 0x2c002c00;
+mov.b32 hioff, 0xd480d480;
+prmt.b32 t, $8, $9, 0x5410;
+lop3.b32 $0, t, nib, magic, 0xea;
+lop3.b32 $4, t, hinib, magic, 0xea;
+shr.b32 u, t, 8;
+lop3.b32 $1, u, nib, magic, 0xea;
+lop3.b32 $5, u, hinib, magic, 0xea;
+prmt.b32 t, $8, $9, 0x7632;
+lop3.b32 $2, t, nib, magic, 0xea;
+lop3.b32 $6, t, hinib, magic, 0xea;
+shr.b32 u, t, 8;
+lop3.b32 $3, u, nib, magic, 0xea;
+lop3.b32 $7, u, hinib, magic, 0xea;
+sub.f16x2 $0, $0, off;
+sub.f16x2 $1, $1, off;
+sub.f16x2 $2, $2, off;
+sub.f16x2 $3, $3, off;
+fma.rn.f16x2 $4, $4, sixteenth, hioff;
+fma.rn.f16x2 $5, $5, sixteenth, hioff;
+fma.rn.f16x2 $6, $6, sixteenth, hioff;
+fma.rn.f16x2 $7, $7, sixteenth, hioff;
+mul.f16x2 $0, $0, $10;
+mul.f16x2 $1, $1, $10;
+mul.f16x2 $2, $2, $10;
+mul.f16x2 $3, $3, $10;
+mul.f16x2 $4, $4, $10;
+mul.f16x2 $5, $5, $10;
+mul.f16x2 $6, $6, $10;
+mul.f16x2 $7, $7, $10;
+}
+""")
+
+# The q8_0 form of Q4_PAIRS_ASM: a word of row t ($4), the same 4 bytes of row t + 1 ($5),
+# the pair of their group scales (d_t, d_t1) ($6; $7 repeats it). u = [t.b0 t.b1 t1.b0
+# t1.b1] (prmt); (u & 0x00ff00ff) ^ 0x64806480 (one lop3) is the f16 pair 1152 + qs of
+# byte 0 of both rows (the low byte ^ 0x80 is qs + 128), u >> 8 the same for byte 1; the
+# second prmt does bytes 2 and 3. Minus 1152 -> qs (exact), times d. Outputs, two f16x2
+# registers each: bytes 0, 1 and bytes 2, 3, each register (row t, row t + 1).
+Q8_PAIRS_ROWS_ASM = tl.constexpr("""
+{
+.reg .b32 t, u, lowb, magic, off;
+mov.b32 lowb, 0x00ff00ff;
+mov.b32 magic, 0x64806480;
+mov.b32 off, 0x64806480;
+prmt.b32 t, $4, $5, 0x5410;
+lop3.b32 $0, t, lowb, magic, 0x6a;
+shr.b32 u, t, 8;
+lop3.b32 $1, u, lowb, magic, 0x6a;
+prmt.b32 t, $4, $5, 0x7632;
+lop3.b32 $2, t, lowb, magic, 0x6a;
+shr.b32 u, t, 8;
+lop3.b32 $3, u, lowb, magic, 0x6a;
+sub.f16x2 $0, $0, off;
+sub.f16x2 $1, $1, off;
+sub.f16x2 $2, $2, off;
+sub.f16x2 $3, $3, off;
+mul.f16x2 $0, $0, $6;
+mul.f16x2 $1, $1, $6;
+mul.f16x2 $2, $2, $6;
+mul.f16x2 $3, $3, $6;
+}
+""")
+
+# Transposes an 8 x 8 f16 tile held in the MMA accumulator's arrangement (thread l: row
+# l // 4, columns 2 (l % 4) and + 1), warp-wide, into the same arrangement.
+MOVMATRIX_ASM = tl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+
+HEAD_DIM = tl.constexpr(256)
+MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the products
+TYPES = ("q4_0", "q8_0")
+TOKENS_PER_WARP = (16, 32)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The byte geometry of one storage type's rows (``kv.formats``), as the kernel reads
+    them: a row is 8 groups of ``group_bytes`` bytes, and the bytes of one "label row"
+    (a half, for q4_0's two nibbles) are ``label_bits`` bits."""
+
+    kv_type: str
+    group_bytes: int  # 16 (q4_0) or 32 (q8_0)
+    label_bits: int  # 7 (128 labels per nibble half) or 8 (256 labels)
+    halves: bool  # q4_0: each byte feeds a lo and a hi label row
+
+    @property
+    def labels(self) -> int:
+        return 1 << self.label_bits
+
+
+GEOMETRY = {"q4_0": Geometry("q4_0", 16, 7, True), "q8_0": Geometry("q8_0", 32, 8, False)}
+
+
+def k_label_sources(label_bits: int) -> list[int]:
+    """The byte-index bit that each K label bit ``c_0 .. c_{n-1}`` is: ``c0 = b0``,
+    ``c3 = b1`` (the four labels ``c, c + 1, c + 8, c + 9`` of one thread's k-step are a
+    4-byte word), ``c4.. = b2..`` (k-steps walk the word index), and ``c1, c2`` = the top
+    two bits (the lane's quarter of the row)."""
+    n = label_bits
+    return [0, n - 2, n - 1, 1] + list(range(2, n - 2))
+
+
+def k_label_to_byte(c: int, label_bits: int = 7) -> int:
+    """Byte of a K row whose values (q8_0) or nibbles (q4_0) hold label ``c``."""
+    return sum(((c >> i) & 1) << src for i, src in enumerate(k_label_sources(label_bits)))
+
+
+def v_label_to_byte(r: int, label_bits: int = 7) -> int:
+    """Byte of a V row whose values (q8_0) or nibbles (q4_0) hold output row label ``r``:
+    its group is ``r & 7``, its byte in the group ``r >> 3``."""
+    return ((r & 7) << (label_bits - 3)) | (r >> 3)
+
+
+def k_perm(label_bits: int, lead: int) -> list[int]:
+    """``permute`` order taking ``[lead dims..., b_{n-1} .. b_0]`` to the labels
+    ``[lead dims..., c_{n-1} .. c_0]`` (``k_label_sources``)."""
+    n, src = label_bits, k_label_sources(label_bits)
+    return list(range(lead)) + [lead + n - 1 - src[i] for i in reversed(range(n))]
+
+
+def v_pair_perm(label_bits: int, tokens: int) -> list[int]:
+    """``permute`` order of V's joined pair tiles (``_pair_fragments``):
+    ``[W, a (token // 2) bits, g2 g1 g0, j (byte in group as loaded) bits, x]`` ->
+    ``[W, r_{n-1} .. r_0, t_{m-1} .. t_0]``, all bits most significant first. The asm pairs
+    rows t and t + 1 at positions ``j0 = 0, 1``, so ``t0 = j0``; the byte within the group
+    is ``(j1, x, j2, j3, ..)`` as bits 0, 1, 2, ..; a label's group is ``r2..r0`` and its
+    byte ``r_{n-1}..r3`` (``v_label_to_byte``)."""
+    tb = tokens.bit_length() - 1
+    jb = label_bits - 3
+    a = {k: 1 + (tb - 2 - k) for k in range(tb - 1)}
+    g = {k: tb + (2 - k) for k in range(3)}
+    j = {k: tb + 3 + (jb - 1 - k) for k in range(jb)}
+    x = tb + 3 + jb
+    byte = [j[1], x] + [j[k] for k in range(2, jb)]  # byte-in-group bits 0, 1, 2, ..
+    label = [g[0], g[1], g[2]] + byte  # r0, r1, ..
+    token = [j[0]] + [a[k] for k in range(tb - 1)]  # t0, t1, ..
+    return [0] + label[::-1] + token[::-1]
+
+
+def _warp_bases(num_warps: int, rank: int) -> list[list[int]]:
+    return [[1 << i] + [0] * (rank - 1) for i in range(num_warps.bit_length() - 1)]
+
+
+def _bits(n: int, dim: int, rank: int = 4, start: int = 0) -> list[list[int]]:
+    """Bases of index bits ``start..log2(n)-1`` of dim ``dim``."""
+    out = []
+    for i in range(start, n.bit_length() - 1):
+        basis = [0] * rank
+        basis[dim] = 1 << i
+        out.append(basis)
+    return out
+
+
+@functools.cache
+def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
+    """The kernel's layouts (compile-time arguments) for one storage type, ``num_warps``
+    warps and ``tokens`` (16 or 32) tokens per warp.
+
+    Byte tiles are ``[W, T tokens, 8 groups, GB bytes]``, word tiles ``[W, T, 8, GB / 4]``;
+    a basis ``[w, t, g, j]`` names the element one register / lane / warp bit moves to.
+    """
+    geo = GEOMETRY[kv_type]
+    w, gb, t = num_warps, geo.group_bytes, tokens
+    warps = _warp_bases(w, 4)
+    g0 = [[0, 0, 1, 0]]
+    tok_hi = _bits(t, 1, start=3)  # tokens +8, (+16)
+    # K: registers walk 2 GB contiguous bytes (j, then g bit 0), then tokens +8 (+16);
+    # lanes take the other two group bits and tokens +1, +2, +4. This is the MMA B
+    # operand's own layout, relabelled by k_label_to_byte.
+    k_lanes = [[0, 0, 2, 0], [0, 0, 4, 0]] + _bits(8, 1)
+    k_bytes = gl.DistributedLinearLayout(
+        reg_bases=_bits(gb, 3) + g0 + tok_hi, lane_bases=k_lanes, warp_bases=warps,
+        block_bases=[], shape=[w, t, 8, gb])
+    k_words = gl.DistributedLinearLayout(
+        reg_bases=_bits(gb // 4, 3) + g0 + tok_hi, lane_bases=k_lanes, warp_bases=warps,
+        block_bases=[], shape=[w, t, 8, gb // 4])
+    # V: one group (GB contiguous bytes) of each of its rows; registers then take tokens
+    # +1, +8 (+16), lanes tokens +2, +4 and the three group bits.
+    v_lanes = [[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]]
+    v_words = gl.DistributedLinearLayout(
+        reg_bases=_bits(gb // 4, 3) + [[0, 1, 0, 0]] + tok_hi, lane_bases=v_lanes,
+        warp_bases=warps, block_bases=[], shape=[w, t, 8, gb // 4])
+    v_load = gl.DistributedLinearLayout(
+        reg_bases=_bits(gb, 3) + [[0, 1, 0, 0]] + tok_hi, lane_bases=v_lanes,
+        warp_bases=warps, block_bases=[], shape=[w, t, 8, gb])
+    # V_LOAD split into rows t and t + 1 (even and odd tokens): [W, T / 2 pairs, 8, GB].
+    v_pair = gl.DistributedLinearLayout(
+        reg_bases=_bits(gb, 3) + _bits(t // 2, 1, start=2),
+        lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
+        warp_bases=warps, block_bases=[], shape=[w, t // 2, 8, gb])
+    return dict(
+        K_WORDS=k_words, K_BYTES=k_bytes, V_WORDS=v_words, V_LOAD=v_load, V_PAIR=v_pair,
+        MMA=gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[w, 1, 1],
+                                      instr_shape=[1, 16, 8]),
+        PLAN=gl.BlockedLayout([1], [32], [w], [0]),
+        MERGE=gl.BlockedLayout([1, 4], [1, 32], [1, w], [1, 0]),
+        # Tuples: the launcher's compile-time arguments are hashed.
+        K_PERM=tuple([0] + k_perm(geo.label_bits, 2)[2:] + [1]),
+        Q_PERM=tuple(k_perm(geo.label_bits, 2)),
+        V_PAIR_PERM=tuple(v_pair_perm(geo.label_bits, t)),
+    )
+
+
+@gluon.jit
+def _arange3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+    """``arange(0, n)`` along ``dim`` of a rank-3 ``layout``, expanded to rank 3."""
+    if dim == 0:
+        return gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))[:, None, None]
+    elif dim == 1:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))[None, :, None]
+    else:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
+
+
+@gluon.jit
+def _relabel(x, PERM: gl.constexpr, shape: gl.constexpr):
+    """``[A, B, 8 groups, GB bytes]`` -> the label order: the byte index's bits permuted
+    with ``PERM`` (``K_PERM``, ``Q_PERM``), reshaped to ``shape``. It only renames which
+    register or lane holds which index: no data moves."""
+    n: gl.constexpr = len(PERM.value) - 2
+    return gl.reshape(gl.permute(gl.reshape(x, [x.shape[0], x.shape[1]] + [2] * n), PERM.value),
+                      shape)
+
+
+@gluon.jit
+def _load_q(q_base, row_stride, G: gl.constexpr, W: gl.constexpr, Q_PERM: gl.constexpr,
+            HALVES: gl.constexpr, layout: gl.constexpr):
+    """q of the G heads as the ``B`` operand of ``S^T = K . Q^T``: f16 ``[W, NL, 8]``
+    (heads >= G zero), the same in every warp; for q4_0 twice, lo and hi labels. Loaded
+    in 16-byte vectors and relabelled (``k_label_to_byte``); one conversion into the
+    operand layout."""
+    QL: gl.constexpr = gl.BlockedLayout([1, 1, 32], [1, 4, 8], [W, 1, 1], [2, 1, 0])
+    warp = _arange3(W, 0, QL)
+    head = _arange3(MAX_GROUP, 1, QL)
+    d = _arange3(HEAD_DIM, 2, QL)
+    q = gl.load(q_base + (warp * 0 + head * row_stride + d), mask=(warp * 0 + head + d * 0) < G,
+                other=0.0).to(gl.float32).to(gl.float16)  # [W, 8, 256]
+    if HALVES:
+        # d = 32 g + 16 half + j -> lo / hi halves of [W, 8, g, j], then bytes -> labels.
+        lo, hi = gl.split(gl.permute(gl.reshape(q, [W, MAX_GROUP, 8, 2, 16]), [0, 1, 2, 4, 3]))
+        lo = gl.permute(_relabel(lo, Q_PERM, [W, MAX_GROUP, 128]), [0, 2, 1])
+        hi = gl.permute(_relabel(hi, Q_PERM, [W, MAX_GROUP, 128]), [0, 2, 1])
+        return gl.convert_layout(lo, layout), gl.convert_layout(hi, layout)
+    else:
+        q = gl.permute(_relabel(q, Q_PERM, [W, MAX_GROUP, HEAD_DIM]), [0, 2, 1])
+        return gl.convert_layout(q, layout)
+
+
+@gluon.jit
+def _scores_to_b_operand(p, layout: gl.constexpr):
+    """``P^T`` f16 ``[W, T tokens, 8 heads]`` in the accumulator layout of ``S^T`` ->
+    the same values in the B operand ``layout`` of ``O^T += V^T . P^T``: one ``movmatrix``
+    per 8 x 8 tile. After it, the register that held (token t, head h) holds (token
+    8 (t // 8) + h, head t % 8): swapping those index bits back is a relabel."""
+    W: gl.constexpr = p.shape[0]
+    T: gl.constexpr = p.shape[1]
+    y = gl.inline_asm_elementwise(MOVMATRIX_ASM, "=r,r", [p], dtype=gl.float16, is_pure=True,
+                                  pack=2)
+    z = gl.reshape(gl.permute(gl.reshape(y, [W, T // 8, 8, MAX_GROUP]), [0, 1, 3, 2]),
+                   [W, T, MAX_GROUP])
+    return gl.convert_layout(z, layout, assert_trivial=True)
+
+
+@gluon.jit
+def _warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
+                    BS: gl.constexpr, layout: gl.constexpr):
+    """The one or two block ids of each warp's T tokens of the tile at ``start``: int32
+    ``[W]`` twice, in ``layout``'s warp slice; -1 past ``tok_hi``. A warp's tokens start
+    at a multiple of T (chunks start at multiples of the tile) and ``BS`` is a power of
+    2 >= 16 (``WARP_IDS``), so they lie in one block or two: two loads per thread (one
+    address per warp each), not one per token."""
+    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
+    first = start + w * T  # [W]
+    blk = first // BS
+    id0 = gl.load(table_row + blk, mask=first < tok_hi, other=-1)
+    if BS < T:
+        id1 = gl.load(table_row + blk + 1, mask=first + BS < tok_hi, other=-1)
+    else:
+        id1 = id0
+    return id0, id1
+
+
+@gluon.jit
+def _tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
+               rows_per_block, W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr,
+               PAGED: gl.constexpr, WARP_IDS: gl.constexpr, layout: gl.constexpr):
+    """``(row, live)`` of each row of the tile at ``start`` (warp w takes tokens
+    ``start + T w ..``), int32 and bool ``[W, T]`` in ``layout``: the row's index in the
+    pool's ``[num_blocks * Hkv * rows_per_block]`` rows, and whether it holds a token of a
+    block in the pool (``row`` is meaningless where not).
+
+    ``id0``, ``id1``: ``_warp_block_ids`` (``WARP_IDS``), or the contiguous layout's one
+    block (``PAGED=False``). From warp-uniform block bases a row is a base plus a
+    constant per register: the token's offset within its warp (``t``) is a register or
+    lane index, so whether it is in the warp's first or second block is known per
+    register. Otherwise (block sizes below 16 or not powers of 2) each row reads its own
+    block id."""
+    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))[:, None]
+    t = gl.arange(0, T, layout=gl.SliceLayout(0, layout))[None, :]
+    first = start + w * T  # [W, 1]
+    live = t < tok_hi - first
+    if not PAGED:
+        ok = (id0 >= 0) & (id0 < num_blocks)
+        row = (id0 * num_kv_heads + h) * rows_per_block + first + t
+    elif WARP_IDS:
+        warp: gl.constexpr = gl.SliceLayout(1, layout)
+        id0 = gl.convert_layout(id0, warp, assert_trivial=True)[:, None]
+        id1 = gl.convert_layout(id1, warp, assert_trivial=True)[:, None]
+        base0 = (id0 * num_kv_heads + h) * BS
+        ok0 = (id0 >= 0) & (id0 < num_blocks)
+        if BS < T:
+            second = t >= BS
+            base1 = (id1 * num_kv_heads + h) * BS
+            ok1 = (id1 >= 0) & (id1 < num_blocks)
+            row = gl.where(second, base1, base0) + (t % BS)
+            ok = gl.where(second, ok1, ok0)
+        else:
+            row = base0 + first % BS + t
+            ok = ok0
+    else:
+        tok = first + t
+        ids = gl.load(table_row + tok // BS, mask=live, other=-1)
+        ok = (ids >= 0) & (ids < num_blocks)
+        row = (ids * num_kv_heads + h) * BS + tok % BS
+    return row, live & ok
+
+
+@gluon.jit
+def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, layout: gl.constexpr):
+    """Payload as int32 words ``[W, T, 8, WPG]`` (``WPG = GB / 4`` per group) and group
+    scales ``[W, T, 8]`` (f16) of the rows ``rows`` where ``live`` (``_tile_rows``, in
+    ``layout``'s token slice), in ``layout``; rows not live read row 0 with scale 0.
+    Words, not bytes, wait in registers for the next tile: a byte would take a
+    register."""
+    L3: gl.constexpr = gl.SliceLayout(3, layout)
+    row = gl.where(live, rows, 0).to(gl.int64)
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    i = gl.arange(0, WPG,
+                  layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
+    sc = gl.load(scale_ptr + row[:, :, None] * 8 + g, mask=live[:, :, None], other=0.0)
+    word_off = (row[:, :, None] * (8 * WPG) + g * WPG)[:, :, :, None] + i[None, None, None, :]
+    # Unmasked: a row not read points at row 0 of the pool, and its zero scale makes every
+    # value of it an exact 0 (a masked vector load would first zero its registers).
+    words = gl.load(data_ptr.to(gl.pointer_type(gl.int32)) + word_off)
+    return words, sc
+
+
+@gluon.jit
+def _bytes(words):
+    """int32 words ``[W, T, 8, n]`` -> their bytes ``[W, T, 8, 4 n]`` (uint8), little
+    endian; each word's bytes become the thread's next four registers."""
+    b0 = (words & 0xFF).to(gl.uint8)
+    b1 = ((words >> 8) & 0xFF).to(gl.uint8)
+    b2 = ((words >> 16) & 0xFF).to(gl.uint8)
+    b3 = ((words >> 24) & 0xFF).to(gl.uint8)
+    x = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [W, T, 8, n, 2 (byte + 2), 2 (+ 1)]
+    return gl.reshape(x, [words.shape[0], words.shape[1], 8, 4 * words.shape[3]])
+
+
+@gluon.jit
+def _k_fragments(x, sc, K_PERM: gl.constexpr, HALVES: gl.constexpr, layout: gl.constexpr):
+    """K payload and scales ``[W, T, 8, GB]`` relabelled to ``[W, NL, T]`` (``K_PERM``)
+    in the B operand ``layout``, dequantized: ``(nibble - 8) * d`` as ``(lo, hi)`` (q4_0),
+    or ``qs * d`` (q8_0), f16."""
+    W: gl.constexpr = x.shape[0]
+    T: gl.constexpr = x.shape[1]
+    NL: gl.constexpr = 8 * x.shape[3]  # one label per byte (per nibble half for q4_0)
+    sc = gl.broadcast(sc[:, :, :, None], x)[0]
+    x = gl.convert_layout(_relabel(x, K_PERM, [W, NL, T]), layout, assert_trivial=True)
+    sc = gl.convert_layout(_relabel(sc, K_PERM, [W, NL, T]), layout, assert_trivial=True)
+    if HALVES:
+        return gl.inline_asm_elementwise(
+            Q4_HALVES_ASM, "=r,=r,=r,=r,r,r,r", [x, sc],
+            dtype=(gl.float16, gl.float16), is_pure=True, pack=4,
+        )
+    else:
+        return gl.inline_asm_elementwise(
+            Q8_PAIRS_ASM, "=r,=r,r,r,r", [x, sc], dtype=gl.float16, is_pure=True, pack=4,
+        )
+
+
+@gluon.jit
+def _as_a_operand(k, layout: gl.constexpr):
+    """K fragments ``[W, NL, T]`` (B arrangement) -> the A operand ``[W, T, NL]`` of
+    ``S^T = K . Q^T``: the same thread holds the same register pairs, so this is a
+    register renaming."""
+    return gl.convert_layout(gl.permute(k, [0, 2, 1]), layout)
+
+
+@gluon.jit
+def _pair_relabel(x, PERM: gl.constexpr, NL: gl.constexpr):
+    """``[W, T / 2, 8, GB, 2]`` (an asm output pair joined) -> ``[W, NL labels, T
+    tokens]`` (``V_PAIR_PERM``). It only renames which register holds which index."""
+    W: gl.constexpr = x.shape[0]
+    T: gl.constexpr = 2 * x.shape[1]
+    return gl.reshape(gl.permute(gl.reshape(x, [W] + [2] * (len(PERM.value) - 1)), PERM.value),
+                      [W, NL, T])
+
+
+@gluon.jit
+def _pair_fragments(x, sc, PERM: gl.constexpr, HALVES: gl.constexpr, PAIR: gl.constexpr,
+                    layout: gl.constexpr):
+    """V payload ``[W, T, 8, GB]`` (``V_LOAD``) and scales ``[W, T, 8]`` -> ``V^T`` as
+    the A operand ``[W, NL labels, T tokens]`` in ``layout``, f16: ``(lo, hi)`` of
+    ``(nibble - 8) * d`` (q4_0), or ``qs * d`` (q8_0). The rows split into tokens t and
+    t + 1 (a register basis: no data moves) and the asm (``Q4_PAIRS_ASM``,
+    ``Q8_PAIRS_ROWS_ASM``) interleaves them as it dequantizes, so every output register
+    is already an operand register (t, t + 1)."""
+    W: gl.constexpr = x.shape[0]
+    T: gl.constexpr = x.shape[1]
+    GB: gl.constexpr = x.shape[3]
+    even, odd = gl.split(gl.permute(gl.reshape(x, [W, T // 2, 2, 8, GB]), [0, 1, 3, 4, 2]))
+    even = gl.convert_layout(even, PAIR, assert_trivial=True)
+    odd = gl.convert_layout(odd, PAIR, assert_trivial=True)
+    # The asm's scale operand: (d_t, d_t1) at its positions (j0 = 0, 1).
+    d_even, d_odd = gl.split(gl.permute(gl.reshape(sc, [W, T // 2, 2, 8]), [0, 1, 3, 2]))
+    d_even = gl.convert_layout(d_even, gl.SliceLayout(3, PAIR), assert_trivial=True)
+    d_odd = gl.convert_layout(d_odd, gl.SliceLayout(3, PAIR), assert_trivial=True)
+    j = gl.arange(0, GB, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, PAIR))))
+    d = gl.where((j % 2 == 0)[None, None, None, :], d_even[:, :, :, None],
+                 d_odd[:, :, :, None])  # [W, T / 2, 8, GB]
+    if HALVES:
+        lo0, lo1, hi0, hi1 = gl.inline_asm_elementwise(
+            Q4_PAIRS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [even, odd, d],
+            dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=4,
+        )
+        lo = _pair_relabel(gl.join(lo0, lo1), PERM, 8 * GB)
+        hi = _pair_relabel(gl.join(hi0, hi1), PERM, 8 * GB)
+        return gl.convert_layout(lo, layout), gl.convert_layout(hi, layout)
+    else:
+        v0, v1 = gl.inline_asm_elementwise(
+            Q8_PAIRS_ROWS_ASM, "=r,=r,=r,=r,r,r,r,r", [even, odd, d],
+            dtype=(gl.float16, gl.float16), is_pure=True, pack=4,
+        )
+        return gl.convert_layout(_pair_relabel(gl.join(v0, v1), PERM, 8 * GB), layout)
+
+
+@gluon.jit
+def _store_output(ptr, row_stride, o_lo, o_hi, row_scale, G: gl.constexpr,
+                  HALVES: gl.constexpr, layout: gl.constexpr):
+    """Write ``o * row_scale`` (``[NL labels, 8 heads]`` in ``layout``) to
+    ``ptr + head * row_stride + d`` for heads < G: label r holds value
+    ``d = 32 (r % 8) + r // 8`` (``v_label_to_byte``), of ``o_lo``; for q4_0 (``HALVES``)
+    ``o_hi`` holds ``d + 16``."""
+    NL: gl.constexpr = o_lo.shape[0]
+    r = gl.arange(0, NL, layout=gl.SliceLayout(1, layout))[:, None]
+    head = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(0, layout))[None, :]
+    offs = head * row_stride + (r & 7) * 32 + (r >> 3)
+    mask = (head + r * 0) < G
+    scale = gl.convert_layout(row_scale, gl.SliceLayout(0, layout))[None, :]
+    gl.store(ptr + offs, (o_lo * scale).to(ptr.dtype.element_ty), mask=mask)
+    if HALVES:
+        gl.store(ptr + offs + 16, (o_hi * scale).to(ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
+                              "max_chunks", "num_kv_heads"])
+def fragment_decode_kernel(
+    q_ptr, out_ptr,  # [B, Hq, D]
+    kd_ptr, ks_ptr, vd_ptr, vs_ptr,  # payload and scales of K and V
+    table_ptr, lens_ptr,  # int32 [B, max_blocks], int32 [B]
+    part_acc_ptr, part_ml_ptr, group_counter_ptr, seq_counter_ptr,  # workspace
+    batch, num_blocks, capacity, chunk_budget, max_chunks, num_kv_heads,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
+    qk_scale,  # softmax scale * log2(e)
+    G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, B_PAD: gl.constexpr,
+    MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr, MERGE_UNROLL: gl.constexpr,
+    MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr, W: gl.constexpr,
+    T: gl.constexpr, GB: gl.constexpr, HALVES: gl.constexpr,
+    K_WORDS: gl.constexpr, K_BYTES: gl.constexpr, V_WORDS: gl.constexpr,
+    V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
+    MMA: gl.constexpr, PLAN: gl.constexpr, MERGE: gl.constexpr,
+    K_PERM: gl.constexpr, Q_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr,
+):
+    BLOCK_N: gl.constexpr = W * T
+    D: gl.constexpr = HEAD_DIM
+    NL: gl.constexpr = 8 * GB  # labels per product: one per byte (per nibble half)
+    WPG: gl.constexpr = GB // 4
+    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8] per-head state, as S^T's n
+    TOKENS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, T], as S^T's m
+    pid = gl.program_id(0)
+    h = gl.program_id(1)
+    num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
+        lens_ptr, batch, capacity, chunk_budget, pid,
+        gl.arange(0, B_PAD, layout=PLAN), BLOCK_N, MIN_PARTITION)
+    if pid >= num_chunks:
+        return
+
+    q_base = q_ptr + b * stride_qb + h * G * stride_qh
+    if HALVES:
+        q_lo, q_hi = _load_q(q_base, stride_qh, G, W, Q_PERM, True, B_OP)
+        acc_hi = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)
+    else:
+        q_lo = _load_q(q_base, stride_qh, G, W, Q_PERM, False, B_OP)
+    acc_lo = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
+    m_i = gl.full([W, MAX_GROUP], NEG_BIG, gl.float32, HEADS)
+    l_i = gl.zeros([W, MAX_GROUP], gl.float32, HEADS)
+
+    table_row = table_ptr + b * stride_tb
+    if PAGED:
+        rows_per_block = BS
+        block0 = 0
+    else:
+        rows_per_block = capacity  # one block per sequence, padded to the longest
+        block0 = gl.load(table_row)
+    # K's and V's token slices, and the scores' (the softmax mask), each compute their
+    # rows: converting one set between layouts would go through shared memory, behind a
+    # barrier of all warps, every tile.
+    KT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, K_WORDS))
+    VT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
+    WARP_IDS: gl.constexpr = PAGED and BS >= 16 and BS & (BS - 1) == 0
+    # AHEAD: the next tile's block ids (one or two per warp) are loaded a tile before the
+    # rows they address, so that the table lookup's latency is not in front of the
+    # payload loads.
+    AHEAD: gl.constexpr = TABLE_AHEAD and WARP_IDS
+    if WARP_IDS:
+        id0, id1 = _warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT)
+    else:
+        id0 = block0
+        id1 = block0
+    rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                            rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+    kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
+    rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                            rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+    vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
+    live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                      rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+    if AHEAD:
+        id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
+    for start in range(tok_lo, tok_hi, BLOCK_N):
+        # The next tile's bytes are in flight while this one is computed.
+        nxt = start + BLOCK_N
+        if AHEAD:
+            nid0, nid1 = id0, id1
+            id0, id1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT)
+        elif WARP_IDS:
+            nid0, nid1 = _warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT)
+        else:
+            nid0, nid1 = id0, id1
+        rows, live_k = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+        kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
+        rows, live_v = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+        vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
+
+        # S^T = K . Q^T: K dequantized where its bytes were loaded (the B arrangement),
+        # then renamed as the A operand.
+        kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)
+        kscale = gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES))
+        zeros = gl.zeros([W, T, MAX_GROUP], gl.float32, MMA)
+        if HALVES:
+            k_lo, k_hi = _k_fragments(kb, kscale, K_PERM, True, B_OP)
+            # Two independent accumulations: shorter dependency chains of MMAs.
+            st = (mma_v2(_as_a_operand(k_lo, A_OP), q_lo, zeros)
+                  + mma_v2(_as_a_operand(k_hi, A_OP), q_hi, zeros))
+        else:
+            st = mma_v2(_as_a_operand(_k_fragments(kb, kscale, K_PERM, False, B_OP), A_OP),
+                        q_lo, zeros)
+        st = gl.where(live[:, :, None], st * qk_scale, float("-inf"))  # [W, T, 8]
+        m_new = gl.maximum(m_i, gl.max(st, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(st - m_new[:, None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        alpha_o = alpha[:, None, :]
+        p16 = _scores_to_b_operand(p.to(gl.float16), B_OP)
+        live = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
+                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+
+        # O^T += V^T . P^T
+        vb = gl.convert_layout(_bytes(vx), V_LOAD, assert_trivial=True)
+        if HALVES:
+            v_lo, v_hi = _pair_fragments(vb, vs, V_PAIR_PERM, True, V_PAIR, A_OP)
+            acc_lo = mma_v2(v_lo, p16, acc_lo * alpha_o)
+            acc_hi = mma_v2(v_hi, p16, acc_hi * alpha_o)
+        else:
+            acc_lo = mma_v2(_pair_fragments(vb, vs, V_PAIR_PERM, False, V_PAIR, A_OP), p16,
+                            acc_lo * alpha_o)
+        kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
+
+    # The warps' partial states -> one (log-sum-exp weights).
+    m = gl.max(m_i, axis=0)  # [8]
+    wgt = gl.exp2(m_i - m[None, :])  # [W, 8]
+    l_sum = gl.sum(l_i * wgt, axis=0)
+    wgt_o = wgt[:, None, :]
+    o_lo = gl.sum(acc_lo * wgt_o, axis=0)  # [NL, 8]
+    if HALVES:
+        o_hi = gl.sum(acc_hi * wgt_o, axis=0)
+    else:
+        o_hi = o_lo
+    O_LAYOUT: gl.constexpr = gl.SliceLayout(0, MMA)
+    if seq_chunks == 1:
+        # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
+        inv = gl.where(l_sum > 0.0, 1.0 / gl.maximum(l_sum, 1.0), 0.0)
+        _store_output(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, o_lo, o_hi,
+                      inv, G, HALVES, O_LAYOUT)
+    else:
+        head_acc = part_acc_ptr + h * max_chunks * G * D
+        head_ml = part_ml_ptr + h * max_chunks * G * 2
+        _store_output(head_acc + pid * G * D, D, o_lo, o_hi, l_sum * 0.0 + 1.0, G, HALVES,
+                      O_LAYOUT)
+        heads = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(0, HEADS))
+        ml = head_ml + (pid * G + heads) * 2
+        gl.store(ml, m, mask=heads < G)
+        gl.store(ml + 1, l_sum, mask=heads < G)
+        finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
+                     head_ml, group_counter_ptr + h * max_chunks,
+                     seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
+                     gl.arange(0, GP, layout=gl.SliceLayout(1, MERGE)),
+                     gl.arange(0, D, layout=gl.SliceLayout(0, MERGE)),
+                     G, D, MERGE_UNROLL, MERGE_GROUP)
+
+
+# The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this
+# kernel takes too: the plan's, the merge's and the table read's.
+SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
+                    "MERGE_GROUP", "TABLE_AHEAD")
+
+
+def supports(q, cache_k, cache_v) -> bool:
+    """Whether this kernel runs a launch: K and V both q4_0 or both q8_0, head_dim 256, at
+    most 8 query heads per K/V head, on a GPU."""
+    return (q.is_cuda and cache_k.kv_type == cache_v.kv_type and cache_k.kv_type in TYPES
+            and q.shape[-1] == HEAD_DIM and q.shape[1] // cache_k.num_kv_heads <= MAX_GROUP)
+
+
+def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int) -> dict:
+    """This kernel's own compile-time arguments for a storage type and warp shape."""
+    geo = GEOMETRY[kv_type]
+    return dict(W=num_warps, T=tokens_per_warp, GB=geo.group_bytes, HALVES=geo.halves,
+                **fragment_layouts(kv_type, num_warps, tokens_per_warp))
+
+
+def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
+           num_warps: int, tokens_per_warp: int, maxnreg: int | None) -> None:
+    """One launch over checked arguments: ``paged_decode.paged_decode_attention``'s grid
+    and run-time arguments (the two kernels share them) and the Triton kernel's
+    compile-time arguments (``paged_decode.launch_constants``), of which this kernel takes
+    the plan's, the merge's and the table read's."""
+    fragment_decode_kernel[grid](
+        *args, **{k: constants[k] for k in SHARED_CONSTANTS},
+        **kernel_constants(kv_type, num_warps, tokens_per_warp),
+        num_warps=num_warps, maxnreg=maxnreg,
+    )
