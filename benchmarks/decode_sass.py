@@ -40,8 +40,8 @@ from pagedserve.kernels.paged_decode import _paged_decode_kernel, launch_constan
 
 HQ, HKV, D, BS = 24, 4, 256, 16
 POINTER_TYPES = {"f16": "*fp16", "bf16": "*bf16", "q8_0": "*i8", "q4_0": "*u8"}
-DEFAULTS = ["f16:f16:group:128:4:2", "q8_0:q8_0:packed:128:4:1", "q4_0:q4_0:packed:128:4:1",
-            "q4_0:q4_0:fragment:128:4:1:block-now"]
+DEFAULTS = ["f16:f16:group:128:4:2", "q8_0:q8_0:fragment:64:4:1:block",
+            "q4_0:q4_0:fragment:128:4:1:block", "q4_0:q4_0:packed:128:4:1"]
 
 
 def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = True):
