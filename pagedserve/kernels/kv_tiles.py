@@ -27,9 +27,10 @@ Both results are exact in f16. Group scales are applied in one of three ways
   ``o_g = (p * d_g) @ v_g``. No per-element scale multiply at all.
 - ``element``: one multiply per element dequantizes to f16, then one full-width dot.
 - ``packed``: as ``element``, but two values per instruction. Rows arrive in 16-byte
-  vectors; on a GPU a few PTX lines (``prmt``, ``lop3``, ``sub.f16x2``, ``mul.f16x2``)
-  turn each 4-byte word into four (q8_0) or eight (q4_0) scaled f16 values, about two
-  instructions per value where the generic path spends several. The values are the same
+  vectors; on a GPU a few PTX lines (``prmt``, ``lop3``, ``sub.f16x2`` or, for q4_0's
+  high nibbles, ``fma.f16x2``, then ``mul.f16x2``) turn each 4-byte word into four
+  (q8_0) or eight (q4_0) scaled f16 values, about two instructions per value where the
+  generic path spends several. The values are the same
   bit for bit: ``int - offset`` is exact and the one multiply by the scale rounds once
   either way. A q4_0 tile is read as two *half tiles* of ``[N, D/2]``: one of the low
   nibbles, one of the high nibbles, each in its bytes' order. A half tile keeps the
@@ -144,40 +145,50 @@ def load_group_tile(
     return ints, sc.to(tl.float32)
 
 
-# Each asm invocation takes 4 q4_0 bytes (one register) and their group scale (two f16x2
-# registers). t = [b0 b2 b1 b3] (prmt), so that one lop3 with 0x000f000f | 0x64006400
-# picks the low nibbles of b0 and b1 into the two halves of a register (f16 1024 +
-# nibble), and one with 0x00f000f0 their high nibbles (f16 1024 + 16 nibble); t >> 8 does
-# the same for b2 and b3. Low: minus 1032 -> nibble - 8. High: times 1/16 minus 72 ->
-# nibble - 8 in one fma, with no shift (Marlin's trick for the upper nibble); both exact.
-# Then times d (one rounding). Outputs: the low-nibble values of b0..b3, then the
-# high-nibble values (two f16x2 registers each).
-Q4_HALVES_ASM = tl.constexpr("""
-{
-.reg .b32 t, u, z, nib, hinib, magic, off, sixteenth, hioff;
-mov.b32 z, 0;
-mov.b32 nib, 0x000f000f;
-mov.b32 hinib, 0x00f000f0;
-mov.b32 magic, 0x64006400;
-mov.b32 off, 0x64086408;
-mov.b32 sixteenth, 0x2c002c00;
-mov.b32 hioff, 0xd480d480;
-prmt.b32 t, $4, z, 0x3120;
-lop3.b32 $0, t, nib, magic, 0xea;
-lop3.b32 $2, t, hinib, magic, 0xea;
-shr.b32 u, t, 8;
-lop3.b32 $1, u, nib, magic, 0xea;
-lop3.b32 $3, u, hinib, magic, 0xea;
-sub.f16x2 $0, $0, off;
-sub.f16x2 $1, $1, off;
-fma.rn.f16x2 $2, $2, sixteenth, hioff;
-fma.rn.f16x2 $3, $3, sixteenth, hioff;
-mul.f16x2 $0, $0, $5;
-mul.f16x2 $1, $1, $6;
-mul.f16x2 $2, $2, $5;
-mul.f16x2 $3, $3, $6;
-}
-""")
+def q4_dequant_asm(words: list[tuple[str, str, str]], scales: tuple[str, str]) -> str:
+    """PTX that turns q4_0 bytes into f16x2 registers of ``(nibble - 8) * d``, exactly
+    (the magic-number trick above, then one rounding by the scale).
+
+    For each ``(a, b, selector)`` of ``words``, ``t = prmt(a, b, selector)`` must hold
+    bytes ``[x0 x1 y0 y1]`` whose pairs ``(x0, y0)`` and ``(x1, y1)`` share a register:
+    one ``lop3`` with ``0x000f000f | 0x64006400`` puts the low nibbles of x0 and y0 into
+    the two halves of a register (f16 1024 + nibble), one with ``0x00f000f0`` their high
+    nibbles (f16 1024 + 16 nibble), and ``t >> 8`` does the same for x1 and y1. Low:
+    minus 1032 -> nibble - 8. High: times 1/16 minus 72 -> nibble - 8 in one ``fma`` with
+    no shift (Marlin's trick for the upper nibble). Then times the scale register
+    ``scales[0]`` (the first register of each word's pair) or ``scales[1]``.
+
+    Outputs, with n words: ``$0 .. $2n-1`` the low-nibble pairs, word by word (x0/y0,
+    then x1/y1), then ``$2n .. $4n-1`` the high-nibble pairs in the same order.
+    """
+    n = len(words)
+    uses_zero = any("z" in (a, b) for a, b, _ in words)
+    lines = ["{", f".reg .b32 t, u, {'z, ' if uses_zero else ''}nib, hinib, magic, off, "
+             "sixteenth, hioff;"]
+    if uses_zero:
+        lines.append("mov.b32 z, 0;")
+    lines += ["mov.b32 nib, 0x000f000f;", "mov.b32 hinib, 0x00f000f0;",
+              "mov.b32 magic, 0x64006400;", "mov.b32 off, 0x64086408;",
+              "mov.b32 sixteenth, 0x2c002c00;", "mov.b32 hioff, 0xd480d480;"]
+    for k, (a, b, selector) in enumerate(words):
+        lo, hi = 2 * k, 2 * n + 2 * k
+        lines += [f"prmt.b32 t, {a}, {b}, {selector};",
+                  f"lop3.b32 ${lo}, t, nib, magic, 0xea;",
+                  f"lop3.b32 ${hi}, t, hinib, magic, 0xea;",
+                  "shr.b32 u, t, 8;",
+                  f"lop3.b32 ${lo + 1}, u, nib, magic, 0xea;",
+                  f"lop3.b32 ${hi + 1}, u, hinib, magic, 0xea;"]
+    lines += [f"sub.f16x2 ${j}, ${j}, off;" for j in range(2 * n)]
+    lines += [f"fma.rn.f16x2 ${j}, ${j}, sixteenth, hioff;" for j in range(2 * n, 4 * n)]
+    lines += [f"mul.f16x2 ${j}, ${j}, {scales[j % 2]};" for j in range(4 * n)]
+    return "\n" + "\n".join(lines + ["}"]) + "\n"
+
+
+# Each invocation takes 4 q4_0 bytes b0..b3 (one register, $4) and their group scale (two
+# f16x2 registers, $5 and $6). t = [b0 b2 b1 b3], so that b0 pairs with b1 and b2 with b3.
+# Outputs: the low-nibble values of b0..b3, then the high-nibble values (two f16x2
+# registers each).
+Q4_HALVES_ASM = tl.constexpr(q4_dequant_asm([("$4", "z", "0x3120")], ("$5", "$6")))
 
 Q8_PAIRS_ASM = tl.constexpr("""
 {

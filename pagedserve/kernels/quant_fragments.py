@@ -81,55 +81,17 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from pagedserve.kernels.decode_merge import NEG_BIG, finish_split
 from pagedserve.kernels.decode_plan import locate_chunk
-from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM, Q8_PAIRS_ASM
+from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM, Q8_PAIRS_ASM, q4_dequant_asm
 
 # V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
 # word of 4 bytes of row t ($8), the same 4 bytes of row t + 1 ($9) and the pair of their
-# group scales (d_t, d_t1) ($10; $11 repeats it). One prmt interleaves the rows, u =
-# [t.b0 t.b1 t1.b0 t1.b1], so that the lop3s of Q4_HALVES_ASM (low nibbles with
-# 0x000f000f, high with 0x00f000f0, u >> 8 for the next byte) pick (t, t1) pairs straight
-# into f16 halves; the second prmt does bytes 2 and 3. Outputs, two f16x2 registers each:
-# low nibbles of bytes 0, 1; low nibbles of bytes 2, 3; high nibbles of bytes 0, 1; high
+# group scales (d_t, d_t1) ($10; $11 repeats it). t = [t.b0 t.b1 t1.b0 t1.b1] (one prmt
+# interleaves the rows), so that ``q4_dequant_asm`` picks (t, t1) pairs straight into f16
+# halves; the second prmt does bytes 2 and 3. Outputs, two f16x2 registers each: low
+# nibbles of bytes 0, 1; low nibbles of bytes 2, 3; high nibbles of bytes 0, 1; high
 # nibbles of bytes 2, 3 (``_pair_fragments`` relabels them). Exact as Q4_HALVES_ASM.
-Q4_PAIRS_ASM = tl.constexpr("""
-{
-.reg .b32 t, u, nib, hinib, magic, off, sixteenth, hioff;
-mov.b32 nib, 0x000f000f;
-mov.b32 hinib, 0x00f000f0;
-mov.b32 magic, 0x64006400;
-mov.b32 off, 0x64086408;
-mov.b32 sixteenth, 0x2c002c00;
-mov.b32 hioff, 0xd480d480;
-prmt.b32 t, $8, $9, 0x5410;
-lop3.b32 $0, t, nib, magic, 0xea;
-lop3.b32 $4, t, hinib, magic, 0xea;
-shr.b32 u, t, 8;
-lop3.b32 $1, u, nib, magic, 0xea;
-lop3.b32 $5, u, hinib, magic, 0xea;
-prmt.b32 t, $8, $9, 0x7632;
-lop3.b32 $2, t, nib, magic, 0xea;
-lop3.b32 $6, t, hinib, magic, 0xea;
-shr.b32 u, t, 8;
-lop3.b32 $3, u, nib, magic, 0xea;
-lop3.b32 $7, u, hinib, magic, 0xea;
-sub.f16x2 $0, $0, off;
-sub.f16x2 $1, $1, off;
-sub.f16x2 $2, $2, off;
-sub.f16x2 $3, $3, off;
-fma.rn.f16x2 $4, $4, sixteenth, hioff;
-fma.rn.f16x2 $5, $5, sixteenth, hioff;
-fma.rn.f16x2 $6, $6, sixteenth, hioff;
-fma.rn.f16x2 $7, $7, sixteenth, hioff;
-mul.f16x2 $0, $0, $10;
-mul.f16x2 $1, $1, $10;
-mul.f16x2 $2, $2, $10;
-mul.f16x2 $3, $3, $10;
-mul.f16x2 $4, $4, $10;
-mul.f16x2 $5, $5, $10;
-mul.f16x2 $6, $6, $10;
-mul.f16x2 $7, $7, $10;
-}
-""")
+Q4_PAIRS_ASM = tl.constexpr(q4_dequant_asm([("$8", "$9", "0x5410"), ("$8", "$9", "0x7632")],
+                                           ("$10", "$10")))
 
 # The q8_0 form of Q4_PAIRS_ASM: a word of row t ($4), the same 4 bytes of row t + 1 ($5),
 # the pair of their group scales (d_t, d_t1) ($6; $7 repeats it). u = [t.b0 t.b1 t1.b0
