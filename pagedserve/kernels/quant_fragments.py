@@ -130,8 +130,6 @@ MOVMATRIX_ASM = tl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 
 HEAD_DIM = tl.constexpr(256)
 MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the products
-TYPES = ("q4_0", "q8_0")
-TOKENS_PER_WARP = (16, 32)
 
 
 @dataclass(frozen=True)
@@ -151,6 +149,7 @@ class Geometry:
 
 
 GEOMETRY = {"q4_0": Geometry("q4_0", 16, 7, True), "q8_0": Geometry("q8_0", 32, 8, False)}
+TYPES = tuple(GEOMETRY)
 
 
 def k_label_sources(label_bits: int) -> list[int]:
@@ -690,8 +689,10 @@ def supports(q, cache_k, cache_v) -> bool:
             and q.shape[-1] == HEAD_DIM and q.shape[1] // cache_k.num_kv_heads <= MAX_GROUP)
 
 
+@functools.cache
 def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int) -> dict:
-    """This kernel's own compile-time arguments for a storage type and warp shape."""
+    """This kernel's own compile-time arguments for a storage type and warp shape (cached:
+    eager decode launches per layer per step; callers must not modify the dict)."""
     geo = GEOMETRY[kv_type]
     return dict(W=num_warps, T=tokens_per_warp, GB=geo.group_bytes, HALVES=geo.halves,
                 **fragment_layouts(kv_type, num_warps, tokens_per_warp))
