@@ -2,7 +2,7 @@
 # Everything the H200 runs, in named stages, in one call of the device tool:
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
 # Stages: tests-kernels (or tests-kernels-grid + tests-kernels-small) tests-packed
-#         tests-fragment (the Gluon q4_0 kernel's GPU tests)
+#         tests-fragment (the Gluon q4_0 / q8_0 kernel's GPU tests)
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode bench-model bench-engine bench-serve probe-decode.

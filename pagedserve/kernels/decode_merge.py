@@ -74,11 +74,18 @@ def store_merged(out_ptr, row_stride, o, l, rows, cols, G: tl.constexpr):
 
 
 @triton.jit
+def store_stats(ml_ptr, m, l, rows, G: tl.constexpr):
+    """A partial's running max and sum (``[GP]`` each, rows ``rows``) into its slot's
+    ``[G, 2]`` pair array."""
+    tl.store(ml_ptr + rows * 2, m, mask=rows < G)
+    tl.store(ml_ptr + rows * 2 + 1, l, mask=rows < G)
+
+
+@triton.jit
 def store_partial(acc_ptr, ml_ptr, o, m, l, rows, cols, G: tl.constexpr, D: tl.constexpr):
     """One partial (``[GP, D]`` output, ``[GP]`` max and sum) into its slot's pointers."""
     tl.store(acc_ptr + rows[:, None] * D + cols[None, :], o, mask=(rows < G)[:, None])
-    tl.store(ml_ptr + rows * 2, m, mask=rows < G)
-    tl.store(ml_ptr + rows * 2 + 1, l, mask=rows < G)
+    store_stats(ml_ptr, m, l, rows, G)
 
 
 @triton.jit

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import guards, quant_fragments
-from pagedserve.kernels.decode_merge import MERGE_UNROLL, NEG_BIG, finish_split
+from pagedserve.kernels.decode_merge import MERGE_UNROLL, NEG_BIG, finish_split, store_stats
 from pagedserve.kernels.decode_plan import (
     MERGE_GROUP,
     DecodeConfig,
@@ -183,10 +183,7 @@ def _paged_decode_kernel(
         head_ml = part_ml_ptr + h * max_chunks * G * 2
         ones = tl.full([G_PAD], 1.0, tl.float32)
         store_rows(head_acc + pid * G * D, D, acc, ones, G, G_PAD, D, NG, ACC)
-        rows = tl.arange(0, G_PAD)
-        ml = head_ml + (pid * G + rows) * 2
-        tl.store(ml, m_i, mask=rows < G)
-        tl.store(ml + 1, l_i, mask=rows < G)
+        store_stats(head_ml + pid * G * 2, m_i, l_i, tl.arange(0, G_PAD), G)
         finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
                      head_ml, group_counter_ptr + h * max_chunks,
                      seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,

@@ -79,7 +79,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from pagedserve.kernels.decode_merge import NEG_BIG, finish_split
+from pagedserve.kernels.decode_merge import NEG_BIG, finish_split, store_stats
 from pagedserve.kernels.decode_plan import locate_chunk
 from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM, Q8_PAIRS_ASM, q4_dequant_asm
 
@@ -664,10 +664,8 @@ def fragment_decode_kernel(
         head_ml = part_ml_ptr + h * max_chunks * G * 2
         _store_output(head_acc + pid * G * D, D, o_lo, o_hi, l_sum * 0.0 + 1.0, G, HALVES,
                       O_LAYOUT)
-        heads = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(0, HEADS))
-        ml = head_ml + (pid * G + heads) * 2
-        gl.store(ml, m, mask=heads < G)
-        gl.store(ml + 1, l_sum, mask=heads < G)
+        store_stats(head_ml + pid * G * 2, m, l_sum,
+                    gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(0, HEADS)), G)
         finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
                      head_ml, group_counter_ptr + h * max_chunks,
                      seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,

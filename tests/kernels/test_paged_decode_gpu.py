@@ -23,6 +23,15 @@ COMBOS = [*itertools.product(TYPES, TYPES), ("bf16", "bf16"), ("bf16", "q4_0")]
 EDGE_LENS = [0, 1, 15, 16, 17, 31, 32, 33, 1000, 4097, 20000]
 
 
+# The Gluon kernel for q4_0 or q8_0 K and V (kernels/quant_fragments.py): 32 tokens per
+# warp for q4_0, 16 for q8_0 (the library's defaults).
+FRAGMENT = DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
+                        quant_dot="fragment")
+FRAGMENT_Q8 = DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
+                           quant_dot="fragment")
+FRAGMENT_CONFIGS = {"q4_0": FRAGMENT, "q8_0": FRAGMENT_Q8}
+
+
 def check(k_type, v_type, lens, *, hkv=4, group=6, d=256, config=None, ws_kwargs=None,
           block_size=16, seed=0):
     ck, cv, table, tables = build_pool(k_type, v_type, lens, num_kv_heads=hkv, head_dim=d,
@@ -92,15 +101,19 @@ def test_ragged_many_sequences():
     check("q4_0", "q8_0", lens)
 
 
-@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("q4_0", "q4_0")])
-def test_contiguous_layout(k_type, v_type):
+@pytest.mark.parametrize("k_type,v_type,config", [
+    ("f16", "f16", None), ("q4_0", "q4_0", None),
+    ("q4_0", "q4_0", FRAGMENT), ("q8_0", "q8_0", FRAGMENT_Q8),
+], ids=["f16", "q4_0", "fragment-q4_0", "fragment-q8_0"])
+def test_contiguous_layout(k_type, v_type, config):
     lens = [4096, 1, 0, 2500]
     ck, cv, _, _ = build_pool(k_type, v_type, [4096] * 4, num_kv_heads=4, head_dim=256,
                               block_size=4096, extra_blocks=0, device="cuda")
     table = torch.tensor([[3], [1], [0], [2]], dtype=torch.int32)
     q = torch.randn(4, 24, 256).half()
     out = ops.paged_decode_attention(q.cuda(), ck, cv, table.cuda(),
-                                     torch.tensor(lens, dtype=torch.int32, device="cuda"), 0.0625)
+                                     torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                     0.0625, config=config)
     torch.cuda.synchronize()
     ref = decode_oracle(q, ck, cv, table.tolist(), lens, 0.0625)
     assert rel_error(out, ref) <= bound(k_type, v_type)
@@ -171,15 +184,6 @@ def test_cuda_graph_capture_and_replay():
         assert ws.counters_clear()
 
 
-# The Gluon kernel for q4_0 or q8_0 K and V (kernels/quant_fragments.py): 32 tokens per
-# warp for q4_0, 16 for q8_0 (the library's defaults).
-FRAGMENT = DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
-                        quant_dot="fragment")
-FRAGMENT_Q8 = DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
-                           quant_dot="fragment")
-FRAGMENT_CONFIGS = {"q4_0": FRAGMENT, "q8_0": FRAGMENT_Q8}
-
-
 @pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("hkv,group", [(4, 6), (8, 1), (4, 2), (2, 8)])
 def test_fragment_kernel_gqa(hkv, group, kv_type):
@@ -225,21 +229,6 @@ def test_fragment_kernel_ragged_and_bf16_queries(kv_type):
                                      0.0625, config=FRAGMENT_CONFIGS[kv_type])
     torch.cuda.synchronize()
     assert rel_error(out, decode_oracle(q, ck, cv, tables, lens, 0.0625)) <= bound("bf16", kv_type)
-
-
-@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
-def test_fragment_kernel_contiguous_layout(kv_type):
-    lens = [4096, 1, 0, 2500]
-    ck, cv, _, _ = build_pool(kv_type, kv_type, [4096] * 4, num_kv_heads=4, head_dim=256,
-                              block_size=4096, extra_blocks=0, device="cuda")
-    table = torch.tensor([[3], [1], [0], [2]], dtype=torch.int32)
-    q = torch.randn(4, 24, 256).half()
-    out = ops.paged_decode_attention(q.cuda(), ck, cv, table.cuda(),
-                                     torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                     0.0625, config=FRAGMENT_CONFIGS[kv_type])
-    torch.cuda.synchronize()
-    ref = decode_oracle(q, ck, cv, table.tolist(), lens, 0.0625)
-    assert rel_error(out, ref) <= bound(kv_type, kv_type)
 
 
 @pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
