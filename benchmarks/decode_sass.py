@@ -56,6 +56,7 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
         const = {k: const[k] for k in quant_fragments.SHARED_CONSTANTS}
         const.update(quant_fragments.kernel_constants(k_type, cfg.num_warps,
                                                       cfg.block_n // cfg.num_warps))
+        const["TRACE"] = os.environ.get("TRACE") == "1"
     else:
         kernel, source = _paged_decode_kernel, ASTSource
     names = kernel.arg_names
@@ -64,6 +65,7 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
         "ks_ptr": "*fp16", "vd_ptr": POINTER_TYPES[v_type], "vs_ptr": "*fp16",
         "table_ptr": "*i32", "lens_ptr": "*i32", "part_acc_ptr": "*fp32",
         "part_ml_ptr": "*fp32", "group_counter_ptr": "*i32", "seq_counter_ptr": "*i32",
+        "trace_ptr": "*i64",
     }
     # Strides of q, out and the block table at the Qwen3.5 shape: all multiples of 16.
     strides16 = {"stride_qb", "stride_qh", "stride_ob", "stride_oh"}

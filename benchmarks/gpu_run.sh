@@ -5,7 +5,8 @@
 #         tests-fragment (the Gluon q4_0 / q8_0 kernel's GPU tests)
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
-#         profile-engine ncu-decode bench-model bench-engine bench-serve probe-decode.
+#         profile-engine ncu-decode bench-model bench-engine bench-serve probe-decode
+#         trace-decode.
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/probe_decode.py with the
 # arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default"),
@@ -85,6 +86,13 @@ for spec in "$@"; do
     probe-decode)  IFS='|' read -ra probes <<< "${PROBE_ARGS:-}"
                    for i in "${!probes[@]}"; do
                      run_stage "probe-decode-$i" "$limit" python3 benchmarks/probe_decode.py ${probes[$i]}
+                   done ;;
+    # Per-program timelines of the fragment kernel (benchmarks/trace_decode.py); $TRACE_ARGS
+    # may hold several argument lists separated by '|'.
+    trace-decode)  IFS='|' read -ra traces <<< "${TRACE_ARGS:-}"
+                   for i in "${!traces[@]}"; do
+                     run_stage "trace-decode-$i" "$limit" python3 benchmarks/trace_decode.py \
+                       ${traces[$i]} --out "$OUT/trace-$i"
                    done ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;

@@ -254,11 +254,17 @@ def launch_constants(
     )
 
 
+def decode_programs(workspace: DecodeWorkspace, batch: int) -> int:
+    """Programs one launch runs: ``max(W, B)`` chunks per K/V head (``decode_plan``)."""
+    return max(workspace.chunk_budget, batch) * workspace.num_kv_heads
+
+
 def paged_decode_attention(
     q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
     workspace: DecodeWorkspace | None = None, out: torch.Tensor | None = None,
     config: DecodeConfig | None = None, validate: bool | None = None,
+    trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence, Triton.
 
@@ -276,6 +282,9 @@ def paged_decode_attention(
         config: tile choices; default ``default_config(K type, V type)``.
         validate: full check of block ids and lengths (one sync); default from
             ``PAGEDSERVE_VALIDATE``.
+        trace: diagnostics of the ``fragment`` kernel only: int64 ``[programs, 8]``
+            (``decode_programs``) receives each program's timestamps
+            (``quant_fragments.TRACE_FIELDS``; ``benchmarks/trace_decode.py``).
 
     Returns:
         ``out``: ``[B, Hq, D]`` in ``q.dtype``; a zero-length sequence yields zeros.
@@ -314,7 +323,7 @@ def paged_decode_attention(
     vs = cache_v.scales if cache_v.scales is not None else cache_v.data
     # Both kernels take the same run-time arguments. The plan never makes more than
     # max(W, B) chunks per head (decode_plan).
-    grid = (max(workspace.chunk_budget, B), Hkv)
+    grid = (decode_programs(workspace, B) // Hkv, Hkv)
     args = (
         q, out, cache_k.data, ks, cache_v.data, vs, block_tables, seq_lens,
         workspace.part_acc, workspace.part_ml, workspace.group_counters,
@@ -325,7 +334,9 @@ def paged_decode_attention(
     )
     if cfg.quant_dot == "fragment":
         quant_fragments.launch(grid, args, constants, cache_k.kv_type, cfg.num_warps,
-                               cfg.block_n // cfg.num_warps, cfg.maxnreg)
+                               cfg.block_n // cfg.num_warps, cfg.maxnreg, trace)
+    elif trace is not None:
+        raise ValueError(f"trace= needs the fragment kernel; this launch is {cfg.quant_dot!r}")
     else:
         _paged_decode_kernel[grid](*args, **constants, num_warps=cfg.num_warps,
                                    num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)

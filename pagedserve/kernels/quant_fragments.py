@@ -74,6 +74,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -127,6 +128,13 @@ mul.f16x2 $3, $3, $6;
 # Transposes an 8 x 8 f16 tile held in the MMA accumulator's arrangement (thread l: row
 # l // 4, columns 2 (l % 4) and + 1), warp-wide, into the same arrangement.
 MOVMATRIX_ASM = tl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+
+# Diagnostics (``TRACE``): the global nanosecond timer and the SM of a program.
+GLOBALTIMER_ASM = tl.constexpr("mov.u64 $0, %globaltimer;")
+SMID_ASM = tl.constexpr("mov.u32 $0, %smid;")
+# Per-program trace record: int64 timestamps at entry, after the plan, at the tile loop's
+# start and end, after the result's store and after the merge; then the SM and the tiles.
+TRACE_FIELDS = ("entry", "planned", "loop", "looped", "stored", "merged", "sm", "tiles")
 
 HEAD_DIM = tl.constexpr(256)
 MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the products
@@ -514,6 +522,15 @@ def _store_output(ptr, row_stride, o_lo, o_hi, row_scale, G: gl.constexpr,
         gl.store(ptr + offs + 16, (o_hi * scale).to(ptr.dtype.element_ty), mask=mask)
 
 
+@gluon.jit
+def _stamp(trace_ptr, slot, field: gl.constexpr, TRACE: gl.constexpr):
+    """``TRACE``: the global timer into field ``field`` of record ``slot``."""
+    if TRACE:
+        t = gl.inline_asm_elementwise(GLOBALTIMER_ASM, "=l,r", [slot], dtype=gl.int64,
+                                      is_pure=False, pack=1)
+        gl.store(trace_ptr + slot * 8 + field, t)
+
+
 @gluon.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
                               "max_chunks", "num_kv_heads"])
 def fragment_decode_kernel(
@@ -524,6 +541,7 @@ def fragment_decode_kernel(
     batch, num_blocks, capacity, chunk_budget, max_chunks, num_kv_heads,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     qk_scale,  # softmax scale * log2(e)
+    trace_ptr,  # int64 [Hkv * programs per head, 8] (TRACE_FIELDS) when TRACE
     G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, B_PAD: gl.constexpr,
     MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr, MERGE_UNROLL: gl.constexpr,
     MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr, W: gl.constexpr,
@@ -532,6 +550,7 @@ def fragment_decode_kernel(
     V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
     MMA: gl.constexpr, PLAN: gl.constexpr, MERGE: gl.constexpr,
     K_PERM: gl.constexpr, Q_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr,
+    TRACE: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = W * T
     D: gl.constexpr = HEAD_DIM
@@ -543,11 +562,19 @@ def fragment_decode_kernel(
     TOKENS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, T], as S^T's m
     pid = gl.program_id(0)
     h = gl.program_id(1)
+    slot = h * gl.num_programs(0) + pid
+    _stamp(trace_ptr, slot, 0, TRACE)
     num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
         lens_ptr, batch, capacity, chunk_budget, pid,
         gl.arange(0, B_PAD, layout=PLAN), BLOCK_N, MIN_PARTITION)
     if pid >= num_chunks:
         return
+    _stamp(trace_ptr, slot, 1, TRACE)
+    if TRACE:
+        sm = gl.inline_asm_elementwise(SMID_ASM, "=r,r", [pid], dtype=gl.int32, is_pure=False,
+                                       pack=1)
+        gl.store(trace_ptr + slot * 8 + 6, sm.to(gl.int64))
+        gl.store(trace_ptr + slot * 8 + 7, gl.cdiv(tok_hi - tok_lo, BLOCK_N).to(gl.int64))
 
     q_base = q_ptr + b * stride_qb + h * G * stride_qh
     if HALVES:
@@ -591,6 +618,7 @@ def fragment_decode_kernel(
                       rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
     if AHEAD:
         id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
+    _stamp(trace_ptr, slot, 2, TRACE)
     for start in range(tok_lo, tok_hi, BLOCK_N):
         # The next tile's bytes are in flight while this one is computed.
         nxt = start + BLOCK_N
@@ -643,6 +671,7 @@ def fragment_decode_kernel(
                             acc_lo * alpha_o)
         kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
 
+    _stamp(trace_ptr, slot, 3, TRACE)
     # The warps' partial states -> one (log-sum-exp weights).
     m = gl.max(m_i, axis=0)  # [8]
     wgt = gl.exp2(m_i - m[None, :])  # [W, 8]
@@ -659,6 +688,7 @@ def fragment_decode_kernel(
         inv = gl.where(l_sum > 0.0, 1.0 / gl.maximum(l_sum, 1.0), 0.0)
         _store_output(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, o_lo, o_hi,
                       inv, G, HALVES, O_LAYOUT)
+        _stamp(trace_ptr, slot, 4, TRACE)
     else:
         head_acc = part_acc_ptr + h * max_chunks * G * D
         head_ml = part_ml_ptr + h * max_chunks * G * 2
@@ -666,12 +696,14 @@ def fragment_decode_kernel(
                       O_LAYOUT)
         store_stats(head_ml + pid * G * 2, m, l_sum,
                     gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(0, HEADS)), G)
+        _stamp(trace_ptr, slot, 4, TRACE)
         finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
                      head_ml, group_counter_ptr + h * max_chunks,
                      seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
                      gl.arange(0, GP, layout=gl.SliceLayout(1, MERGE)),
                      gl.arange(0, D, layout=gl.SliceLayout(0, MERGE)),
                      G, D, MERGE_UNROLL, MERGE_GROUP)
+    _stamp(trace_ptr, slot, 5, TRACE)
 
 
 # The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this
@@ -697,13 +729,22 @@ def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int) -> dict
 
 
 def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
-           num_warps: int, tokens_per_warp: int, maxnreg: int | None) -> None:
+           num_warps: int, tokens_per_warp: int, maxnreg: int | None,
+           trace: torch.Tensor | None = None) -> None:
     """One launch over checked arguments: ``paged_decode.paged_decode_attention``'s grid
     and run-time arguments (the two kernels share them) and the Triton kernel's
     compile-time arguments (``paged_decode.launch_constants``), of which this kernel takes
-    the plan's, the merge's and the table read's."""
+    the plan's, the merge's and the table read's. ``trace``: int64 ``[grid[0] * grid[1],
+    8]`` to receive each program's ``TRACE_FIELDS`` (a separately compiled variant;
+    records of programs without work keep only their entry time)."""
+    if trace is not None and (trace.dtype != torch.int64 or trace.device != args[0].device
+                              or tuple(trace.shape) != (grid[0] * grid[1], 8)):
+        raise ValueError(
+            f"trace must be int64 [{grid[0] * grid[1]}, 8] on {args[0].device}, got "
+            f"{trace.dtype} {list(trace.shape)} on {trace.device}")
     fragment_decode_kernel[grid](
-        *args, **{k: constants[k] for k in SHARED_CONSTANTS},
+        *args, args[1] if trace is None else trace,
+        **{k: constants[k] for k in SHARED_CONSTANTS},
         **kernel_constants(kv_type, num_warps, tokens_per_warp),
-        num_warps=num_warps, maxnreg=maxnreg,
+        TRACE=trace is not None, num_warps=num_warps, maxnreg=maxnreg,
     )
