@@ -65,11 +65,12 @@ def merge_partials(
 
 
 @triton.jit
-def store_merged(out_ptr, row_stride, o, l, rows, cols, G: tl.constexpr):
-    """The normalized output ``o / l`` (0 where nothing was live)."""
+def store_merged(out_ptr, row_stride, o, l, rows, out_cols, G: tl.constexpr):
+    """The normalized output ``o / l`` (0 where nothing was live); column ``j`` of ``o``
+    goes to output column ``out_cols[j]``."""
     # l >= 1 whenever any row was live (the running max contributes exp2(0) = 1).
     inv = tl.where(l > 0.0, 1.0 / tl.maximum(l, 1.0), 0.0)
-    tl.store(out_ptr + rows[:, None] * row_stride + cols[None, :],
+    tl.store(out_ptr + rows[:, None] * row_stride + out_cols[None, :],
              (o * inv[:, None]).to(out_ptr.dtype.element_ty), mask=(rows < G)[:, None])
 
 
@@ -91,11 +92,14 @@ def store_partial(acc_ptr, ml_ptr, o, m, l, rows, cols, G: tl.constexpr, D: tl.c
 @triton.jit
 def finish_split(
     out_ptr, out_row_stride, head_acc, head_ml, group_counter_ptr, seq_counter_ptr,
-    pid, first, seq_chunks, rows, cols,
+    pid, first, seq_chunks, rows, cols, out_cols,
     G: tl.constexpr, D: tl.constexpr, MERGE_UNROLL: tl.constexpr,
     MERGE_GROUP: tl.constexpr,
 ):
     """After this chunk's partial is stored: count it, and merge if it is the last.
+
+    Partials are ``[G, D]`` float32 per slot; their column ``j`` is output column
+    ``out_cols[j]`` (``cols`` itself, or a kernel's own order of head_dim).
 
     Publication order: a barrier orders every thread's stores before the one thread that
     performs the (release) atomic; its (acquire) result then orders the merge's loads.
@@ -110,7 +114,7 @@ def finish_split(
                                  MERGE_UNROLL)
         tl.atomic_xchg(group_counter_ptr + g_first, 0, sem="relaxed", scope="gpu")
         if num_groups == 1:
-            store_merged(out_ptr, out_row_stride, o, l, rows, cols, G)
+            store_merged(out_ptr, out_row_stride, o, l, rows, out_cols, G)
         else:
             store_partial(head_acc + g_first * G * D, head_ml + g_first * G * 2, o, m, l,
                           rows, cols, G, D)
@@ -119,5 +123,5 @@ def finish_split(
             if groups_done == num_groups - 1:
                 o, m, l = merge_partials(head_acc, head_ml, first, num_groups,
                                          MERGE_GROUP, rows, cols, G, D, MERGE_UNROLL)
-                store_merged(out_ptr, out_row_stride, o, l, rows, cols, G)
+                store_merged(out_ptr, out_row_stride, o, l, rows, out_cols, G)
                 tl.atomic_xchg(seq_counter_ptr, 0, sem="relaxed", scope="gpu")

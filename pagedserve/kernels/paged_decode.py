@@ -187,7 +187,8 @@ def _paged_decode_kernel(
         finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
                      head_ml, group_counter_ptr + h * max_chunks,
                      seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
-                     tl.arange(0, GP), tl.arange(0, D), G, D, MERGE_UNROLL, MERGE_GROUP)
+                     tl.arange(0, GP), tl.arange(0, D), tl.arange(0, D), G, D, MERGE_UNROLL,
+                     MERGE_GROUP)
 
 
 # Scratch for callers that pass no workspace, one per (device, Hq, Hkv, D, occupancy), grown to the

@@ -81,7 +81,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from pagedserve.kernels.decode_merge import NEG_BIG, finish_split, store_stats
-from pagedserve.kernels.decode_plan import locate_chunk
+from pagedserve.kernels.decode_plan import MERGE_GROUP, locate_chunk
 from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM, Q8_PAIRS_ASM, q4_dequant_asm
 
 # V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
@@ -261,8 +261,8 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
         K_WORDS=k_words, K_BYTES=k_bytes, V_WORDS=v_words, V_LOAD=v_load, V_PAIR=v_pair,
         MMA=gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[w, 1, 1],
                                       instr_shape=[1, 16, 8]),
-        PLAN=gl.BlockedLayout([1], [32], [w], [0]),
-        MERGE=gl.BlockedLayout([1, 4], [1, 32], [1, w], [1, 0]),
+        # Partials [8 heads, 256 labels]: 16 elements per thread, four contiguous.
+        MERGE=gl.BlockedLayout([1, 4], [1, 32], [w, 1], [1, 0]),
         # Tuples: the launcher's compile-time arguments are hashed.
         K_PERM=tuple([0] + k_perm(geo.label_bits, 2)[2:] + [1]),
         Q_PERM=tuple(k_perm(geo.label_bits, 2)),
@@ -505,21 +505,45 @@ def _pair_fragments(x, sc, PERM: gl.constexpr, HALVES: gl.constexpr, PAIR: gl.co
 
 
 @gluon.jit
-def _store_output(ptr, row_stride, o_lo, o_hi, row_scale, G: gl.constexpr,
-                  HALVES: gl.constexpr, layout: gl.constexpr):
-    """Write ``o * row_scale`` (``[NL labels, 8 heads]`` in ``layout``) to
-    ``ptr + head * row_stride + d`` for heads < G: label r holds value
-    ``d = 32 (r % 8) + r // 8`` (``v_label_to_byte``), of ``o_lo``; for q4_0 (``HALVES``)
-    ``o_hi`` holds ``d + 16``."""
-    NL: gl.constexpr = o_lo.shape[0]
-    r = gl.arange(0, NL, layout=gl.SliceLayout(1, layout))[:, None]
-    head = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(0, layout))[None, :]
-    offs = head * row_stride + (r & 7) * 32 + (r >> 3)
+def _column(label, TO_D: gl.constexpr):
+    """The column of output label ``label`` (0..255: lo labels, then q4_0's hi labels):
+    itself (a partial keeps label order) or, ``TO_D``, its head_dim index
+    ``32 (label % 8) + label // 8`` (``v_label_to_byte``; a hi label ``128 + r`` is
+    ``d(r) + 16``)."""
+    if TO_D:
+        return (label % 8) * 32 + label // 8
+    else:
+        return label
+
+
+@gluon.jit
+def _warps_combined(acc, wgt, layout: gl.constexpr):
+    """``sum_w wgt[w, head] * acc[w, label, head]``: the warps' ``O^T`` ``[W, NL, 8]``
+    (MMA layout) -> ``[8 heads, NL labels]`` in ``SliceLayout(0, layout)``. Transposed
+    (a relabel) and converted so that each thread holds every warp's copy of its
+    elements, the sum stays in the thread (a reduction over warps would go through shared
+    memory in rounds, each behind a barrier)."""
+    x = gl.convert_layout(gl.permute(acc, [0, 2, 1]), layout)  # [W, 8, NL]
+    return gl.sum(x * wgt[:, :, None], axis=0)
+
+
+@gluon.jit
+def _store_labels(ptr, row_stride, o_lo, o_hi, row_scale, G: gl.constexpr,
+                  HALVES: gl.constexpr, TO_D: gl.constexpr):
+    """Write ``o * row_scale[head]`` (``[8 heads, NL labels]``; for q4_0 (``HALVES``)
+    ``o_hi`` holds labels ``NL + r``) to ``ptr + head * row_stride + _column(label)``
+    for heads < G, in ``ptr``'s dtype."""
+    layout: gl.constexpr = o_lo.type.layout
+    NL: gl.constexpr = o_lo.shape[1]
+    head = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(1, layout))[:, None]
+    r = gl.arange(0, NL, layout=gl.SliceLayout(0, layout))[None, :]
     mask = (head + r * 0) < G
-    scale = gl.convert_layout(row_scale, gl.SliceLayout(0, layout))[None, :]
-    gl.store(ptr + offs, (o_lo * scale).to(ptr.dtype.element_ty), mask=mask)
+    scale = gl.convert_layout(row_scale, gl.SliceLayout(1, layout))[:, None]
+    base = ptr + head * row_stride
+    gl.store(base + _column(r, TO_D), (o_lo * scale).to(ptr.dtype.element_ty), mask=mask)
     if HALVES:
-        gl.store(ptr + offs + 16, (o_hi * scale).to(ptr.dtype.element_ty), mask=mask)
+        gl.store(base + _column(r + NL, TO_D), (o_hi * scale).to(ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @gluon.jit
@@ -548,7 +572,7 @@ def fragment_decode_kernel(
     T: gl.constexpr, GB: gl.constexpr, HALVES: gl.constexpr,
     K_WORDS: gl.constexpr, K_BYTES: gl.constexpr, V_WORDS: gl.constexpr,
     V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
-    MMA: gl.constexpr, PLAN: gl.constexpr, MERGE: gl.constexpr,
+    MMA: gl.constexpr, MERGE: gl.constexpr,
     K_PERM: gl.constexpr, Q_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr,
     TRACE: gl.constexpr,
 ):
@@ -564,6 +588,7 @@ def fragment_decode_kernel(
     h = gl.program_id(1)
     slot = h * gl.num_programs(0) + pid
     _stamp(trace_ptr, slot, 0, TRACE)
+    PLAN: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
     num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
         lens_ptr, batch, capacity, chunk_budget, pid,
         gl.arange(0, B_PAD, layout=PLAN), BLOCK_N, MIN_PARTITION)
@@ -672,44 +697,49 @@ def fragment_decode_kernel(
         kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
 
     _stamp(trace_ptr, slot, 3, TRACE)
-    # The warps' partial states -> one (log-sum-exp weights).
-    m = gl.max(m_i, axis=0)  # [8]
-    wgt = gl.exp2(m_i - m[None, :])  # [W, 8]
-    l_sum = gl.sum(l_i * wgt, axis=0)
-    wgt_o = wgt[:, None, :]
-    o_lo = gl.sum(acc_lo * wgt_o, axis=0)  # [NL, 8]
+    # The warps' partial states -> one (log-sum-exp weights), in RED: a thread holds
+    # every warp's copy of its elements (so the sums stay in the thread), four labels
+    # contiguous (16-byte stores of a partial).
+    RED: gl.constexpr = gl.BlockedLayout([W, 1, 4], [1, 1, 32], [1, W, 1], [2, 1, 0])
+    STATS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, RED))  # [8 heads]
+    m_w = gl.convert_layout(m_i, gl.SliceLayout(2, RED))  # [W, 8]
+    l_w = gl.convert_layout(l_i, gl.SliceLayout(2, RED))
+    m = gl.max(m_w, axis=0)  # [8]
+    wgt = gl.exp2(m_w - m[None, :])
+    l_sum = gl.sum(l_w * wgt, axis=0)
+    o_lo = _warps_combined(acc_lo, wgt, RED)  # [8 heads, NL labels]
     if HALVES:
-        o_hi = gl.sum(acc_hi * wgt_o, axis=0)
+        o_hi = _warps_combined(acc_hi, wgt, RED)
     else:
         o_hi = o_lo
-    O_LAYOUT: gl.constexpr = gl.SliceLayout(0, MMA)
     if seq_chunks == 1:
         # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
         inv = gl.where(l_sum > 0.0, 1.0 / gl.maximum(l_sum, 1.0), 0.0)
-        _store_output(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, o_lo, o_hi,
-                      inv, G, HALVES, O_LAYOUT)
+        _store_labels(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, o_lo, o_hi,
+                      inv, G, HALVES, True)
         _stamp(trace_ptr, slot, 4, TRACE)
     else:
+        # A partial is [G, 256] float32 in label order (each thread's four labels one
+        # 16-byte store); the merge's output store maps labels to head_dim (_column).
         head_acc = part_acc_ptr + h * max_chunks * G * D
         head_ml = part_ml_ptr + h * max_chunks * G * 2
-        _store_output(head_acc + pid * G * D, D, o_lo, o_hi, l_sum * 0.0 + 1.0, G, HALVES,
-                      O_LAYOUT)
-        store_stats(head_ml + pid * G * 2, m, l_sum,
-                    gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(0, HEADS)), G)
+        _store_labels(head_acc + pid * G * D, D, o_lo, o_hi, l_sum * 0.0 + 1.0, G, HALVES,
+                      False)
+        store_stats(head_ml + pid * G * 2, m, l_sum, gl.arange(0, MAX_GROUP, layout=STATS), G)
         _stamp(trace_ptr, slot, 4, TRACE)
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, MERGE))
         finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
                      head_ml, group_counter_ptr + h * max_chunks,
                      seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
-                     gl.arange(0, GP, layout=gl.SliceLayout(1, MERGE)),
-                     gl.arange(0, D, layout=gl.SliceLayout(0, MERGE)),
-                     G, D, MERGE_UNROLL, MERGE_GROUP)
+                     gl.arange(0, GP, layout=gl.SliceLayout(1, MERGE)), cols,
+                     _column(cols, True), G, D, MERGE_UNROLL, MERGE_GROUP)
     _stamp(trace_ptr, slot, 5, TRACE)
 
 
 # The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this
 # kernel takes too: the plan's, the merge's and the table read's.
-SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
-                    "MERGE_GROUP", "TABLE_AHEAD")
+SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_GROUP",
+                    "TABLE_AHEAD")
 
 
 def supports(q, cache_k, cache_v) -> bool:
@@ -725,6 +755,8 @@ def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int) -> dict
     eager decode launches per layer per step; callers must not modify the dict)."""
     geo = GEOMETRY[kv_type]
     return dict(W=num_warps, T=tokens_per_warp, GB=geo.group_bytes, HALVES=geo.halves,
+                # A whole merge group's partials in flight at once (16 registers each).
+                MERGE_UNROLL=MERGE_GROUP,
                 **fragment_layouts(kv_type, num_warps, tokens_per_warp))
 
 

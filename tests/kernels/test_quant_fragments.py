@@ -13,6 +13,7 @@ checks its layout premises.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import re
 import subprocess
@@ -182,6 +183,28 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
                                                    min_partition=128, quant_dot="fragment"))
     n = len(seen["args"])
     assert n == arg_names.index("G")  # the run-time arguments, then the constexprs
-    assert seen["args"][0] is q and seen["args"][n - 1] == 0.0625 * 1.4426950408889634
+    assert seen["args"][0] is q and seen["args"][n - 2] == 0.0625 * 1.4426950408889634
     assert set(seen["kwargs"]) - {"num_warps", "maxnreg"} == set(arg_names[n:])
+    # Untraced, the trace pointer is a placeholder (the output) and TRACE is off.
+    out = seen["args"][1]
+    assert seen["args"][n - 1] is out and seen["kwargs"]["TRACE"] is False
+
+    # A trace buffer binds the last run-time argument and compiles the traced variant;
+    # one of the wrong shape is refused before launch, naming the shape it needs.
+    from pagedserve.kernels import paged_decode
+    from pagedserve.kernels.decode_plan import DecodeWorkspace
+    ws = DecodeWorkspace(3, 12, 2, 256, "cpu", chunks_per_head=5)
+    cfg = DecodeConfig(block_n=128, num_warps=4, min_partition=128, quant_dot="fragment")
+    trace = torch.zeros(paged_decode.decode_programs(ws, 3), 8, dtype=torch.int64)
+    assert trace.shape[0] == 10  # max(W = 5, B = 3) chunks x 2 K/V heads
+    paged_decode.paged_decode_attention(q, ck, cv, table, lens, 0.0625, workspace=ws,
+                                        config=cfg, trace=trace)
+    assert seen["args"][n - 1] is trace and seen["kwargs"]["TRACE"] is True
+    with pytest.raises(ValueError, match=r"int64 \[10, 8\]"):
+        paged_decode.paged_decode_attention(q, ck, cv, table, lens, 0.0625, workspace=ws,
+                                            config=cfg, trace=trace[:9])
+    with pytest.raises(ValueError, match="fragment kernel"):
+        paged_decode.paged_decode_attention(q, ck, cv, table, lens, 0.0625, workspace=ws,
+                                            config=dataclasses.replace(cfg, quant_dot="packed"),
+                                            trace=trace)
     assert seen["grid"][1] == 2 and seen["kwargs"]["G"] == 6 and seen["kwargs"]["PAGED"]
