@@ -10,7 +10,9 @@ call is the round's CUDA-event time divided by the number of calls. Two methods:
 - ``eager``: the round is issued from Python (host launch overhead included when the
   GPU outruns the host).
 
-Reported values are medians over rounds.
+Reported values are medians over rounds. The sides of a comparison (paged, contiguous,
+SDPA) are timed together, their rounds interleaved (``time_sides``), so that a drift of
+the GPU's clocks over the seconds of a measurement does not land on one side only.
 """
 
 from __future__ import annotations
@@ -65,50 +67,65 @@ def run_meta() -> dict:
 def time_calls(calls: list[Callable[[], object]], method: str, min_rounds: int = 15,
                min_seconds: float = 0.15) -> float:
     """Median microseconds per call of ``calls`` run back to back (see module doc)."""
-    if method not in METHODS:
-        raise ValueError(f"method {method!r} not in {METHODS}")
-    if not torch.cuda.is_available():
-        return _time_calls_cpu(calls)
+    return time_sides({"calls": calls}, method, min_rounds, min_seconds)["calls"]
+
+
+def _round(calls: list[Callable[[], object]], method: str) -> Callable[[], object]:
+    """One round of ``calls``: a captured CUDA graph's replay, or the calls in Python."""
     for call in calls:  # compile, allocate, warm up
         call()
     torch.cuda.synchronize()
-    if method == "graph":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for call in calls:
-                call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for call in calls:
-                call()
-        round_fn = graph.replay
-    else:
+    if method == "eager":
+        return lambda: [call() for call in calls]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return graph.replay
 
-        def round_fn():
-            for call in calls:
-                call()
 
-    round_fn()
-    torch.cuda.synchronize()
-    # Size the number of rounds from one measured round.
+def time_sides(sides: dict[str, list[Callable[[], object]]], method: str,
+               min_rounds: int = 15, min_seconds: float = 0.15) -> dict[str, float]:
+    """Median microseconds per call of each side's calls, measured side by side: the
+    sides' rounds alternate (in an order that rotates every round), so that a drift of
+    the GPU's clocks or memory over the measurement moves every side alike and their
+    ratio stays fair. ``min_seconds`` is per side."""
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} not in {METHODS}")
+    if not torch.cuda.is_available():
+        return {name: _time_calls_cpu(calls) for name, calls in sides.items()}
+    rounds_of = {name: _round(calls, method) for name, calls in sides.items()}
+    # Size the number of rounds from one measured round of the slowest side.
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    round_fn()
-    end.record()
-    torch.cuda.synchronize()
-    one = max(start.elapsed_time(end) / 1e3, 1e-6)
-    rounds = max(min_rounds, min(2000, int(min_seconds / one)))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(rounds)]
-    for s, e in events:
-        s.record()
+    one = 1e-6
+    for round_fn in rounds_of.values():
         round_fn()
-        e.record()
+        torch.cuda.synchronize()
+        start.record()
+        round_fn()
+        end.record()
+        torch.cuda.synchronize()
+        one = max(one, start.elapsed_time(end) / 1e3)
+    rounds = max(min_rounds, min(2000, int(min_seconds / one)))
+    names = list(sides)
+    events = {name: [] for name in names}
+    for r in range(rounds):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            rounds_of[name]()
+            e.record()
+            events[name].append((s, e))
     torch.cuda.synchronize()
-    per_call = [s.elapsed_time(e) * 1e3 / len(calls) for s, e in events]
-    return statistics.median(per_call)
+    return {name: statistics.median(s.elapsed_time(e) * 1e3 / len(sides[name])
+                                    for s, e in events[name]) for name in names}
 
 
 def _time_calls_cpu(calls: list[Callable[[], object]]) -> float:

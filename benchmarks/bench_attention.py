@@ -236,14 +236,18 @@ def rel_err(out: torch.Tensor, inp: Inputs) -> float:
     return float((out - inp.ref).abs().max() / inp.ref.abs().max().clamp_min(1e-6))
 
 
-def timed(calls, methods, **kw) -> dict:
-    res = {}
+def timed(sides: dict[str, list], methods) -> dict[str, dict]:
+    """``{side: {method: us}}``: each method times all sides side by side
+    (``_common.time_sides``); a failure is recorded and the run goes on."""
+    res: dict[str, dict] = {name: {} for name in sides}
     for m in methods:
         try:
-            res[m] = _common.time_calls(calls, m, **kw)
+            for name, us in _common.time_sides(sides, m).items():
+                res[name][m] = us
         except Exception as exc:  # record and go on: one run must give all it can
-            res[m] = None
-            res[f"{m}_error"] = repr(exc)[:300]
+            for name in sides:
+                res[name][m] = None
+                res[name][f"{m}_error"] = repr(exc)[:300]
     return res
 
 
@@ -315,12 +319,15 @@ class Bench:
         row = {"kv_type": kv_type, "n_seq": n, "ctx": ctx,
                "live_bytes": live_bytes(kv_type, lens), "copies": len(paged)}
         run = self.runner.ours
-        row["paged_us"] = timed([lambda p=p: run(p, launch) for p in paged], self.methods)
+        sides = {"paged": [lambda p=p: run(p, launch) for p in paged],
+                 "contig": [lambda c=c: run(c, launch) for c in contig]}
+        if kv_type == "f16":
+            sides["sdpa"] = [lambda c=c: sdpa(c, "full") for c in contig]
+        for name, us in timed(sides, self.methods).items():
+            row[f"{name}_us"] = us
         row["paged_err"] = rel_err(paged[0].out, paged[0])
-        row["contig_us"] = timed([lambda c=c: run(c, launch) for c in contig], self.methods)
         row["contig_err"] = rel_err(contig[0].out, paged[0])
         if kv_type == "f16":
-            row["sdpa_us"] = timed([lambda c=c: sdpa(c, "full") for c in contig], self.methods)
             row["sdpa_err"] = rel_err(sdpa(contig[0], "full"), paged[0])
         return row
 
@@ -332,15 +339,18 @@ class Bench:
                "paged_pool_bytes": paged.k.nbytes + paged.v.nbytes,
                "contig_bytes": contig.k.nbytes + contig.v.nbytes}
         run = self.runner.ours
-        row["paged_us"] = timed([lambda: run(paged, launch)], self.methods)
-        row["paged_err"] = rel_err(paged.out, paged)
-        row["contig_us"] = timed([lambda: run(contig, launch)], self.methods)
-        row["contig_err"] = rel_err(contig.out, paged)
+        sides = {"paged": [lambda: run(paged, launch)], "contig": [lambda: run(contig, launch)]}
         if kv_type == "f16":
             col = torch.arange(max(lens), device=self.device)
             contig.mask = (col[None, :] < paged.lens[:, None])[:, None, None, :]  # [B,1,1,L]
             for mode in ("mask", "per_seq"):
-                row[f"sdpa_{mode}_us"] = timed([lambda m=mode: sdpa(contig, m)], self.methods)
+                sides[f"sdpa_{mode}"] = [lambda m=mode: sdpa(contig, m)]
+        for name, us in timed(sides, self.methods).items():
+            row[f"{name}_us"] = us
+        row["paged_err"] = rel_err(paged.out, paged)
+        row["contig_err"] = rel_err(contig.out, paged)
+        if kv_type == "f16":
+            for mode in ("mask", "per_seq"):
                 row[f"sdpa_{mode}_err"] = rel_err(sdpa(contig, mode), paged)
         return row
 

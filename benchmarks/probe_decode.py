@@ -97,10 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         for spec, launch in zip(args.launch, launches, strict=True):
             row = {"case": case, "lens": list(lens), **launch.as_dict(), "sdpa_us": sdpa_us}
             try:
+                sides = {name: [lambda i=i, lc=launch: bench.runner.ours(i, lc) for i in inputs]
+                         for name, inputs in (("paged", paged), ("contig", contig))}
+                for name, us in _common.time_sides(sides, method, min_rounds=8,
+                                                   min_seconds=0.05).items():
+                    row[f"{name}_us"] = us
                 for name, inputs in (("paged", paged), ("contig", contig)):
-                    calls = [lambda i=i, lc=launch: bench.runner.ours(i, lc) for i in inputs]
-                    row[f"{name}_us"] = _common.time_calls(calls, method, min_rounds=8,
-                                                           min_seconds=0.05)
                     row[f"{name}_err"] = ba.rel_err(inputs[0].out, paged[0])
             except Exception as exc:  # e.g. out of shared memory: report, go on
                 row["error"] = repr(exc)[:300]
