@@ -81,7 +81,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from pagedserve.kernels.decode_merge import NEG_BIG, finish_split, store_stats
-from pagedserve.kernels.decode_plan import MERGE_GROUP, locate_chunk
+from pagedserve.kernels.decode_plan import locate_chunk
 from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM, Q8_PAIRS_ASM, q4_dequant_asm
 
 # V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
@@ -738,8 +738,8 @@ def fragment_decode_kernel(
 
 # The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this
 # kernel takes too: the plan's, the merge's and the table read's.
-SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_GROUP",
-                    "TABLE_AHEAD")
+SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
+                    "MERGE_GROUP", "TABLE_AHEAD")
 
 
 def supports(q, cache_k, cache_v) -> bool:
@@ -755,8 +755,6 @@ def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int) -> dict
     eager decode launches per layer per step; callers must not modify the dict)."""
     geo = GEOMETRY[kv_type]
     return dict(W=num_warps, T=tokens_per_warp, GB=geo.group_bytes, HALVES=geo.halves,
-                # A whole merge group's partials in flight at once (16 registers each).
-                MERGE_UNROLL=MERGE_GROUP,
                 **fragment_layouts(kv_type, num_warps, tokens_per_warp))
 
 
