@@ -2,7 +2,7 @@
 # Everything the H200 runs, in named stages, in one call of the device tool:
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
 # Stages: tests-kernels (or tests-kernels-grid + tests-kernels-small) tests-packed
-#         tests-fragment (the Gluon q4_0 / q8_0 kernel's GPU tests)
+#         tests-fragment (the Gluon q4_0 / q8_0 kernel's GPU tests) tests-triton (the rest)
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode bench-model bench-engine bench-serve probe-decode
@@ -63,6 +63,8 @@ for spec in "$@"; do
                      -k "quant_dot_modes or packed" ;;
     tests-fragment) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      -k "fragment" ;;
+    tests-triton)  run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
+                     -k "not fragment" ;;
     tests-graph)   run_stage "$stage" "$limit" $PYTEST \
                      tests/kernels/test_paged_decode_gpu.py::test_cuda_graph_capture_and_replay ;;
     tests-gdn)     run_stage "$stage" "$limit" $PYTEST tests/kernels/test_gdn_triton.py ;;

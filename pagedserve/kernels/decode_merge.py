@@ -18,13 +18,14 @@ import triton.language as tl
 # Finite "minus infinity" for running maxima, so that exp2 of their differences is 0 or 1
 # and never NaN (-inf - -inf) when a whole tile is masked.
 NEG_BIG = tl.constexpr(-1.0e30)
-# Partials per trip of the merge loop (their loads in flight together). A whole merge
-# group (decode_plan.MERGE_GROUP) makes each merge level one round of loads: 8 x [8, 256]
-# float32 over 128 threads is 128 registers per thread. Where the tile loop is short of
-# registers, the merge's demand moves its allocation (q4_0 ``packed``: 48 -> 224 bytes
-# spilled at 8), so those launches take 4.
-MERGE_UNROLL = 8
-MERGE_UNROLL_TIGHT = 4
+# Partials per trip of the merge loop (their loads in flight together): 4 x [8, 256]
+# float32 over 128 threads is 64 registers per thread. The Gluon kernel takes a whole
+# merge group (``MERGE_GROUP_UNROLL``), so each merge level is one round of loads. In the
+# Triton kernel the merge's demand moves the tile loop's register allocation (q4_0
+# ``packed``: 48 -> 224 bytes spilled at 8; f16 one 4K sequence 14.6 us against 14.2-14.4
+# at 4, H200 probes at 89f6e3a and a9160a5).
+MERGE_UNROLL = 4
+MERGE_GROUP_UNROLL = 8
 
 
 @triton.jit

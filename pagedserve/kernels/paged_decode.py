@@ -38,8 +38,8 @@ import triton.language as tl
 
 from pagedserve.kernels import guards, quant_fragments
 from pagedserve.kernels.decode_merge import (
+    MERGE_GROUP_UNROLL,
     MERGE_UNROLL,
-    MERGE_UNROLL_TIGHT,
     NEG_BIG,
     finish_split,
     store_stats,
@@ -255,11 +255,7 @@ def launch_constants(
         K_GROUP=formats.spec(k_type).quantized and cfg.quant_dot == "group",
         ACC=accumulator_layout(v_type, cfg.quant_dot),
         PAGED=paged, MERGE_GROUP=MERGE_GROUP, NATIVE=native,
-        # Registers to spare for a whole merge group in flight: the Gluon kernel's
-        # epilogue, and the f16/bf16 loop (about 200 registers).
-        MERGE_UNROLL=(MERGE_UNROLL if cfg.quant_dot == "fragment" or not (
-            formats.spec(k_type).quantized or formats.spec(v_type).quantized)
-            else MERGE_UNROLL_TIGHT),
+        MERGE_UNROLL=MERGE_GROUP_UNROLL if cfg.quant_dot == "fragment" else MERGE_UNROLL,
         # Per-block reads need whole blocks per tile; otherwise one read per row.
         TABLE_READ=cfg.table_read if paged and cfg.block_n % block_size == 0 else "row",
         TABLE_AHEAD=cfg.table_ahead,
