@@ -250,3 +250,49 @@ def test_fragment_kernel_masks_invalid_block_ids(kv_type):
         live = [[t not in hole for t in range(lens[b])]]
         ref = decode_oracle(q[b:b + 1], ck, cv, [tables[b]], [lens[b]], 0.0625, live=live)
         assert rel_error(out[b:b + 1], ref) <= bound(kv_type, kv_type)
+
+
+@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
+def test_fragment_kernel_trace_records(kv_type):
+    """``trace=`` (benchmarks/trace_decode.py) changes the output by rounding at most (a
+    separate compile; within one f16 ulp of the largest output), and each program's
+    record agrees with the host mirror of the plan: its tile count, the order of its
+    six timestamps, an SM in range; programs beyond the plan record only their entry."""
+    from pagedserve.kernels import paged_decode, quant_fragments
+    from pagedserve.kernels.decode_plan import plan_chunks
+
+    lens, hkv, block_size = [3000, 0, 700, 129, 16], 4, 16
+    cfg = FRAGMENT_CONFIGS[kv_type]
+    ck, cv, table, _ = build_pool(kv_type, kv_type, lens, num_kv_heads=hkv, head_dim=256,
+                                  block_size=block_size, device="cuda")
+    q = torch.randn(len(lens), 24, 256, generator=torch.Generator().manual_seed(5)).half().cuda()
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    ws = DecodeWorkspace(len(lens), 24, hkv, 256, "cuda", chunks_per_head=9)
+    plain = ops.paged_decode_attention(q, ck, cv, table, seq_lens, 0.0625, workspace=ws,
+                                       config=cfg)
+    trace = torch.zeros(paged_decode.decode_programs(ws, len(lens)), 8, dtype=torch.int64,
+                        device="cuda")
+    traced = paged_decode.paged_decode_attention(q, ck, cv, table, seq_lens, 0.0625,
+                                                 workspace=ws, config=cfg, trace=trace)
+    torch.cuda.synchronize()
+    assert (plain.float() - traced.float()).abs().max() <= 2**-10 * plain.float().abs().max()
+    assert ws.counters_clear()
+
+    capacity = table.shape[1] * block_size
+    _, chunks = plan_chunks(lens, capacity, 9, cfg.block_n, cfg.min_partition)
+    per_head = trace.shape[0] // hkv
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    fields = {name: i for i, name in enumerate(quant_fragments.TRACE_FIELDS)}
+    stamps = [fields[n] for n in ("entry", "planned", "loop", "looped", "stored", "merged")]
+    for h in range(hkv):
+        for pid in range(per_head):
+            rec = trace[h * per_head + pid].tolist()
+            assert rec[fields["entry"]] > 0
+            if pid >= len(chunks):
+                assert rec[1:] == [0] * 7, (h, pid, rec)
+                continue
+            _, lo, hi = chunks[pid]
+            assert rec[fields["tiles"]] == -(-(hi - lo) // cfg.block_n), (h, pid, rec)
+            times = [rec[i] for i in stamps]
+            assert times == sorted(times), (h, pid, rec)
+            assert 0 <= rec[fields["sm"]] < num_sms
