@@ -65,6 +65,8 @@ for spec in "$@"; do
                      -k "fragment" ;;
     tests-triton)  run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      -k "not fragment" ;;
+    tests-trace)   run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
+                     -k "trace" ;;
     tests-graph)   run_stage "$stage" "$limit" $PYTEST \
                      tests/kernels/test_paged_decode_gpu.py::test_cuda_graph_capture_and_replay ;;
     tests-gdn)     run_stage "$stage" "$limit" $PYTEST tests/kernels/test_gdn_triton.py ;;
