@@ -173,7 +173,10 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
       7 x 8K paged 84.7 us (85.2 with ids read just in time), paged / contiguous
       0.979-0.990 over six points (0.952-0.979 just in time). Earlier forms of the
       kernel: 110.3 against 194.8 us for ``packed`` (afa8d20); 8 warps, or registers
-      capped at 200 or 168 (spilling), were slower (4e11065, 90ec28d).
+      capped at 200 or 168 (spilling), were slower (4e11065, 90ec28d). With the current
+      epilogue (e101f26) ragged is 74-76 us; 16 tokens per warp at 168 registers, three
+      programs per SM: 86.8 against 76.1 (f2d26c8); chunk budgets of four or six
+      programs per SM: 83.3 and 88.3 against 76.6 (5394b05).
     - Else any q4_0: ``packed`` 128-row tiles (q4_0 as half tiles, ``kv_tiles``), one
       stage, two programs per SM: 84.7 us geomean in the same sweep; 64-row tiles 98.5,
       a 168-register cap 114.3, two stages 95.8. One table load per block, not one tile

@@ -61,12 +61,22 @@ through shared memory behind a barrier of all warps.
 Measured on the H200, side by side (docs/benchmarks/logs/probes/). q4_0, ragged 128K + 7 x
 8K paged: 111.2 us with V's bytes repacked before the asm, 97.6 with ``Q4_PAIRS_ASM``,
 93.4 with ``S^T = K . Q^T`` and unmasked payload loads, 84.7 with rows from warp-uniform
-block bases (185.4 for the Triton kernel). q8_0: 119.1 us against 244.1 for the Triton
-kernel. sm_90 tile loop (``benchmarks/decode_sass.py``): q4_0 2004 -> 1687 -> 1557 ->
+block bases (185.4 for the Triton kernel), 74.0 with the epilogue below (trace runs at
+3083fb0 and e101f26: 83.2 before it). q8_0: 119.1 us against 244.1 for the Triton
+kernel, then 112.1. sm_90 tile loop (``benchmarks/decode_sass.py``): q4_0 2004 -> 1687 -> 1557 ->
 1363 instructions per 512 K+V values per thread; q8_0 819 per 256 (the Triton kernel's
 q8_0 launch: 1681); no shared-memory traffic. 254-255 registers, so two programs (8
 warps) per SM: the accumulators of ``O^T`` (64 registers), the next tile's words (64)
 and the current tile's fragments are most of them.
+
+End of a program: the warps' states combine after one layout conversion that gives each
+thread every warp's copy of its elements (``_warps_combined``; ``gl.sum`` over the warp
+axis of the MMA layout lowered to 11 barrier rounds through shared memory, and cost 5-7
+us per program); a split chunk stores its partial ``[G, 256]`` in label order as 16-byte
+vectors (the merge is elementwise, so any order serves; ``_column`` maps labels to
+head_dim for the output), and the merge takes a whole group of partials per trip. With
+``trace=`` every program records the global timer at six points (``TRACE_FIELDS``;
+``benchmarks/trace_decode.py``), a separately compiled variant.
 """
 
 from __future__ import annotations
