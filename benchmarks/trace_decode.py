@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -93,8 +94,8 @@ def trace_case(kv_type: str, lens: tuple[int, ...]) -> dict:
             inp.q, inp.k, inp.v, inp.tables, inp.lens, ba.SCALE, workspace=ws, out=inp.out,
             config=cfg, validate=False, trace=trace)
 
-    trace = torch.zeros(paged_decode.decode_programs(ws, len(lens)), 8, dtype=torch.int64,
-                        device="cuda")
+    grid = paged_decode.decode_grid(ws, len(lens))
+    trace = torch.zeros(math.prod(grid), 8, dtype=torch.int64, device="cuda")
     for _ in range(3):  # compile both variants, warm up
         call(inputs[0])
         call(inputs[-1], trace)
@@ -108,7 +109,6 @@ def trace_case(kv_type: str, lens: tuple[int, ...]) -> dict:
         runs.append(summarize(trace.cpu()))
     best = min(runs, key=lambda r: r["span_us"])
     calls = [lambda inp=inp: call(inp) for inp in inputs]
-    grid = (paged_decode.decode_programs(ws, len(lens)) // ba.HKV, ba.HKV)
     empty = [lambda: _empty_kernel[grid](trace)] * len(calls)
     return {"lens": f"{lens[0]}x{len(lens)}" if len(set(lens)) == 1 else "ragged",
             "live_mb": nbytes / 1e6, "max_err": err,

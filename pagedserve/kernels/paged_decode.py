@@ -37,13 +37,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import guards, quant_fragments
-from pagedserve.kernels.decode_merge import (
-    MERGE_GROUP_UNROLL,
-    MERGE_UNROLL,
-    NEG_BIG,
-    finish_split,
-    store_stats,
-)
+from pagedserve.kernels.decode_merge import MERGE_UNROLL, NEG_BIG, finish_split, store_stats
 from pagedserve.kernels.decode_plan import (
     MERGE_GROUP,
     DecodeConfig,
@@ -255,16 +249,17 @@ def launch_constants(
         K_GROUP=formats.spec(k_type).quantized and cfg.quant_dot == "group",
         ACC=accumulator_layout(v_type, cfg.quant_dot),
         PAGED=paged, MERGE_GROUP=MERGE_GROUP, NATIVE=native,
-        MERGE_UNROLL=MERGE_GROUP_UNROLL if cfg.quant_dot == "fragment" else MERGE_UNROLL,
+        MERGE_UNROLL=MERGE_GROUP if cfg.quant_dot == "fragment" else MERGE_UNROLL,
         # Per-block reads need whole blocks per tile; otherwise one read per row.
         TABLE_READ=cfg.table_read if paged and cfg.block_n % block_size == 0 else "row",
         TABLE_AHEAD=cfg.table_ahead,
     )
 
 
-def decode_programs(workspace: DecodeWorkspace, batch: int) -> int:
-    """Programs one launch runs: ``max(W, B)`` chunks per K/V head (``decode_plan``)."""
-    return max(workspace.chunk_budget, batch) * workspace.num_kv_heads
+def decode_grid(workspace: DecodeWorkspace, batch: int) -> tuple[int, int]:
+    """The launch grid: ``max(W, B)`` chunks per K/V head (the plan never makes more;
+    ``decode_plan``), by the K/V heads."""
+    return max(workspace.chunk_budget, batch), workspace.num_kv_heads
 
 
 def paged_decode_attention(
@@ -291,7 +286,7 @@ def paged_decode_attention(
         validate: full check of block ids and lengths (one sync); default from
             ``PAGEDSERVE_VALIDATE``.
         trace: diagnostics of the ``fragment`` kernel only: int64 ``[programs, 8]``
-            (``decode_programs``) receives each program's timestamps
+            (programs: the product of ``decode_grid``) receives each program's timestamps
             (``quant_fragments.TRACE_FIELDS``; ``benchmarks/trace_decode.py``).
 
     Returns:
@@ -329,9 +324,8 @@ def paged_decode_attention(
                                  native=q.is_cuda)
     ks = cache_k.scales if cache_k.scales is not None else cache_k.data
     vs = cache_v.scales if cache_v.scales is not None else cache_v.data
-    # Both kernels take the same run-time arguments. The plan never makes more than
-    # max(W, B) chunks per head (decode_plan).
-    grid = (decode_programs(workspace, B) // Hkv, Hkv)
+    # Both kernels take the same grid and run-time arguments.
+    grid = decode_grid(workspace, B)
     args = (
         q, out, cache_k.data, ks, cache_v.data, vs, block_tables, seq_lens,
         workspace.part_acc, workspace.part_ml, workspace.group_counters,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
@@ -270,8 +271,8 @@ def test_fragment_kernel_trace_records(kv_type):
     ws = DecodeWorkspace(len(lens), 24, hkv, 256, "cuda", chunks_per_head=9)
     plain = ops.paged_decode_attention(q, ck, cv, table, seq_lens, 0.0625, workspace=ws,
                                        config=cfg)
-    trace = torch.zeros(paged_decode.decode_programs(ws, len(lens)), 8, dtype=torch.int64,
-                        device="cuda")
+    trace = torch.zeros(math.prod(paged_decode.decode_grid(ws, len(lens))), 8,
+                        dtype=torch.int64, device="cuda")
     traced = paged_decode.paged_decode_attention(q, ck, cv, table, seq_lens, 0.0625,
                                                  workspace=ws, config=cfg, trace=trace)
     torch.cuda.synchronize()
