@@ -174,18 +174,8 @@ def write_outputs(out_dir: Path, stem: str, results: dict, markdown: str,
 
 def table_read_fields(text: str) -> dict:
     """A launch spec's table-read field as ``DecodeConfig`` fields: ``row`` or ``block``,
-    then optional suffixes ``-now`` for ``table_ahead=False`` and ``-l2N`` for
-    ``l2_ahead=N`` (probe_decode.py, decode_sass.py), e.g. ``block-l23``."""
-    read, *suffixes = text.split("-")
-    fields = {"table_read": read, "table_ahead": True, "l2_ahead": 0}
-    for suffix in suffixes:
-        if suffix == "now":
-            fields["table_ahead"] = False
-        elif suffix.startswith("l2") and suffix[2:].isdigit():
-            fields["l2_ahead"] = int(suffix[2:])
-        else:
-            raise SystemExit(f"bad table-read field {text!r}: want row|block[-now][-l2N]")
-    return fields
+    with a ``-now`` suffix for ``table_ahead=False`` (probe_decode.py, decode_sass.py)."""
+    return {"table_read": text.removesuffix("-now"), "table_ahead": not text.endswith("-now")}
 
 
 def md_table(header: list[str], rows: list[list[object]]) -> str:

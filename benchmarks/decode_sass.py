@@ -122,7 +122,7 @@ def loop_stats(kernel) -> dict:
     for addr, text in code:
         if lo <= addr <= hi:
             ops[re.match(r"(@!?U?P\w+\s+)?([A-Z0-9_]+)", text).group(2)] += 1
-            m = re.search(r"\b((?:LDG|LDGSTS|STS|LDS|STSM|LDSM|CCTL)\S*)", text)
+            m = re.search(r"\b((?:LDG|LDGSTS|STS|LDS|STSM|LDSM)\S*)", text)
             if m:
                 mem[m.group(1)] += 1
     return {"registers": int(regs), "spill_bytes": int(stack), "loop_instructions": size,

@@ -101,10 +101,6 @@ class DecodeConfig:
             pool's block size, else ``"row"``).
         table_ahead: load the next tile's block ids while the current tile is read (hides
             the table lookup's latency; holds the ids in registers meanwhile).
-        l2_ahead: ask L2 for the rows this many tiles ahead of the one being computed
-            (0: never; else 2..4, as a tile's rows are already loaded a tile ahead into
-            registers). More bytes in flight without registers to hold them; costs a
-            table read and one prefetch instruction per 128-byte line.
         maxnreg: registers per thread the compiler may use (``None``: its own choice,
             up to 255). Fewer registers let more programs share an SM; a quantized tile
             loop is latency-bound, so more resident warps can pay for a few spills.
@@ -121,7 +117,6 @@ class DecodeConfig:
     maxnreg: int | None = None
     table_read: str = "row"
     table_ahead: bool = True
-    l2_ahead: int = 0
 
     def __post_init__(self) -> None:
         if not (_is_pow2(self.block_n) and 16 <= self.block_n <= 256):
@@ -139,8 +134,6 @@ class DecodeConfig:
             raise ValueError(
                 f"maxnreg must be None or a multiple of 8 in [32, 248], got {self.maxnreg}"
             )
-        if self.l2_ahead not in (0, 2, 3, 4):
-            raise ValueError(f"l2_ahead must be 0 (off) or 2, 3 or 4 tiles, got {self.l2_ahead}")
         if self.table_read not in TABLE_READS:
             raise ValueError(
                 f"table_read {self.table_read!r} is not a mode; accepted: {list(TABLE_READS)}"

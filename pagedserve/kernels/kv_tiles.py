@@ -211,23 +211,6 @@ mul.f16x2 $1, t, $4;
 # 1024 + (qs + 128); minus 1152 -> qs; times d.
 
 
-# Asks L2 for the 128-byte line holding address $1 (no register receives it; $0 is a
-# dummy result that keeps the asm an elementwise op).
-PREFETCH_L2_ASM = tl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;")
-
-
-@triton.jit
-def prefetch_rows_l2(ptr, row_off, ROW_ELEMS: tl.constexpr):
-    """Start L2 fills of the rows at element offsets ``row_off`` (int64 ``[N]``) of
-    ``ptr``, ``ROW_ELEMS`` elements each: one prefetch per 128-byte line (a row shorter
-    than a line asks for the line it lies in). GPU only (inline PTX)."""
-    LINE: tl.constexpr = 128 // (ptr.dtype.element_ty.primitive_bitwidth // 8)
-    NLINES: tl.constexpr = (ROW_ELEMS + LINE - 1) // LINE
-    line = tl.arange(0, NLINES)
-    tl.inline_asm_elementwise(PREFETCH_L2_ASM, "=r,l", [ptr + row_off[:, None] + line * LINE],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _q4_halves(byte, scale, NATIVE: tl.constexpr):
     """q4_0 bytes ``[..., 16]`` (uint8) and their group scale (f16, broadcastable) ->

@@ -48,7 +48,6 @@ from pagedserve.kernels.decode_plan import (
 )
 from pagedserve.kernels.kv_tiles import (
     load_q,
-    prefetch_rows_l2,
     rescale,
     store_rows,
     tile_pv,
@@ -77,48 +76,6 @@ def _tile_block_ids(table_row, start, tok_hi, BS: tl.constexpr, BLOCK_N: tl.cons
         return tl.load(table_row + tok // BS, mask=tok < tok_hi, other=-1)
 
 
-@triton.jit
-def _tile_rows(ids, tok, valid, num_blocks, num_kv_heads, h, rows_per_block,
-               BS: tl.constexpr, PAGED: tl.constexpr):
-    """``(row, valid)`` of the tile rows of tokens ``tok`` in blocks ``ids`` (``[BLOCK_N]``
-    each): the row's index in the pool's ``[num_blocks * Hkv * rows_per_block]`` rows
-    (int64; 0 where not valid), and ``valid`` narrowed to ids inside the pool, so that an
-    invalid id masks its rows and nothing is read outside the pool."""
-    valid = valid & (ids >= 0) & (ids < num_blocks)
-    row = tok % BS if PAGED else tok
-    return tl.where(valid, (ids * num_kv_heads + h) * rows_per_block + row, 0).to(tl.int64), valid
-
-
-@triton.jit
-def _tile_ids(table_row, block0, start, tok_hi, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-              TABLE_READ: tl.constexpr, PAGED: tl.constexpr):
-    """The block id of each row of the tile at ``start`` (``_tile_block_ids``), or the
-    contiguous layout's one block ``block0``."""
-    if PAGED:
-        return _tile_block_ids(table_row, start, tok_hi, BS, BLOCK_N, TABLE_READ)
-    else:
-        return tl.zeros([BLOCK_N], tl.int32) + block0
-
-
-@triton.jit
-def _prefetch_tile_l2(kd_ptr, ks_ptr, vd_ptr, vs_ptr, ids, start, tok_hi, num_blocks,
-                      num_kv_heads, h, rows_per_block, BS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, PAGED: tl.constexpr, K_WIDTH: tl.constexpr,
-                      V_WIDTH: tl.constexpr, NG: tl.constexpr, K_QUANT: tl.constexpr,
-                      V_QUANT: tl.constexpr):
-    """Start L2 fills of K's and V's payload (and scales) of the tile at ``start``, whose
-    block ids are ``ids`` (``_tile_ids``)."""
-    tok = start + tl.arange(0, BLOCK_N)
-    row_idx, _ = _tile_rows(ids, tok, tok < tok_hi, num_blocks, num_kv_heads, h,
-                            rows_per_block, BS, PAGED)
-    prefetch_rows_l2(kd_ptr, row_idx * K_WIDTH, K_WIDTH)
-    prefetch_rows_l2(vd_ptr, row_idx * V_WIDTH, V_WIDTH)
-    if K_QUANT:
-        prefetch_rows_l2(ks_ptr, row_idx * NG, NG)
-    if V_QUANT:
-        prefetch_rows_l2(vs_ptr, row_idx * NG, NG)
-
-
 # Counts vary per call; specializing on them (== 1, % 16) would only multiply compiles.
 @triton.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
                                "max_chunks", "num_kv_heads"])
@@ -135,7 +92,7 @@ def _paged_decode_kernel(
     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QUANT_DOT: tl.constexpr,
     K_GROUP: tl.constexpr, ACC: tl.constexpr, PAGED: tl.constexpr,
     MERGE_UNROLL: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
-    TABLE_READ: tl.constexpr, TABLE_AHEAD: tl.constexpr, L2_AHEAD: tl.constexpr,
+    TABLE_READ: tl.constexpr, TABLE_AHEAD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -169,7 +126,6 @@ def _paged_decode_kernel(
     V_WIDTH: tl.constexpr = D // 2 if V_TYPE == "q4_0" else D
     if PAGED:
         rows_per_block = BS
-        block0 = 0
         # TABLE_AHEAD: block ids run one tile ahead of the rows they address, so that the
         # table lookup's latency hides behind the current tile instead of preceding it
         # (at the cost of the registers that hold them).
@@ -178,37 +134,27 @@ def _paged_decode_kernel(
     else:
         rows_per_block = capacity  # one block per sequence, padded to the longest
         block0 = tl.load(table_row)
-    # L2_AHEAD (GPU only): the rows L2_AHEAD tiles on are asked of L2, so that their loads
-    # a tile or two later wait on L2 instead of on DRAM (more bytes in flight without
-    # registers to hold them); the prologue asks for the tiles between.
-    K_QUANT: tl.constexpr = K_TYPE == "q8_0" or K_TYPE == "q4_0"
-    V_QUANT: tl.constexpr = V_TYPE == "q8_0" or V_TYPE == "q4_0"
-    PREFETCH: tl.constexpr = NATIVE and L2_AHEAD > 0
-    if PREFETCH:
-        for ahead in tl.static_range(2, L2_AHEAD):
-            pf_start = tok_lo + ahead * BLOCK_N
-            _prefetch_tile_l2(kd_ptr, ks_ptr, vd_ptr, vs_ptr,
-                              _tile_ids(table_row, block0, pf_start, tok_hi, BS, BLOCK_N,
-                                        TABLE_READ, PAGED),
-                              pf_start, tok_hi, num_blocks, num_kv_heads, h, rows_per_block,
-                              BS, BLOCK_N, PAGED, K_WIDTH, V_WIDTH, NG, K_QUANT, V_QUANT)
+        block0_ok = (block0 >= 0) & (block0 < num_blocks)
     for start in range(tok_lo, tok_hi, BLOCK_N):
         tok = start + lane
-        if PAGED and TABLE_AHEAD:
-            ids = ids_next
-            ids_next = _tile_block_ids(table_row, start + BLOCK_N, tok_hi, BS, BLOCK_N,
-                                       TABLE_READ)
+        valid = tok < tok_hi
+        if PAGED:
+            if TABLE_AHEAD:
+                ids = ids_next
+                ids_next = _tile_block_ids(table_row, start + BLOCK_N, tok_hi, BS, BLOCK_N,
+                                           TABLE_READ)
+            else:
+                ids = _tile_block_ids(table_row, start, tok_hi, BS, BLOCK_N, TABLE_READ)
+            row = tok % BS
         else:
-            ids = _tile_ids(table_row, block0, start, tok_hi, BS, BLOCK_N, TABLE_READ, PAGED)
-        if PREFETCH:
-            # The table read now, the fills once the scores are out: its latency hides.
-            pf_start = start + L2_AHEAD * BLOCK_N
-            pf_ids = _tile_ids(table_row, block0, pf_start, tok_hi, BS, BLOCK_N, TABLE_READ,
-                               PAGED)
+            ids = tl.zeros([BLOCK_N], tl.int32) + block0
+            row = tok
+            valid = valid & block0_ok
+        # An invalid id masks its rows: never read outside the pool.
+        valid = valid & (ids >= 0) & (ids < num_blocks)
         # Storage is contiguous [num_blocks, Hkv, rows per block, W] (guards), so one int32
         # row index addresses payloads and scales of K and V alike.
-        row_idx, valid = _tile_rows(ids, tok, tok < tok_hi, num_blocks, num_kv_heads, h,
-                                    rows_per_block, BS, PAGED)
+        row_idx = tl.where(valid, (ids * num_kv_heads + h) * rows_per_block + row, 0).to(tl.int64)
         k_row = row_idx * K_WIDTH
         v_row = row_idx * V_WIDTH
         ks_row = row_idx * NG
@@ -216,10 +162,6 @@ def _paged_decode_kernel(
 
         s = tile_scores(q, kd_ptr, ks_ptr, k_row, ks_row, valid, K_TYPE, D, NG, QUANT_DOT,
                         NATIVE)
-        if PREFETCH:
-            _prefetch_tile_l2(kd_ptr, ks_ptr, vd_ptr, vs_ptr, pf_ids, pf_start, tok_hi,
-                              num_blocks, num_kv_heads, h, rows_per_block, BS, BLOCK_N, PAGED,
-                              K_WIDTH, V_WIDTH, NG, K_QUANT, V_QUANT)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -310,7 +252,7 @@ def launch_constants(
         MERGE_UNROLL=MERGE_GROUP if cfg.quant_dot == "fragment" else MERGE_UNROLL,
         # Per-block reads need whole blocks per tile; otherwise one read per row.
         TABLE_READ=cfg.table_read if paged and cfg.block_n % block_size == 0 else "row",
-        TABLE_AHEAD=cfg.table_ahead, L2_AHEAD=cfg.l2_ahead,
+        TABLE_AHEAD=cfg.table_ahead,
     )
 
 

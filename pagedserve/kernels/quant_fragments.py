@@ -92,12 +92,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from pagedserve.kernels.decode_merge import NEG_BIG, finish_split, store_stats
 from pagedserve.kernels.decode_plan import locate_chunk
-from pagedserve.kernels.kv_tiles import (
-    PREFETCH_L2_ASM,
-    Q4_HALVES_ASM,
-    Q8_PAIRS_ASM,
-    q4_dequant_asm,
-)
+from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM, Q8_PAIRS_ASM, q4_dequant_asm
 
 # V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
 # word of 4 bytes of row t ($8), the same 4 bytes of row t + 1 ($9) and the pair of their
@@ -430,24 +425,6 @@ def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, layout: gl.co
 
 
 @gluon.jit
-def _prefetch_l2(ptrs):
-    """Start L2 fills of the lines at ``ptrs`` (any layout; no result)."""
-    gl.inline_asm_elementwise(PREFETCH_L2_ASM, "=r,l", [ptrs], dtype=gl.int32, is_pure=False,
-                              pack=1)
-
-
-@gluon.jit
-def _prefetch_rows(data_ptr, scale_ptr, rows, live, GB: gl.constexpr):
-    """L2 fills of the payload and scales of ``rows`` (``_tile_rows``; rows not live ask
-    for row 0 again, a line already asked for): a row is ``8 GB`` payload bytes (one or
-    two 128-byte lines) and 16 bytes of scales."""
-    row = gl.where(live, rows, 0).to(gl.int64)
-    for line in gl.static_range(0, 8 * GB, 128):
-        _prefetch_l2(data_ptr + row * (8 * GB) + line)
-    _prefetch_l2(scale_ptr + row * 8)
-
-
-@gluon.jit
 def _bytes(words):
     """int32 words ``[W, T, 8, n]`` -> their bytes ``[W, T, 8, 4 n]`` (uint8), little
     endian; each word's bytes become the thread's next four registers."""
@@ -601,8 +578,7 @@ def fragment_decode_kernel(
     trace_ptr,  # int64 [Hkv * programs per head, 8] (TRACE_FIELDS) when TRACE
     G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, B_PAD: gl.constexpr,
     MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr, MERGE_UNROLL: gl.constexpr,
-    MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr, L2_AHEAD: gl.constexpr,
-    W: gl.constexpr,
+    MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr, W: gl.constexpr,
     T: gl.constexpr, GB: gl.constexpr, HALVES: gl.constexpr,
     K_WORDS: gl.constexpr, K_BYTES: gl.constexpr, V_WORDS: gl.constexpr,
     V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
@@ -677,25 +653,10 @@ def fragment_decode_kernel(
                       rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
     if AHEAD:
         id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
-    # L2_AHEAD: the rows L2_AHEAD tiles on are asked of L2 (a lane per token, its block
-    # id read from the table), so that the register loads of those rows a tile or more
-    # later wait on L2 instead of on DRAM: more bytes in flight, at no register cost.
-    PF: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [W, 1], [1, 0])
-    for ahead in gl.static_range(2, L2_AHEAD):
-        pf_rows, pf_live = _tile_rows(table_row, block0, block0, tok_lo + ahead * BLOCK_N,
-                                      tok_hi, num_blocks, num_kv_heads, h, rows_per_block, W,
-                                      T, BS, PAGED, False, PF)
-        _prefetch_rows(kd_ptr, ks_ptr, pf_rows, pf_live, GB)
-        _prefetch_rows(vd_ptr, vs_ptr, pf_rows, pf_live, GB)
     _stamp(trace_ptr, slot, 2, TRACE)
     for start in range(tok_lo, tok_hi, BLOCK_N):
         # The next tile's bytes are in flight while this one is computed.
         nxt = start + BLOCK_N
-        if L2_AHEAD > 0:
-            # The table read now, the fills once the scores are out: its latency is hidden.
-            pf_rows, pf_live = _tile_rows(table_row, block0, block0, start + L2_AHEAD * BLOCK_N,
-                                          tok_hi, num_blocks, num_kv_heads, h, rows_per_block,
-                                          W, T, BS, PAGED, False, PF)
         if AHEAD:
             nid0, nid1 = id0, id1
             id0, id1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT)
@@ -731,9 +692,6 @@ def fragment_decode_kernel(
         m_i = m_new
         alpha_o = alpha[:, None, :]
         p16 = _scores_to_b_operand(p.to(gl.float16), B_OP)
-        if L2_AHEAD > 0:
-            _prefetch_rows(kd_ptr, ks_ptr, pf_rows, pf_live, GB)
-            _prefetch_rows(vd_ptr, vs_ptr, pf_rows, pf_live, GB)
         live = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
                           rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
 
@@ -791,7 +749,7 @@ def fragment_decode_kernel(
 # The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this
 # kernel takes too: the plan's, the merge's and the table read's.
 SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
-                    "MERGE_GROUP", "TABLE_AHEAD", "L2_AHEAD")
+                    "MERGE_GROUP", "TABLE_AHEAD")
 
 
 def supports(q, cache_k, cache_v) -> bool:
