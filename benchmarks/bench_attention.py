@@ -133,14 +133,26 @@ def _fill(cache: KVBlockStorage, gen: torch.Generator) -> None:
         cache.scales.uniform_(0.06, 0.18, generator=gen)
 
 
+def _placement(num_blocks: int, window: int, gen: torch.Generator) -> torch.Tensor:
+    """Physical block of each logical block (``paged_inputs``' ``window``)."""
+    if window == 0:
+        return torch.randperm(num_blocks, generator=gen)
+    order = torch.arange(num_blocks)
+    for lo in range(0, num_blocks, window):
+        hi = min(lo + window, num_blocks)
+        order[lo:hi] = lo + torch.randperm(hi - lo, generator=gen)
+    return order
+
+
 def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str,
-                 shuffle: bool = True) -> Inputs:
-    """A pool holding exactly the sequences' blocks, in shuffled physical order (or in
-    order: each sequence's blocks consecutive, a what-if of ``probe_decode.py``)."""
+                 window: int = 0) -> Inputs:
+    """A pool holding exactly the sequences' blocks, in shuffled physical order.
+    ``window`` (a what-if of ``probe_decode.py``): 0 shuffles the whole pool; N >= 1
+    shuffles only within each run of N consecutive blocks (1: each sequence's blocks
+    consecutive, in order)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     need = [-(-n // BS) for n in lens]
-    perm = (torch.randperm(sum(need), generator=torch.Generator().manual_seed(seed))
-            if shuffle else torch.arange(sum(need)))
+    perm = _placement(sum(need), window, torch.Generator().manual_seed(seed))
     tables = torch.full((len(lens), max(need)), -1, dtype=torch.int32)
     start = 0
     for b, n in enumerate(need):
@@ -270,9 +282,9 @@ class Bench:
         self.runner = Runner(device)
 
     def copies(self, kv_type: str, lens: tuple[int, ...], seed: int = 0,
-               shuffle: bool = True) -> list[Inputs]:
+               window: int = 0) -> list[Inputs]:
         n = copies_for(live_bytes(kv_type, lens), self.l2, self.sizes)
-        return [paged_inputs(kv_type, lens, seed + i, self.device, shuffle) for i in range(n)]
+        return [paged_inputs(kv_type, lens, seed + i, self.device, window) for i in range(n)]
 
     def sweep(self, kv_type: str) -> tuple[Launch, list[dict]]:
         """Coordinate descent over the sweep space; score = geometric mean of the first

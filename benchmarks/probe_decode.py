@@ -13,12 +13,12 @@ torch reference like the benchmark's (max error / max |ref| <= 5e-3; a miss prin
 A launch is ``MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:MAXNREG:OCCUPANCY[:TABLE_READ]``
 (``MAXNREG`` ``-`` for none; ``TABLE_READ`` ``row`` or ``block``, with ``-now`` for
 ``table_ahead=False``; ``row`` unless given); ``default`` is the library's choice for the
-type. A case is ``ragged`` (128K + 7 x 8K) or ``LENxN``. ``--in-order`` lays each
-sequence's blocks out consecutively instead of shuffled (is a gap the table or the
-memory placement?). A launch that fails (say, out of shared memory) prints its error and
-the probe goes on. Prints one row per (case, launch) and writes
-``probe_decode.json`` to $OUT when set. ``--dry-run`` runs toy sizes on the CPU under
-``TRITON_INTERPRET=1`` to check the script.
+type. A case is ``ragged`` (128K + 7 x 8K) or ``LENxN``. ``--window N`` shuffles the
+paged blocks only within runs of N consecutive blocks (1: each sequence's blocks in
+order): is a gap the table or the memory placement, and at what scale? A launch that
+fails (say, out of shared memory) prints its error and the probe goes on. Prints one
+row per (case, launch) and writes ``probe_decode.json`` to $OUT when set. ``--dry-run``
+runs toy sizes on the CPU under ``TRITON_INTERPRET=1`` to check the script.
 """
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", nargs="+", default=["ragged"])
     ap.add_argument("--launch", nargs="+", default=["default"])
     ap.add_argument("--sdpa", action="store_true", help="also time torch SDPA (f16 only)")
-    ap.add_argument("--in-order", action="store_true",
-                    help="paged blocks in physical order instead of shuffled")
+    ap.add_argument("--window", type=int, default=0,
+                    help="shuffle paged blocks only within runs of this many consecutive "
+                         "blocks (1: in order; 0, the default: the whole pool)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     launches = [parse_launch(s, args.kv_type) for s in args.launch]
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in args.cases:
         lens = parse_case(case, sizes.ragged)
-        paged = bench.copies(args.kv_type, lens, seed=7, shuffle=not args.in_order)
+        paged = bench.copies(args.kv_type, lens, seed=7, window=args.window)
         contig = [ba.contiguous_of(p, max(lens)) for p in paged]
         sdpa_us = None
         if args.sdpa and args.kv_type == "f16":
