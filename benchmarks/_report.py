@@ -8,9 +8,6 @@ from pathlib import Path
 from _common import md_table
 
 MiB, GiB = 1 << 20, 1 << 30
-# Full-attention layers of the workload's model (shared/BENCHMARKS.md): the engine sorts
-# the tables into read order once per step for all of them.
-LAYERS = 16
 
 
 def _t(d: dict | None, method: str) -> float | None:
@@ -34,13 +31,6 @@ def _cell(row: dict, key: str, value: float | None, spec: str = ".1f") -> str:
     return "-" if key not in row else _fmt(value, spec)
 
 
-def _paged(row: dict, m: str) -> float | None:
-    """The engine's cost per layer: the op over read-ordered tables plus 1/LAYERS of the
-    per-step sort (``read_order_us``; absent in results from before the read order)."""
-    p = _t(row["paged_us"], m)
-    return None if p is None else p + (_opt(row, "read_order_us", m) or 0.0) / LAYERS
-
-
 def _ctx(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
@@ -51,8 +41,8 @@ def targets(res: dict) -> list[dict]:
     out = []
     for m in res["methods"]:
         uni = res["uniform"]
-        pc = [(_ratio(_t(r["contig_us"], m), _paged(r, m)), r) for r in uni]
-        sd = [(_ratio(_t(r.get("sdpa_us"), m), _paged(r, m)), r)
+        pc = [(_ratio(_t(r["contig_us"], m), _t(r["paged_us"], m)), r) for r in uni]
+        sd = [(_ratio(_t(r.get("sdpa_us"), m), _t(r["paged_us"], m)), r)
               for r in uni if r["kv_type"] == "f16"]
         rag = {r["kv_type"]: r for r in res["ragged"]}
         q4 = rag.get("q4_0")
@@ -66,7 +56,7 @@ def targets(res: dict) -> list[dict]:
         v, where = worst(pc)
         out.append(dict(method=m, measure="paged / contiguous, every uniform point",
                         target=">= 0.97", value=f"min {v:.3f} ({where})", ok=v >= 0.97))
-        q4_us = _paged(q4, m) if q4 else None
+        q4_us = _t(q4["paged_us"], m) if q4 else None
         frac = q4["live_bytes"] / (q4_us * 1e-6) / 1e9 / bw if q4_us else 0.0
         out.append(dict(method=m, measure="ragged q4_0, fraction of copy bandwidth",
                         target=">= 0.75", value=f"{frac:.2f} ({_fmt(q4_us)} us)",
@@ -74,7 +64,7 @@ def targets(res: dict) -> list[dict]:
         v, where = worst(sd)
         out.append(dict(method=m, measure="f16 paged vs SDPA, every uniform point",
                         target=">= 1.0x", value=f"min {v:.2f}x ({where})", ok=v >= 1.0))
-        r = _ratio(_t(f16.get("sdpa_mask_us"), m), _paged(f16, m)) if f16 else None
+        r = _ratio(_t(f16.get("sdpa_mask_us"), m), _t(f16["paged_us"], m)) if f16 else None
         out.append(dict(method=m, measure="f16 paged vs SDPA padded with a mask, ragged",
                         target=">= 5x", value=f"{_fmt(r, '.2f')}x", ok=bool(r and r >= 5)))
     return out
@@ -84,17 +74,13 @@ def _uniform_rows(res: dict, m: str) -> list[list[str]]:
     bw = res["copy_bandwidth_gbs"]
     rows = []
     for r in res["uniform"]:
-        p, c, s = _paged(r, m), _t(r["contig_us"], m), _opt(r, "sdpa_us", m)
-        lo = _opt(r, "logical_us", m)
+        p, c, s = _t(r["paged_us"], m), _t(r["contig_us"], m), _opt(r, "sdpa_us", m)
         gbs = r["live_bytes"] / (p * 1e-6) / 1e9 if p else None
-        errs = [r.get(k) for k in ("paged_err", "logical_err", "contig_err", "sdpa_err")
-                if k in r]
+        errs = [r.get(k) for k in ("paged_err", "contig_err", "sdpa_err") if k in r]
         ok = all(e is not None and e <= res["check_bound"] for e in errs)
         rows.append([
             r["kv_type"], r["n_seq"], _ctx(r["ctx"]), f"{r['live_bytes'] / 1e6:.1f}",
-            _fmt(p), _cell(r, "read_order_us", _opt(r, "read_order_us", m)), _fmt(c),
-            _fmt(_ratio(c, p), ".3f"), _cell(r, "logical_us", _ratio(c, lo), ".3f"),
-            _fmt(gbs, ".0f"),
+            _fmt(p), _fmt(c), _fmt(_ratio(c, p), ".3f"), _fmt(gbs, ".0f"),
             _fmt(gbs / bw if gbs else None, ".2f"), _cell(r, "sdpa_us", s),
             _cell(r, "sdpa_us", _ratio(s, p), ".2f"),
             f"{max(e for e in errs if e is not None):.1e}" + ("" if ok else " FAIL"),
@@ -119,10 +105,6 @@ def markdown(res: dict) -> str:
         "of calls on rotating input copies (each round reads >= 4x L2). **graph**: rounds "
         "replayed from a CUDA graph (no host launch overhead; the engine's decode path). "
         "**eager**: rounds issued from Python. The same method times every side.\n",
-        "**paged** is the engine's per-layer cost: the op over tables in physical read "
-        "order (`pagedserve/kernels/read_order.py`) plus 1/16 of the sort that puts them "
-        "in that order once per step (**read order us/step**, for the 16 full-attention "
-        "layers). **logical order** is the op over the tables as allocated (shuffled).\n",
         "## Targets\n",
         md_table(["method", "measure", "target", "result", "met"],
                  [[t["method"], t["measure"], t["target"], t["value"],
@@ -131,9 +113,8 @@ def markdown(res: dict) -> str:
                                         "the library's defaults") + ")\n",
         md_table(["K/V type", "config"], [[f, str(c)] for f, c in res["launch"].items()]),
     ]
-    header = ["K/V", "n", "ctx", "live MB", "paged us", "read order us/step", "contig us",
-              "paged / contig", "logical order / contig", "GB/s live", "of copy BW",
-              "SDPA us", "paged vs SDPA", "max err"]
+    header = ["K/V", "n", "ctx", "live MB", "paged us", "contig us", "paged / contig",
+              "GB/s live", "of copy BW", "SDPA us", "paged vs SDPA", "max err"]
     for m in res["methods"]:
         parts += [f"## Uniform batches ({m})\n", md_table(header, _uniform_rows(res, m))]
     parts.append("## Ragged 128K + 7 x 8K (shuffled blocks)\n")
@@ -143,28 +124,23 @@ def markdown(res: dict) -> str:
     rows = []
     for r in res["ragged"]:
         for m in res["methods"]:
-            p, c = _paged(r, m), _t(r["contig_us"], m)
+            p, c = _t(r["paged_us"], m), _t(r["contig_us"], m)
             gbs = r["live_bytes"] / (p * 1e-6) / 1e9 if p else None
             sm, ss = _opt(r, "sdpa_mask_us", m), _opt(r, "sdpa_per_seq_us", m)
-            rows.append([r["kv_type"], m, f"{r['live_bytes'] / 1e6:.0f}", _fmt(p),
-                         _cell(r, "read_order_us", _opt(r, "read_order_us", m)), _fmt(c),
-                         _fmt(_ratio(c, p), ".3f"),
-                         _cell(r, "logical_us", _ratio(c, _opt(r, "logical_us", m)), ".3f"),
-                         _fmt(gbs, ".0f"),
+            rows.append([r["kv_type"], m, f"{r['live_bytes'] / 1e6:.0f}", _fmt(p), _fmt(c),
+                         _fmt(_ratio(c, p), ".3f"), _fmt(gbs, ".0f"),
                          _fmt(gbs / bw if gbs else None, ".2f"), _cell(r, "sdpa_mask_us", sm),
                          _cell(r, "sdpa_mask_us", _ratio(sm, p), ".2f"),
                          _cell(r, "sdpa_per_seq_us", ss),
                          _cell(r, "sdpa_per_seq_us", _ratio(ss, p), ".2f")])
-    parts.append(md_table(["K/V", "method", "live MB", "paged us", "read order us/step",
-                           "contig us", "paged / contig", "logical order / contig",
-                           "GB/s live", "of copy BW", "SDPA+mask us", "paged vs SDPA+mask",
-                           "SDPA per seq us", "paged vs per seq"], rows))
+    parts.append(md_table(["K/V", "method", "live MB", "paged us", "contig us",
+                           "paged / contig", "GB/s live", "of copy BW", "SDPA+mask us",
+                           "paged vs SDPA+mask", "SDPA per seq us", "paged vs per seq"], rows))
     errs = [[r["kv_type"]] + [f"{r[k]:.1e}" if r.get(k) is not None else "-" for k in
-                              ("paged_err", "logical_err", "contig_err", "sdpa_mask_err",
-                               "sdpa_per_seq_err")]
+                              ("paged_err", "contig_err", "sdpa_mask_err", "sdpa_per_seq_err")]
             for r in res["ragged"]]
-    parts.append(md_table(["K/V", "paged err", "logical order err", "contig err",
-                           "SDPA+mask err", "SDPA per seq err"], errs))
+    parts.append(md_table(["K/V", "paged err", "contig err", "SDPA+mask err",
+                           "SDPA per seq err"], errs))
     cap = res["capacity"]
     parts += [
         "## K/V capacity, 128K + 7 x 8K, q4_0 (16 full-attention layers)\n",
@@ -206,13 +182,13 @@ def figure(res: dict, path: Path) -> None:
             if not pts:
                 continue
             ctx = [r["ctx"] / 1024 for r in pts]
-            frac = [r["live_bytes"] / (_paged(r, m) or 1e9) / 1e3 / bw for r in pts]
-            ratio = [_ratio(_t(r["contig_us"], m), _paged(r, m)) or 0 for r in pts]
+            frac = [r["live_bytes"] / (_t(r["paged_us"], m) or 1e9) / 1e3 / bw for r in pts]
+            ratio = [_ratio(_t(r["contig_us"], m), _t(r["paged_us"], m)) or 0 for r in pts]
             label = f"{r_type} n={n}"
             axes[0, 0].plot(ctx, frac, marker=marker, color=color, label=label)
             axes[0, 1].plot(ctx, ratio, marker=marker, color=color, label=label)
             if r_type == "f16":
-                sp = [_ratio(_t(r.get("sdpa_us"), m), _paged(r, m)) or 0 for r in pts]
+                sp = [_ratio(_t(r.get("sdpa_us"), m), _t(r["paged_us"], m)) or 0 for r in pts]
                 axes[1, 0].plot(ctx, sp, marker=marker, color=color, label=label)
     axes[0, 0].set(title="paged: fraction of copy bandwidth (live K/V)", xscale="log",
                    xlabel="context (K tokens)")
@@ -251,7 +227,7 @@ def short_table(res: dict) -> str:
                      f"  {'OK' if t['ok'] else 'MISSED'}")
     m = res["methods"][0]
     for r in res["ragged"]:
-        lines.append(f"ragged {r['kv_type']:5s} paged {_fmt(_paged(r, m))} us  contig "
+        lines.append(f"ragged {r['kv_type']:5s} paged {_fmt(_t(r['paged_us'], m))} us  contig "
                      f"{_fmt(_t(r['contig_us'], m))} us ({m})")
     lines.append(f"copy bandwidth {res['copy_bandwidth_gbs']:.0f} GB/s; launch "
                  f"{res['launch']}")

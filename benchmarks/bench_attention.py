@@ -15,10 +15,6 @@ One run on one GPU measures, side by side (Qwen3.5/3.6 attention: D=256, Hq=24, 
   its fraction of copy bandwidth; for f16 also torch SDPA (``enable_gqa=True``);
 - ragged 128K + 7 x 8K at q4_0 and f16 over shuffled physical blocks: paged, contiguous
   (padded to 128K), and for f16 SDPA padded with a mask and SDPA once per sequence;
-- "paged" is the engine's call: tables in physical read order (``kernels.read_order``,
-  sorted once per step for all full-attention layers; the sort is timed too, and the
-  targets charge each layer 1/16 of it). The same op over the tables in logical order is
-  timed alongside;
 - the K/V capacity projection (``pagedserve.plan.workload_report``).
 
 Every timed output is checked against the torch reference (max error / max |ref| <= 5e-3),
@@ -35,7 +31,6 @@ script itself without a GPU.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -58,7 +53,6 @@ from pagedserve.kernels.decode_plan import (  # noqa: E402
     default_config,
     default_occupancy,
 )
-from pagedserve.kernels.read_order import physical_read_order  # noqa: E402
 from pagedserve.kv import formats  # noqa: E402
 from pagedserve.kv.formats import KVBlockStorage  # noqa: E402
 from pagedserve.kv.memory import KVFootprint  # noqa: E402
@@ -173,13 +167,6 @@ def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str,
                   torch.tensor(lens, dtype=torch.int32, device=device), list(lens))
 
 
-def read_ordered(src: Inputs) -> Inputs:
-    """The same inputs with the tables in physical read order, as the engine passes them
-    (``ForwardBatch.with_read_order``); its own output buffer."""
-    return dataclasses.replace(src, tables=physical_read_order(src.tables, src.lens, BS),
-                               out=torch.empty_like(src.out), ref=None)
-
-
 def contiguous_of(src: Inputs, pad_len: int) -> Inputs:
     """The same values, one block of ``pad_len`` rows per sequence (the padded layout)."""
     B, device = src.tables.shape[0], src.q.device
@@ -233,11 +220,6 @@ class Runner:
         paged_decode.paged_decode_attention(inp.q, inp.k, inp.v, inp.tables, inp.lens, SCALE,
                                             workspace=ws, out=inp.out, config=launch.config,
                                             validate=False)
-
-
-def read_order(inp: Inputs) -> torch.Tensor:
-    """The engine's once-per-step sort of the tables (timed as its own side)."""
-    return physical_read_order(inp.tables, inp.lens, BS)
 
 
 def sdpa(inp: Inputs, mode: str) -> torch.Tensor:
@@ -344,39 +326,32 @@ class Bench:
 
     def uniform_point(self, kv_type: str, n: int, ctx: int, launch: Launch) -> dict:
         lens = (ctx,) * n
-        logical = self.copies(kv_type, lens)
-        paged = [read_ordered(p) for p in logical]
-        contig = [contiguous_of(p, ctx) for p in logical]
+        paged = self.copies(kv_type, lens)
+        contig = [contiguous_of(p, ctx) for p in paged]
         row = {"kv_type": kv_type, "n_seq": n, "ctx": ctx,
                "live_bytes": live_bytes(kv_type, lens), "copies": len(paged)}
         run = self.runner.ours
         sides = {"paged": [lambda p=p: run(p, launch) for p in paged],
-                 "logical": [lambda p=p: run(p, launch) for p in logical],
-                 "contig": [lambda c=c: run(c, launch) for c in contig],
-                 "read_order": [lambda p=p: read_order(p) for p in logical]}
+                 "contig": [lambda c=c: run(c, launch) for c in contig]}
         if kv_type == "f16":
             sides["sdpa"] = [lambda c=c: sdpa(c, "full") for c in contig]
         for name, us in timed(sides, self.methods).items():
             row[f"{name}_us"] = us
-        # Every side against the reference over the logical tables.
-        for name, inp in (("paged", paged[0]), ("logical", logical[0]), ("contig", contig[0])):
-            row[f"{name}_err"] = rel_err(inp.out, logical[0])
+        row["paged_err"] = rel_err(paged[0].out, paged[0])
+        row["contig_err"] = rel_err(contig[0].out, paged[0])
         if kv_type == "f16":
-            row["sdpa_err"] = rel_err(sdpa(contig[0], "full"), logical[0])
+            row["sdpa_err"] = rel_err(sdpa(contig[0], "full"), paged[0])
         return row
 
     def ragged_case(self, kv_type: str, launch: Launch) -> dict:
         lens = self.sizes.ragged
-        logical = paged_inputs(kv_type, lens, 7, self.device)
-        paged = read_ordered(logical)
-        contig = contiguous_of(logical, max(lens))
+        paged = paged_inputs(kv_type, lens, 7, self.device)
+        contig = contiguous_of(paged, max(lens))
         row = {"kv_type": kv_type, "lens": list(lens), "live_bytes": live_bytes(kv_type, lens),
                "paged_pool_bytes": paged.k.nbytes + paged.v.nbytes,
                "contig_bytes": contig.k.nbytes + contig.v.nbytes}
         run = self.runner.ours
-        sides = {"paged": [lambda: run(paged, launch)], "logical": [lambda: run(logical, launch)],
-                 "contig": [lambda: run(contig, launch)],
-                 "read_order": [lambda: read_order(logical)]}
+        sides = {"paged": [lambda: run(paged, launch)], "contig": [lambda: run(contig, launch)]}
         if kv_type == "f16":
             col = torch.arange(max(lens), device=self.device)
             contig.mask = (col[None, :] < paged.lens[:, None])[:, None, None, :]  # [B,1,1,L]
@@ -384,11 +359,11 @@ class Bench:
                 sides[f"sdpa_{mode}"] = [lambda m=mode: sdpa(contig, m)]
         for name, us in timed(sides, self.methods).items():
             row[f"{name}_us"] = us
-        for name, inp in (("paged", paged), ("logical", logical), ("contig", contig)):
-            row[f"{name}_err"] = rel_err(inp.out, logical)
+        row["paged_err"] = rel_err(paged.out, paged)
+        row["contig_err"] = rel_err(contig.out, paged)
         if kv_type == "f16":
             for mode in ("mask", "per_seq"):
-                row[f"sdpa_{mode}_err"] = rel_err(sdpa(contig, mode), logical)
+                row[f"sdpa_{mode}_err"] = rel_err(sdpa(contig, mode), paged)
         return row
 
 

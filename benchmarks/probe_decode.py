@@ -24,7 +24,6 @@ runs toy sizes on the CPU under ``TRITON_INTERPRET=1`` to check the script.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -41,7 +40,6 @@ from pagedserve.kernels.decode_plan import (  # noqa: E402
     default_config,
     default_occupancy,
 )
-from pagedserve.kernels.read_order import physical_read_order  # noqa: E402
 
 
 def parse_launch(spec: str, kv_type: str) -> ba.Launch:
@@ -79,8 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=0,
                     help="shuffle paged blocks only within runs of this many consecutive "
                          "blocks (1: in order; 0, the default: the whole pool)")
-    ap.add_argument("--physical-order", action="store_true",
-                    help="paged tables in physical read order (read_order.py)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     launches = [parse_launch(s, args.kv_type) for s in args.launch]
@@ -95,9 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases:
         lens = parse_case(case, sizes.ragged)
         paged = bench.copies(args.kv_type, lens, seed=7, window=args.window)
-        if args.physical_order:
-            paged = [dataclasses.replace(p, tables=physical_read_order(p.tables, p.lens, ba.BS))
-                     for p in paged]
         contig = [ba.contiguous_of(p, max(lens)) for p in paged]
         sdpa_us = None
         if args.sdpa and args.kv_type == "f16":

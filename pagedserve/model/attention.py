@@ -80,10 +80,9 @@ class GatedAttention(nn.Module):
         nd = batch.num_decode_seqs
         decode = prefill = None
         if nd:
-            tables = batch.decode_read_tables
             decode = ops.paged_decode_attention(
-                q[:nd], cache_k, cache_v, batch.block_tables[:nd] if tables is None else tables,
-                batch.seq_lens[:nd], self.scale, workspace=workspace,
+                q[:nd], cache_k, cache_v, batch.block_tables[:nd], batch.seq_lens[:nd],
+                self.scale, workspace=workspace,
             )
         if nd < batch.num_seqs:
             prefill = prefill_attention(

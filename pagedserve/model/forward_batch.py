@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.read_order import physical_read_order
 from pagedserve.kv.handles import Handle
 from pagedserve.kv.kv_manager import KVCacheManager
 
@@ -27,11 +26,6 @@ class ForwardBatch:
 
     Host copies (plain lists, so planning never syncs the device):
         query_start_loc_cpu, seq_lens_cpu
-
-    Derived once per step on the device (``with_read_order``), for every layer:
-        decode_read_tables: int32 ``[num_decode_seqs, max_blocks]``, the decode rows'
-            tables in physical read order (``kernels.read_order``); ``None``: read
-            ``block_tables`` as they are
     """
 
     input_ids: torch.Tensor
@@ -45,19 +39,6 @@ class ForwardBatch:
     num_decode_seqs: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    decode_read_tables: torch.Tensor | None = None
-
-    def with_read_order(self, block_size: int) -> ForwardBatch:
-        """This batch with ``decode_read_tables`` set, on CUDA: decode reads each sequence's
-        blocks in ascending physical order, which on the H200 brings paged f16 decode
-        attention over a shuffled pool 1-1.5% closer to the contiguous layout's speed
-        (docs/benchmarks). One sort per step, shared by every full-attention layer. On the
-        CPU (the reference path) nothing changes."""
-        nd = self.num_decode_seqs
-        if not (nd and self.block_tables.is_cuda):
-            return self
-        return replace(self, decode_read_tables=physical_read_order(
-            self.block_tables[:nd], self.seq_lens[:nd], block_size))
 
     @property
     def num_seqs(self) -> int:

@@ -112,8 +112,6 @@ class Qwen3_5Model(nn.Module):
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Run one step; returns the final-normed hidden states ``[T, H]``."""
-        if caches.kv:
-            batch = batch.with_read_order(caches.kv[0][0].block_size)
         h = self.embed_tokens(batch.input_ids)  # [T, H]
         cos, sin = self.rotary(batch.positions)  # [T, rotary_dim] float32
         # transformers rounds the angles to the model dtype before rotating.
