@@ -145,21 +145,21 @@ def _placement(num_blocks: int, window: int, gen: torch.Generator) -> torch.Tens
 
 
 def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str,
-                 window: int = 0) -> Inputs:
+                 window: int = 0, block_size: int = BS) -> Inputs:
     """A pool holding exactly the sequences' blocks, in shuffled physical order.
     ``window`` (a what-if of ``probe_decode.py``): 0 shuffles the whole pool; N >= 1
     shuffles only within each run of N consecutive blocks (1: each sequence's blocks
-    consecutive, in order)."""
+    consecutive, in order). ``block_size``: tokens per block (a what-if too)."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    need = [-(-n // BS) for n in lens]
+    need = [-(-n // block_size) for n in lens]
     perm = _placement(sum(need), window, torch.Generator().manual_seed(seed))
     tables = torch.full((len(lens), max(need)), -1, dtype=torch.int32)
     start = 0
     for b, n in enumerate(need):
         tables[b, :n] = perm[start:start + n].to(torch.int32)
         start += n
-    k = KVBlockStorage.allocate(kv_type, sum(need), BS, HKV, D, device=device)
-    v = KVBlockStorage.allocate(kv_type, sum(need), BS, HKV, D, device=device)
+    k = KVBlockStorage.allocate(kv_type, sum(need), block_size, HKV, D, device=device)
+    v = KVBlockStorage.allocate(kv_type, sum(need), block_size, HKV, D, device=device)
     _fill(k, gen)
     _fill(v, gen)
     q = torch.randn(len(lens), HQ, D, generator=gen, device=device, dtype=torch.float16)
@@ -174,11 +174,12 @@ def contiguous_of(src: Inputs, pad_len: int) -> Inputs:
     for cache in (src.k, src.v):
         c = KVBlockStorage.allocate(cache.kv_type, B, pad_len, HKV, D, device=device)
         for b in range(B):
-            n = -(-src.lens_list[b] // BS)
+            bs = cache.block_size
+            n = -(-src.lens_list[b] // bs)
             ids = src.tables[b, :n].long()
             for dst, part in ((c.data, cache.data), (c.scales, cache.scales)):
                 if part is not None:
-                    dst[b, :, :n * BS] = part[ids].permute(1, 0, 2, 3).reshape(HKV, n * BS, -1)
+                    dst[b, :, :n * bs] = part[ids].permute(1, 0, 2, 3).reshape(HKV, n * bs, -1)
         caches.append(c)
     table = torch.arange(B, dtype=torch.int32, device=device)[:, None]
     return Inputs(src.q, torch.empty_like(src.q), caches[0], caches[1], table, src.lens,
@@ -282,9 +283,10 @@ class Bench:
         self.runner = Runner(device)
 
     def copies(self, kv_type: str, lens: tuple[int, ...], seed: int = 0,
-               window: int = 0) -> list[Inputs]:
+               window: int = 0, block_size: int = BS) -> list[Inputs]:
         n = copies_for(live_bytes(kv_type, lens), self.l2, self.sizes)
-        return [paged_inputs(kv_type, lens, seed + i, self.device, window) for i in range(n)]
+        return [paged_inputs(kv_type, lens, seed + i, self.device, window, block_size)
+                for i in range(n)]
 
     def sweep(self, kv_type: str) -> tuple[Launch, list[dict]]:
         """Coordinate descent over the sweep space; score = geometric mean of the first

@@ -15,7 +15,8 @@ A launch is ``MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:MAXNREG:OCCUPANCY[:TABLE_R
 ``table_ahead=False``; ``row`` unless given); ``default`` is the library's choice for the
 type. A case is ``ragged`` (128K + 7 x 8K) or ``LENxN``. ``--window N`` shuffles the
 paged blocks only within runs of N consecutive blocks (1: each sequence's blocks in
-order): is a gap the table or the memory placement, and at what scale? A launch that
+order): is a gap the table or the memory placement, and at what scale? ``--block-size``
+sets the paged blocks' tokens (16 in the engine) for the same question. A launch that
 fails (say, out of shared memory) prints its error and the probe goes on. Prints one
 row per (case, launch) and writes ``probe_decode.json`` to $OUT when set. ``--dry-run``
 runs toy sizes on the CPU under ``TRITON_INTERPRET=1`` to check the script.
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=0,
                     help="shuffle paged blocks only within runs of this many consecutive "
                          "blocks (1: in order; 0, the default: the whole pool)")
+    ap.add_argument("--block-size", type=int, default=ba.BS,
+                    help="tokens per paged block (a what-if: the engine's is 16)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     launches = [parse_launch(s, args.kv_type) for s in args.launch]
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for case in args.cases:
         lens = parse_case(case, sizes.ragged)
-        paged = bench.copies(args.kv_type, lens, seed=7, window=args.window)
+        paged = bench.copies(args.kv_type, lens, seed=7, window=args.window,
+                             block_size=args.block_size)
         contig = [ba.contiguous_of(p, max(lens)) for p in paged]
         sdpa_us = None
         if args.sdpa and args.kv_type == "f16":
