@@ -336,3 +336,41 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
         ops.paged_decode_attention(torch.randn(1, 1, 64).half(), ck, cv, table,
                                    torch.tensor([8], dtype=torch.int32), 0.1, backend="triton")
+
+
+# merge_heads: one program reads all K/V heads; SPLIT's 16-token tiles hold 16 / Hkv
+# tokens of each head, so 32 rows of 2 heads make 16-token tiles of 8 tokens per head.
+MERGED = DecodeConfig(block_n=32, min_partition=32, merge_heads=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("bf16", "bf16"), ("f16", "bf16")])
+@pytest.mark.parametrize("hkv,group", [(2, 3), (4, 1), (1, 8)])
+def test_triton_merged_heads_split_and_merge(k_type, v_type, hkv, group):
+    lens = [1, 15, 16, 17, 33, 150, 0]
+    out, ref = run(k_type, v_type, lens, hkv=hkv, group=group, config=MERGED)
+    assert rel_error(out, ref) <= bound(k_type, v_type)
+
+
+@needs_triton
+def test_triton_merged_heads_contiguous_layout():
+    lens = [40, 7, 0]
+    ck, cv, _, tables = build_pool("f16", "f16", lens, num_kv_heads=4, head_dim=64, seed=5,
+                                   device=TRITON_DEVICE, block_size=64)
+    # One 64-row block per sequence: the contiguous layout's one-column table.
+    table = torch.tensor([[t[0]] if t else [0] for t in tables], dtype=torch.int32)
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(6)).half()
+    out = ops.paged_decode_attention(q.to(TRITON_DEVICE), ck, cv, table.to(TRITON_DEVICE),
+                                     torch.tensor(lens, dtype=torch.int32, device=TRITON_DEVICE),
+                                     0.125, config=MERGED, validate=True)
+    ref = decode_oracle(q, ck, cv, tables, lens, 0.125)
+    assert rel_error(out, ref) <= bound("f16", "f16")
+
+
+@needs_triton
+@pytest.mark.parametrize("k_type,v_type,hkv", [("q8_0", "f16", 2), ("f16", "f16", 3)])
+def test_triton_merged_heads_falls_back_to_one_head(k_type, v_type, hkv):
+    """Quantized K or V, or a head count that is not a power of 2: one head per program,
+    the same results."""
+    out, ref = run(k_type, v_type, [17, 150], hkv=hkv, group=2, config=MERGED)
+    assert rel_error(out, ref) <= bound(k_type, v_type)
