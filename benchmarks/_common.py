@@ -174,13 +174,8 @@ def write_outputs(out_dir: Path, stem: str, results: dict, markdown: str,
 
 def table_read_fields(text: str) -> dict:
     """A launch spec's table-read field as ``DecodeConfig`` fields: ``row`` or ``block``,
-    then optional suffixes ``-now`` (``table_ahead=False``) and ``-heads``
-    (``merge_heads=True``), e.g. ``row-heads`` (probe_decode.py, decode_sass.py)."""
-    read, *suffixes = text.split("-")
-    if read not in ("row", "block") or not set(suffixes) <= {"now", "heads"}:
-        raise SystemExit(f"bad table-read field {text!r}: want row|block[-now][-heads]")
-    return {"table_read": read, "table_ahead": "now" not in suffixes,
-            "merge_heads": "heads" in suffixes}
+    with a ``-now`` suffix for ``table_ahead=False`` (probe_decode.py, decode_sass.py)."""
+    return {"table_read": text.removesuffix("-now"), "table_ahead": not text.endswith("-now")}
 
 
 def md_table(header: list[str], rows: list[list[object]]) -> str:

@@ -101,15 +101,6 @@ class DecodeConfig:
             pool's block size, else ``"row"``).
         table_ahead: load the next tile's block ids while the current tile is read (hides
             the table lookup's latency; holds the ids in registers meanwhile).
-        merge_heads: one program reads all K/V heads of its tokens, each tile
-            ``block_n / Hkv`` tokens of every head, instead of one head per program. A
-            block's heads lie together (``[num_blocks, Hkv, block_size, W]``), so each
-            jump to a block reads one piece Hkv times larger (32 KB instead of 8 at f16
-            for Qwen3.5): a scattered pool reads closer to the contiguous speed. The
-            query heads of all K/V heads share the dots, so each score and product row
-            also meets the other heads' tokens (masked): Hkv times the tensor-core work
-            per token against ``G_PAD / G``. f16/bf16 K and V only
-            (``paged_decode.merged_heads_fit``); other launches take one head.
         maxnreg: registers per thread the compiler may use (``None``: its own choice,
             up to 255). Fewer registers let more programs share an SM; a quantized tile
             loop is latency-bound, so more resident warps can pay for a few spills.
@@ -126,7 +117,6 @@ class DecodeConfig:
     maxnreg: int | None = None
     table_read: str = "row"
     table_ahead: bool = True
-    merge_heads: bool = False
 
     def __post_init__(self) -> None:
         if not (_is_pow2(self.block_n) and 16 <= self.block_n <= 256):
@@ -260,8 +250,7 @@ class DecodeWorkspace:
 
     Attributes:
         part_acc: float32 ``[Hkv, C, G, D]``: unnormalized partial outputs, one slot per
-            chunk (``C = max(W Hkv, max_batch)``, the most chunks a plan makes per head:
-            a ``merge_heads`` launch plans ``W Hkv`` chunks of all heads).
+            chunk (``C = max(W, max_batch)``, the most chunks a plan makes per head).
         part_ml: float32 ``[Hkv, C, G, 2]``: running max (log2 domain) and sum per slot.
         group_counters: int32 ``[Hkv, C]``: chunks finished per merge group, indexed by
             the group's first slot; zero between launches.
@@ -296,7 +285,7 @@ class DecodeWorkspace:
         self.max_batch = max_batch
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         group = num_q_heads // num_kv_heads
-        self.max_chunks = max(self.chunk_budget * num_kv_heads, max_batch)
+        self.max_chunks = max(self.chunk_budget, max_batch)
         shape = (num_kv_heads, self.max_chunks, group)
         self.part_acc = torch.empty((*shape, head_dim), dtype=torch.float32, device=self.device)
         self.part_ml = torch.empty((*shape, 2), dtype=torch.float32, device=self.device)

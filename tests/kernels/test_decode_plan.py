@@ -87,14 +87,13 @@ def test_config_and_workspace_reject_bad_values():
 
 
 def test_workspace_sizes():
-    # W = 2 * 132 / 4 chunks per head; slots for W * Hkv (a merge_heads plan's chunks).
     ws = DecodeWorkspace(8, 24, 4, 256, "cpu", occupancy=2.0, num_sms=132)
-    assert ws.chunk_budget == 66 and ws.max_chunks == 264
-    assert tuple(ws.part_acc.shape) == (4, 264, 6, 256)
-    assert tuple(ws.part_ml.shape) == (4, 264, 6, 2)
-    assert tuple(ws.group_counters.shape) == (4, 264) and tuple(ws.seq_counters.shape) == (8, 4)
+    assert ws.chunk_budget == 66 and ws.max_chunks == 66
+    assert tuple(ws.part_acc.shape) == (4, 66, 6, 256)
+    assert tuple(ws.part_ml.shape) == (4, 66, 6, 2)
+    assert tuple(ws.group_counters.shape) == (4, 66) and tuple(ws.seq_counters.shape) == (8, 4)
     assert ws.counters_clear()
-    assert DecodeWorkspace(300, 24, 4, 256, "cpu", num_sms=132).max_chunks == 300
+    assert DecodeWorkspace(100, 24, 4, 256, "cpu", num_sms=132).max_chunks == 100
     with pytest.raises(ValueError, match="batch 9 exceeds"):
         ws.check_fits(9, 24, 4, 256, torch.device("cpu"))
 
