@@ -173,8 +173,8 @@ def contiguous_of(src: Inputs, pad_len: int) -> Inputs:
     caches = []
     for cache in (src.k, src.v):
         c = KVBlockStorage.allocate(cache.kv_type, B, pad_len, HKV, D, device=device)
+        bs = cache.block_size
         for b in range(B):
-            bs = cache.block_size
             n = -(-src.lens_list[b] // bs)
             ids = src.tables[b, :n].long()
             for dst, part in ((c.data, cache.data), (c.scales, cache.scales)):
