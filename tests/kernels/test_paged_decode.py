@@ -336,3 +336,44 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
         ops.paged_decode_attention(torch.randn(1, 1, 64).half(), ck, cv, table,
                                    torch.tensor([8], dtype=torch.int32), 0.1, backend="triton")
+
+
+# heads_per_program: one program reads n K/V heads; its 16 n-row tiles hold 16 tokens
+# of each, and 16-token partitions split every sequence longer than 16 tokens (150
+# tokens merge in two levels).
+def several_heads(n: int) -> DecodeConfig:
+    return DecodeConfig(block_n=16 * n, min_partition=16, heads_per_program=n)
+
+
+@needs_triton
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("bf16", "bf16"), ("f16", "bf16")])
+@pytest.mark.parametrize("hkv,group,heads", [(2, 3, 2), (4, 1, 2), (4, 2, 4), (1, 8, 1)])
+def test_triton_several_heads_split_and_merge(k_type, v_type, hkv, group, heads):
+    lens = [1, 15, 16, 17, 33, 150, 0]
+    out, ref = run(k_type, v_type, lens, hkv=hkv, group=group, config=several_heads(heads))
+    assert rel_error(out, ref) <= bound(k_type, v_type)
+
+
+@needs_triton
+@pytest.mark.parametrize("heads", [2, 4])
+def test_triton_several_heads_contiguous_layout(heads):
+    lens = [40, 7, 0]
+    ck, cv, _, tables = build_pool("f16", "f16", lens, num_kv_heads=4, head_dim=64, seed=5,
+                                   device=TRITON_DEVICE, block_size=64)
+    # One 64-row block per sequence: the contiguous layout's one-column table.
+    table = torch.tensor([[t[0]] if t else [0] for t in tables], dtype=torch.int32)
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(6)).half()
+    out = ops.paged_decode_attention(q.to(TRITON_DEVICE), ck, cv, table.to(TRITON_DEVICE),
+                                     torch.tensor(lens, dtype=torch.int32, device=TRITON_DEVICE),
+                                     0.125, config=several_heads(heads), validate=True)
+    ref = decode_oracle(q, ck, cv, tables, lens, 0.125)
+    assert rel_error(out, ref) <= bound("f16", "f16")
+
+
+@needs_triton
+@pytest.mark.parametrize("k_type,v_type,hkv", [("q8_0", "f16", 2), ("f16", "f16", 3)])
+def test_triton_several_heads_fall_back_to_one_head(k_type, v_type, hkv):
+    """Quantized K or V, or a head count the request does not divide: one head per
+    program, the same results."""
+    out, ref = run(k_type, v_type, [17, 150], hkv=hkv, group=2, config=several_heads(2))
+    assert rel_error(out, ref) <= bound(k_type, v_type)
