@@ -174,18 +174,8 @@ def write_outputs(out_dir: Path, stem: str, results: dict, markdown: str,
 
 def table_read_fields(text: str) -> dict:
     """A launch spec's table-read field as ``DecodeConfig`` fields: ``row`` or ``block``,
-    then optional suffixes ``-now`` (``table_ahead=False``) and ``-hN``
-    (``heads_per_program=N``), e.g. ``row-h2`` (probe_decode.py, decode_sass.py)."""
-    read, *suffixes = text.split("-")
-    fields = {"table_read": read, "table_ahead": True}
-    for suffix in suffixes:
-        if suffix == "now":
-            fields["table_ahead"] = False
-        elif suffix[:1] == "h" and suffix[1:].isdigit():
-            fields["heads_per_program"] = int(suffix[1:])
-        else:
-            raise SystemExit(f"bad table-read field {text!r}: want row|block[-now][-hN]")
-    return fields
+    with a ``-now`` suffix for ``table_ahead=False`` (probe_decode.py, decode_sass.py)."""
+    return {"table_read": text.removesuffix("-now"), "table_ahead": not text.endswith("-now")}
 
 
 def md_table(header: list[str], rows: list[list[object]]) -> str:

@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
 # Stages: tests-kernels (or tests-kernels-grid + tests-kernels-small) tests-packed
 #         tests-fragment (the Gluon q4_0 / q8_0 kernel's GPU tests) tests-triton (the rest)
-#         tests-graph tests-heads tests-heads-gpu tests-gdn tests-engine tests-model bench-attention (library defaults)
+#         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode bench-model bench-engine bench-serve probe-decode
 #         trace-decode.
@@ -67,10 +67,6 @@ for spec in "$@"; do
                      -k "not fragment" ;;
     tests-trace)   run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      -k "trace" ;;
-    tests-heads)   run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode.py \
-                     -k "several or contiguous or boundary or gqa or head_dims or all_type" ;;
-    tests-heads-gpu) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
-                     -k "(f16 and not fragment) or graph or ragged_many or tile_configs" ;;
     tests-graph)   run_stage "$stage" "$limit" $PYTEST \
                      tests/kernels/test_paged_decode_gpu.py::test_cuda_graph_capture_and_replay ;;
     tests-gdn)     run_stage "$stage" "$limit" $PYTEST tests/kernels/test_gdn_triton.py ;;

@@ -101,16 +101,6 @@ class DecodeConfig:
             pool's block size, else ``"row"``).
         table_ahead: load the next tile's block ids while the current tile is read (hides
             the table lookup's latency; holds the ids in registers meanwhile).
-        heads_per_program: consecutive K/V heads one program reads (a power of 2); a
-            tile holds ``block_n / heads_per_program`` tokens of each. A block's heads
-            lie together (``[num_blocks, Hkv, block_size, W]``), so each jump to a
-            block reads one piece that many times larger (f16, Qwen3.5: 8 KB per head):
-            a scattered pool reads closer to the contiguous speed. The query heads of
-            the program's K/V heads share the dots, each row masked to its own head's
-            tokens, so the tensor-core work per token grows once ``G * heads`` passes
-            the 16 rows a dot pads to. f16/bf16 K and V only
-            (``paged_decode.heads_per_program``); other launches take one head.
-            ``min_partition`` counts tokens and must be a multiple of a tile's tokens.
         maxnreg: registers per thread the compiler may use (``None``: its own choice,
             up to 255). Fewer registers let more programs share an SM; a quantized tile
             loop is latency-bound, so more resident warps can pay for a few spills.
@@ -127,7 +117,6 @@ class DecodeConfig:
     maxnreg: int | None = None
     table_read: str = "row"
     table_ahead: bool = True
-    heads_per_program: int = 1
 
     def __post_init__(self) -> None:
         if not (_is_pow2(self.block_n) and 16 <= self.block_n <= 256):
@@ -136,17 +125,10 @@ class DecodeConfig:
             raise ValueError(f"num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
         if not 1 <= self.num_stages <= 6:
             raise ValueError(f"num_stages must be in [1, 6], got {self.num_stages}")
-        if not (_is_pow2(self.heads_per_program) and self.heads_per_program <= 16):
+        if self.min_partition <= 0 or self.min_partition % self.block_n:
             raise ValueError(
-                f"heads_per_program must be a power of 2 in [1, 16], got "
-                f"{self.heads_per_program}"
-            )
-        tile_tokens = self.block_n // self.heads_per_program
-        if self.min_partition <= 0 or self.min_partition % tile_tokens:
-            raise ValueError(
-                f"min_partition must be a positive multiple of the tile's {tile_tokens} "
-                f"tokens (block_n={self.block_n} / heads_per_program="
-                f"{self.heads_per_program}), got {self.min_partition}"
+                f"min_partition must be a positive multiple of block_n={self.block_n}, "
+                f"got {self.min_partition}"
             )
         if self.maxnreg is not None and not (self.maxnreg % 8 == 0 and 32 <= self.maxnreg <= 248):
             raise ValueError(
@@ -219,8 +201,7 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
     if "q4_0" in (k_type, v_type):
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="packed", table_read="block", table_ahead=False)
-    return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=64,
-                        heads_per_program=2)
+    return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128)
 
 
 @functools.cache
@@ -269,8 +250,7 @@ class DecodeWorkspace:
 
     Attributes:
         part_acc: float32 ``[Hkv, C, G, D]``: unnormalized partial outputs, one slot per
-            chunk (``C = max(W Hkv, max_batch)``, the most chunks a plan makes per head:
-            a launch of several heads per program plans up to ``W Hkv`` chunks).
+            chunk (``C = max(W, max_batch)``, the most chunks a plan makes per head).
         part_ml: float32 ``[Hkv, C, G, 2]``: running max (log2 domain) and sum per slot.
         group_counters: int32 ``[Hkv, C]``: chunks finished per merge group, indexed by
             the group's first slot; zero between launches.
@@ -305,7 +285,7 @@ class DecodeWorkspace:
         self.max_batch = max_batch
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         group = num_q_heads // num_kv_heads
-        self.max_chunks = max(self.chunk_budget * num_kv_heads, max_batch)
+        self.max_chunks = max(self.chunk_budget, max_batch)
         shape = (num_kv_heads, self.max_chunks, group)
         self.part_acc = torch.empty((*shape, head_dim), dtype=torch.float32, device=self.device)
         self.part_ml = torch.empty((*shape, 2), dtype=torch.float32, device=self.device)

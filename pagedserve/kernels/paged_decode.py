@@ -60,30 +60,19 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tile_tokens(start, BLOCK_N: tl.constexpr, TN: tl.constexpr):
-    """The token of each row of the tile at ``start``: ``[BLOCK_N]``. A tile holds ``TN``
-    tokens of each of ``BLOCK_N / TN`` K/V heads, head-major (row ``r``: head ``r // TN``,
-    token ``start + r % TN``)."""
-    if TN == BLOCK_N:
-        return start + tl.arange(0, BLOCK_N)
-    else:
-        return start + tl.arange(0, BLOCK_N) % TN
-
-
-@triton.jit
 def _tile_block_ids(table_row, start, tok_hi, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    TABLE_READ: tl.constexpr, TN: tl.constexpr):
+                    TABLE_READ: tl.constexpr):
     """The block id of each row of the tile at token ``start``: int32 ``[BLOCK_N]``, -1
-    past ``tok_hi``. ``"row"``: one table load per row (``_tile_tokens``); ``"block"``
-    (one K/V head per tile): one per block of ``BS`` rows, broadcast to its rows
-    (``start`` is a multiple of ``BS``, and ``BS`` divides ``BLOCK_N``)."""
+    past ``tok_hi``. ``"row"``: one table load per row; ``"block"``: one per block of
+    ``BS`` rows, broadcast to its rows (``start`` is a multiple of ``BS``, and ``BS``
+    divides ``BLOCK_N``)."""
     if TABLE_READ == "block":
         NB: tl.constexpr = BLOCK_N // BS
         blk = start // BS + tl.arange(0, NB)
         ids = tl.load(table_row + blk, mask=blk * BS < tok_hi, other=-1)  # [NB]
         return tl.reshape(tl.broadcast_to(ids[:, None], (NB, BS)), (BLOCK_N,))
     else:
-        tok = _tile_tokens(start, BLOCK_N, TN)
+        tok = start + tl.arange(0, BLOCK_N)
         return tl.load(table_row + tok // BS, mask=tok < tok_hi, other=-1)
 
 
@@ -103,44 +92,32 @@ def _paged_decode_kernel(
     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QUANT_DOT: tl.constexpr,
     K_GROUP: tl.constexpr, ACC: tl.constexpr, PAGED: tl.constexpr,
     MERGE_UNROLL: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
-    TABLE_READ: tl.constexpr, TABLE_AHEAD: tl.constexpr, HEADS: tl.constexpr,
-    ROWS_PAD: tl.constexpr,
+    TABLE_READ: tl.constexpr, TABLE_AHEAD: tl.constexpr,
 ):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
     NG: tl.constexpr = D // 32
-    # HEADS consecutive K/V heads per program (``DecodeConfig.heads_per_program``: a
-    # block's heads lie together, so they are read as one piece). Program (i, j) takes
-    # heads h .. h + HEADS - 1 (h = j - j % HEADS) and chunk i * HEADS + j % HEADS of a
-    # plan with HEADS times the chunk budget (``chunk_budget`` arrives multiplied); a
-    # tile holds TN tokens of each of its heads.
-    TN: tl.constexpr = BLOCK_N // HEADS
-    ROWS: tl.constexpr = G * HEADS  # query heads per program, padded to ROWS_PAD
-    if HEADS == 1:
-        pid = tl.program_id(0)
-        h = tl.program_id(1)
-    else:
-        pid = tl.program_id(0) * HEADS + tl.program_id(1) % HEADS
-        h = tl.program_id(1) - tl.program_id(1) % HEADS
     num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
-        lens_ptr, batch, capacity, chunk_budget, pid, tl.arange(0, B_PAD), TN,
+        lens_ptr, batch, capacity, chunk_budget, pid, tl.arange(0, B_PAD), BLOCK_N,
         MIN_PARTITION
     )
     if pid >= num_chunks:
         return
 
     if K_TYPE == "bf16":
-        q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, ROWS, ROWS_PAD, D,
-                   NG, K_GROUP, tl.bfloat16, False)
+        q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
+                   K_GROUP, tl.bfloat16, False)
     else:
-        q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, ROWS, ROWS_PAD, D,
-                   NG, K_GROUP, tl.float16, K_TYPE == "q4_0" and QUANT_DOT == "packed")
-    m_i = tl.full([ROWS_PAD], NEG_BIG, tl.float32)
-    l_i = tl.zeros([ROWS_PAD], tl.float32)
+        q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
+                   K_GROUP, tl.float16, K_TYPE == "q4_0" and QUANT_DOT == "packed")  # halves
+    m_i = tl.full([G_PAD], NEG_BIG, tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
     if ACC == "group":
         acc = tl.zeros([NG, G_PAD, 32], tl.float32)
     elif ACC == "halves":
         acc = tl.zeros([G_PAD, D // 2, 2], tl.float32)
     else:
-        acc = tl.zeros([ROWS_PAD, D], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
 
     table_row = table_ptr + b * stride_tb
     lane = tl.arange(0, BLOCK_N)
@@ -153,27 +130,21 @@ def _paged_decode_kernel(
         # table lookup's latency hides behind the current tile instead of preceding it
         # (at the cost of the registers that hold them).
         if TABLE_AHEAD:
-            ids_next = _tile_block_ids(table_row, tok_lo, tok_hi, BS, BLOCK_N, TABLE_READ, TN)
+            ids_next = _tile_block_ids(table_row, tok_lo, tok_hi, BS, BLOCK_N, TABLE_READ)
     else:
         rows_per_block = capacity  # one block per sequence, padded to the longest
         block0 = tl.load(table_row)
         block0_ok = (block0 >= 0) & (block0 < num_blocks)
-    # Each row's K/V head, and (HEADS > 1) which scores a query row keeps: its own head's.
-    if HEADS == 1:
-        row_head = h
-    else:
-        own_head = tl.arange(0, ROWS_PAD)[:, None] // G == (lane // TN)[None, :]
-        row_head = h + lane // TN
-    for start in range(tok_lo, tok_hi, TN):
-        tok = _tile_tokens(start, BLOCK_N, TN)
+    for start in range(tok_lo, tok_hi, BLOCK_N):
+        tok = start + lane
         valid = tok < tok_hi
         if PAGED:
             if TABLE_AHEAD:
                 ids = ids_next
-                ids_next = _tile_block_ids(table_row, start + TN, tok_hi, BS, BLOCK_N,
-                                           TABLE_READ, TN)
+                ids_next = _tile_block_ids(table_row, start + BLOCK_N, tok_hi, BS, BLOCK_N,
+                                           TABLE_READ)
             else:
-                ids = _tile_block_ids(table_row, start, tok_hi, BS, BLOCK_N, TABLE_READ, TN)
+                ids = _tile_block_ids(table_row, start, tok_hi, BS, BLOCK_N, TABLE_READ)
             row = tok % BS
         else:
             ids = tl.zeros([BLOCK_N], tl.int32) + block0
@@ -183,8 +154,7 @@ def _paged_decode_kernel(
         valid = valid & (ids >= 0) & (ids < num_blocks)
         # Storage is contiguous [num_blocks, Hkv, rows per block, W] (guards), so one int32
         # row index addresses payloads and scales of K and V alike.
-        row_idx = tl.where(valid, (ids * num_kv_heads + row_head) * rows_per_block + row,
-                           0).to(tl.int64)
+        row_idx = tl.where(valid, (ids * num_kv_heads + h) * rows_per_block + row, 0).to(tl.int64)
         k_row = row_idx * K_WIDTH
         v_row = row_idx * V_WIDTH
         ks_row = row_idx * NG
@@ -192,10 +162,7 @@ def _paged_decode_kernel(
 
         s = tile_scores(q, kd_ptr, ks_ptr, k_row, ks_row, valid, K_TYPE, D, NG, QUANT_DOT,
                         NATIVE)
-        if HEADS == 1:
-            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
-        else:
-            s = tl.where(valid[None, :] & own_head, s * qk_scale, float("-inf"))
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -210,25 +177,7 @@ def _paged_decode_kernel(
         # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
         inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1.0), 0.0)
         store_rows(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, acc, inv,
-                   ROWS, ROWS_PAD, D, NG, ACC)
-    elif HEADS > 1:
-        # One partial per head: query row r is row r % G of head h + r // G's slot.
-        r = tl.arange(0, ROWS_PAD)
-        head_of = h + r // G
-        acc_off = head_of * (max_chunks * G * D) + (pid * G + r % G) * D
-        ml_off = head_of * (max_chunks * G * 2) + (pid * G + r % G) * 2
-        tl.store(part_acc_ptr + acc_off[:, None] + tl.arange(0, D)[None, :], acc,
-                 mask=(r < ROWS)[:, None])
-        tl.store(part_ml_ptr + ml_off, m_i, mask=r < ROWS)
-        tl.store(part_ml_ptr + ml_off + 1, l_i, mask=r < ROWS)
-        for i in tl.static_range(HEADS):
-            hh = h + i
-            finish_split(out_ptr + b * stride_ob + hh * G * stride_oh, stride_oh,
-                         part_acc_ptr + hh * max_chunks * G * D,
-                         part_ml_ptr + hh * max_chunks * G * 2, group_counter_ptr + hh * max_chunks,
-                         seq_counter_ptr + b * num_kv_heads + hh, pid, first, seq_chunks,
-                         tl.arange(0, GP), tl.arange(0, D), tl.arange(0, D), G, D, MERGE_UNROLL,
-                         MERGE_GROUP)
+                   G, G_PAD, D, NG, ACC)
     else:
         head_acc = part_acc_ptr + h * max_chunks * G * D
         head_ml = part_ml_ptr + h * max_chunks * G * 2
@@ -285,7 +234,7 @@ def _next_pow2(x: int) -> int:
 @functools.cache
 def launch_constants(
     cfg: DecodeConfig, k_type: str, v_type: str, group: int, head_dim: int,
-    block_size: int, *, paged: bool, max_batch: int, native: bool, heads: int = 1,
+    block_size: int, *, paged: bool, max_batch: int, native: bool,
 ) -> dict:
     """The kernel's compile-time arguments for one launch (``benchmarks/decode_sass.py``
     compiles the kernel offline from the same ones). Cached: eager decode calls it per
@@ -301,21 +250,10 @@ def launch_constants(
         ACC=accumulator_layout(v_type, cfg.quant_dot),
         PAGED=paged, MERGE_GROUP=MERGE_GROUP, NATIVE=native,
         MERGE_UNROLL=MERGE_GROUP if cfg.quant_dot == "fragment" else MERGE_UNROLL,
-        # Per-block reads need whole blocks of one head per tile; otherwise one per row.
-        TABLE_READ=(cfg.table_read if paged and heads == 1 and cfg.block_n % block_size == 0
-                    else "row"),
-        TABLE_AHEAD=cfg.table_ahead, HEADS=heads, ROWS_PAD=max(16, _next_pow2(group * heads)),
+        # Per-block reads need whole blocks per tile; otherwise one read per row.
+        TABLE_READ=cfg.table_read if paged and cfg.block_n % block_size == 0 else "row",
+        TABLE_AHEAD=cfg.table_ahead,
     )
-
-
-def heads_per_program(cfg: DecodeConfig, cache_k: KVBlockStorage,
-                      cache_v: KVBlockStorage) -> int:
-    """``cfg.heads_per_program`` where the kernel takes it: K and V in f16 or bf16 (the
-    plain accumulator) and a K/V head count it divides; otherwise 1."""
-    n = cfg.heads_per_program
-    fits = (cache_k.kv_type in ("f16", "bf16") and cache_v.kv_type in ("f16", "bf16")
-            and cache_k.num_kv_heads % n == 0)
-    return n if fits else 1
 
 
 def decode_grid(workspace: DecodeWorkspace, batch: int) -> tuple[int, int]:
@@ -381,10 +319,9 @@ def paged_decode_attention(
         # values from the Triton kernel's 16-byte-vector dequantization, with its own
         # table read (``default_config``'s for q4_0 in packed mode).
         cfg = dataclasses.replace(cfg, quant_dot="packed", table_ahead=False)
-    heads = heads_per_program(cfg, cache_k, cache_v)
     constants = launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
                                  paged=max_blocks > 1, max_batch=workspace.max_batch,
-                                 native=q.is_cuda, heads=heads)
+                                 native=q.is_cuda)
     ks = cache_k.scales if cache_k.scales is not None else cache_k.data
     vs = cache_v.scales if cache_v.scales is not None else cache_v.data
     # Both kernels take the same grid and run-time arguments.
@@ -393,7 +330,7 @@ def paged_decode_attention(
         q, out, cache_k.data, ks, cache_v.data, vs, block_tables, seq_lens,
         workspace.part_acc, workspace.part_ml, workspace.group_counters,
         workspace.seq_counters,
-        B, num_blocks, capacity, workspace.chunk_budget * heads, workspace.max_chunks, Hkv,
+        B, num_blocks, capacity, workspace.chunk_budget, workspace.max_chunks, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         scale * LOG2E,
     )
