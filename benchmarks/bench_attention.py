@@ -135,13 +135,11 @@ def _fill(cache: KVBlockStorage, gen: torch.Generator) -> None:
 
 def _placement(num_blocks: int, window: int, gen: torch.Generator) -> torch.Tensor:
     """Physical block of each logical block (``paged_inputs``' ``window``)."""
+    noise = torch.randperm(num_blocks, generator=gen)
     if window == 0:
-        return torch.randperm(num_blocks, generator=gen)
-    order = torch.arange(num_blocks)
-    for lo in range(0, num_blocks, window):
-        hi = min(lo + window, num_blocks)
-        order[lo:hi] = lo + torch.randperm(hi - lo, generator=gen)
-    return order
+        return noise
+    # Sorted by window first, by the random noise within one.
+    return torch.argsort(torch.arange(num_blocks) // window * num_blocks + noise)
 
 
 def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str,

@@ -4,12 +4,12 @@ The attention benchmark shuffles physical blocks over the whole pool, and on the
 that costs paged f16 decode 3-4% against the contiguous layout at large footprints,
 while a tile whose 8 blocks lie within 8 consecutive block ids (256 KB of K at f16 for
 Qwen3.5) reads like the in-order layout (docs/benchmarks/README.md, "Where the placement
-cost comes from"). This drives the engine's own ``KVCacheManager`` and ``BlockPool``
-through a continuous-batching workload shaped like the scheduler's defaults
-(``engine.scheduler``): per step 2048 tokens, decodes first (one token each), then
-prompts in chunks of at most 512, oldest first; requests admitted while rows and blocks
-last; finished sequences freed. It reports how the live sequences' blocks lie at the
-end:
+cost comes from"). This runs the engine's own ``Scheduler`` (default budget: 2048
+tokens per step, prompts in chunks of 512, decodes first, preemption and admission
+watermark included) over its ``KVCacheManager`` and ``BlockPool``, with the forward pass
+simulated by committing the scheduled tokens, and a fixed number of requests kept in
+the system (a finished one is replaced at once). It reports how the running sequences'
+blocks lie at the end:
 
 - **median run**: block-weighted median length of runs of consecutive ascending ids;
 - **local tiles**: the fraction of 8-block tiles whose ids span fewer than 8.
@@ -27,14 +27,21 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import md_table  # noqa: E402
 
+from pagedserve.engine.request import Request, RequestStatus, SamplingParams  # noqa: E402
+from pagedserve.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from pagedserve.kv.block_pool import BlockPool  # noqa: E402
 from pagedserve.kv.kv_manager import KVCacheManager  # noqa: E402
+from pagedserve.kv.state_pool import StatePool, StateShapes  # noqa: E402
 
 TILE_BLOCKS = 8  # a 128-token tile of 16-token blocks
-STEP_TOKENS, PREFILL_CHUNK = 2048, 512  # SchedulerConfig's defaults
+# The recurrent states are not under study: the smallest the pool takes.
+TINY_STATES = StateShapes(num_layers=1, conv=(1, 1), recurrent=(1, 1, 1),
+                          conv_dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -58,32 +65,26 @@ WORKLOADS = (
 
 
 def simulate(w: Workload, seed: int) -> list[list[int]]:
-    """The block lists of the sequences live after ``w.steps`` steps."""
+    """The block lists of the requests running after ``w.steps`` scheduler steps."""
     rng = random.Random(seed)
-    mgr = KVCacheManager(BlockPool(w.num_blocks), w.max_seqs, w.num_blocks)
-    prompt_left, output_left = {}, {}  # handle -> tokens, in admission order
-    for _ in range(w.steps):
-        while len(output_left) < w.max_seqs:
-            handle = mgr.create()
-            prompt_left[handle] = rng.randint(*w.prompt)
-            output_left[handle] = rng.randint(*w.output)
-        budget = STEP_TOKENS
-        decoding = [h for h in output_left if not prompt_left[h]]
-        prefilling = [h for h in output_left if prompt_left[h]]
-        for handle in decoding + prefilling:
-            n = 1 if not prompt_left[handle] else min(PREFILL_CHUNK, prompt_left[handle], budget)
-            if n <= 0 or not mgr.reserve(handle, n):  # it waits a step
-                continue
-            mgr.commit(handle, n)
-            budget -= n
-            if prompt_left[handle]:
-                prompt_left[handle] -= n
-                continue
-            output_left[handle] -= 1
-            if not output_left[handle]:
-                mgr.free(handle)
-                del output_left[handle], prompt_left[handle]
-    return [mgr.block_ids(h) for h in output_left if not prompt_left[h]]
+    max_len = w.prompt[1] + w.output[1] + 1
+    kv = KVCacheManager(BlockPool(w.num_blocks), w.max_seqs, -(-max_len // 16))
+    sched = Scheduler(SchedulerConfig(max_num_seqs=w.max_seqs, max_model_len=max_len), kv,
+                      StatePool(TINY_STATES, w.max_seqs, "cpu"))
+    for i in range(w.steps):
+        while sched.num_unfinished < w.max_seqs:
+            sched.add(Request(f"{i}-{sched.num_unfinished}",
+                              [1] * rng.randint(*w.prompt),
+                              SamplingParams(max_tokens=rng.randint(*w.output))))
+        for c in sched.schedule().chunks:  # the forward pass, simulated
+            req = c.request
+            kv.commit(req.kv_handle, c.num_tokens)
+            req.num_computed_tokens += c.num_tokens
+            if req.num_computed_tokens == req.num_tokens:
+                req.output_token_ids.append(1)
+                if len(req.output_token_ids) == req.params.max_tokens:
+                    sched.finish(req, RequestStatus.FINISHED_LENGTH)
+    return [kv.block_ids(r.kv_handle) for r in sched.running]
 
 
 def placement_stats(tables: list[list[int]]) -> dict:
