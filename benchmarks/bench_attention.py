@@ -48,6 +48,7 @@ import _report  # noqa: E402
 
 from pagedserve.kernels import paged_decode, reference  # noqa: E402
 from pagedserve.kernels.decode_plan import (  # noqa: E402
+    STREAM_TOKENS,
     DecodeConfig,
     DecodeWorkspace,
     default_config,
@@ -204,13 +205,26 @@ def copies_for(nbytes: int, l2_bytes: int, sizes: Sizes) -> int:
 
 @dataclass(frozen=True)
 class Launch:
-    """A decode launch choice: tile config plus the workspace's occupancy."""
+    """A decode launch choice: tile config plus the workspace's occupancy. ``config``
+    ``None``: the library's choice per call (``default_config`` by type and size)."""
 
-    config: DecodeConfig
+    config: DecodeConfig | None
     occupancy: float
 
     def as_dict(self) -> dict:
-        return {**asdict(self.config), "occupancy": self.occupancy}
+        return {**(asdict(self.config) if self.config else {}), "occupancy": self.occupancy}
+
+
+def library_launch(kv_type: str) -> tuple[Launch, dict]:
+    """The library's launch for ``kv_type`` K and V, and its description by size class."""
+    by_size = {f"tokens < {STREAM_TOKENS}": default_config(kv_type, kv_type),
+               f"tokens >= {STREAM_TOKENS}": default_config(kv_type, kv_type, STREAM_TOKENS)}
+    occupancy = default_occupancy(kv_type, kv_type)
+    if len(set(by_size.values())) == 1:
+        desc = {**asdict(by_size.popitem()[1]), "occupancy": occupancy}
+    else:
+        desc = {**{k: asdict(c) for k, c in by_size.items()}, "occupancy": occupancy}
+    return Launch(None, occupancy), desc
 
 
 class Runner:
@@ -411,17 +425,16 @@ def run(sizes: Sizes, device: str, methods: tuple[str, ...], sweep: bool,
 
     # One sweep per storage type: q8_0 moves twice q4_0's bytes per value, so its best
     # tile need not be q4_0's.
-    launches, res["sweep"] = {}, []
+    launches, res["sweep"], res["launch"] = {}, [], {}
     for kv_type in TYPES:
         if not sweep:
-            launches[kv_type] = Launch(default_config(kv_type, kv_type),
-                                       default_occupancy(kv_type, kv_type))
+            launches[kv_type], res["launch"][kv_type] = library_launch(kv_type)
             continue
         launches[kv_type], log = bench.sweep(kv_type)
         _empty_cache(device)
         res["sweep"] += log
-        print(f"sweep {kv_type}: {launches[kv_type].as_dict()}  ({time.time() - t0:.0f} s)")
-    res["launch"] = {f: lch.as_dict() for f, lch in launches.items()}
+        res["launch"][kv_type] = launches[kv_type].as_dict()
+        print(f"sweep {kv_type}: {res['launch'][kv_type]}  ({time.time() - t0:.0f} s)")
     _save_partial(res, partial)
 
     res["uniform"] = []

@@ -36,16 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 import bench_attention as ba  # noqa: E402
 
-from pagedserve.kernels.decode_plan import (  # noqa: E402
-    DecodeConfig,
-    default_config,
-    default_occupancy,
-)
+from pagedserve.kernels.decode_plan import DecodeConfig  # noqa: E402
 
 
 def parse_launch(spec: str, kv_type: str) -> ba.Launch:
     if spec == "default":
-        return ba.Launch(default_config(kv_type, kv_type), default_occupancy(kv_type, kv_type))
+        return ba.library_launch(kv_type)[0]
     parts = spec.split(":")
     if len(parts) not in (7, 8):
         raise SystemExit(f"bad launch {spec!r}: want MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:"

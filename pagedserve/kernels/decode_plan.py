@@ -60,12 +60,17 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kv import formats
+
 QUANT_DOT_MODES = ("group", "element", "packed", "fragment")
 TABLE_READS = ("row", "block")
 # Chunks per first-level merge group (see "Merging" above).
 MERGE_GROUP = 8
 # Programs per SM the chunk budget aims for; benchmarks/bench_attention.py sweeps it.
 DEFAULT_OCCUPANCY = 2.0
+# Tokens a launch's tables can address (batch x table columns x block size), from which
+# f16/bf16 decode takes its streaming launch (``default_config``).
+STREAM_TOKENS = 1 << 16
 # SM count assumed for CPU tensors (the Triton interpreter): small, so that plans split.
 INTERPRETER_NUM_SMS = 4
 
@@ -151,10 +156,13 @@ class DecodeConfig:
             )
 
 
-@functools.cache
-def default_config(k_type: str, v_type: str) -> DecodeConfig:
-    """The launch choice per K/V type pair, from H200 runs of ``bench_attention.py``'s sweep
-    and side-by-side probes (docs/benchmarks/attention.md).
+def default_config(k_type: str, v_type: str, tokens: int = 0) -> DecodeConfig:
+    """The launch choice per K/V type pair and size, from H200 runs of
+    ``bench_attention.py``'s sweep and side-by-side probes (docs/benchmarks/attention.md).
+
+    ``tokens``: how many tokens the launch's tables can address (batch x table columns x
+    block size), which the host knows without a sync; it bounds the live tokens from
+    above. Only f16/bf16 use it (below).
 
     - q8_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of 16
       tokens (32 spill: 208 bytes in the sm_90 loop), block ids a tile ahead, two
@@ -182,13 +190,24 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
       a 168-register cap 114.3, two stages 95.8. One table load per block, not one tile
       ahead (fewer registers held across the loop): paged / contiguous 0.968-1.006 at
       five points where the per-row, one-ahead read gave 0.954-0.960 (probe at 6a8cdfc).
-    - f16/bf16: 128-row tiles, two stages, one program per SM (81.9 us geomean). 64-row
-      tiles in four stages keep more bytes in flight: paged / contiguous 0.991-0.994
-      instead of 0.962-0.964 at 8 x 64K and 4 x 128K, but one 4K sequence takes 15.4 us
-      instead of 14.2 (SDPA: 14.6), so the shorter pipeline stays (probes at 673425d).
+    - f16/bf16: 128-row tiles, two stages, one program per SM (81.9 us geomean). From
+      ``STREAM_TOKENS`` (64K) tokens on, 64-row tiles in four stages, which keep more
+      block reads in flight. Side by side on the H200 (probe at e523808), paged: 976.6
+      against 998.1 us at 8 x 128K, 77.9 against 79.4 at 64K x 1, 75.4 against 77.0 at
+      16K x 4, and paged / contiguous (the same launch on both) 0.985-1.002 over the eight
+      points of 128K tokens or more, where 128-row tiles gave 0.955-0.968. Below 64K
+      tokens the short pipeline stays: 14.4 against 16.0 us for one 4K sequence (SDPA
+      14.6), and paged / contiguous 0.98-1.0 where 64-row tiles gave 0.89-0.95 (their
+      contiguous side gains more than their paged side).
 
     The minimum chunk is 128 tokens for all (the sweep's choice, for 4K contexts).
     """
+    floats = not (formats.spec(k_type).quantized or formats.spec(v_type).quantized)
+    return _default_config(k_type, v_type, floats and tokens >= STREAM_TOKENS)
+
+
+@functools.cache
+def _default_config(k_type: str, v_type: str, stream: bool) -> DecodeConfig:
     if k_type == v_type == "q8_0":
         return DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="fragment", table_read="block", table_ahead=True)
@@ -201,6 +220,8 @@ def default_config(k_type: str, v_type: str) -> DecodeConfig:
     if "q4_0" in (k_type, v_type):
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="packed", table_read="block", table_ahead=False)
+    if stream:
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=4, min_partition=128)
     return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128)
 
 

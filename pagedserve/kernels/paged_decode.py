@@ -288,7 +288,8 @@ def paged_decode_attention(
         workspace: buffers of the partition plan; keep one per stream, and pass it when
             capturing CUDA graphs. ``None`` uses a cached one for this device and shape.
         out: ``[B, Hq, D]`` in ``q.dtype`` to write into (a CUDA graph's static output).
-        config: tile choices; default ``default_config(K type, V type)``.
+        config: tile choices; default ``default_config(K type, V type, B * capacity)``
+            (capacity: the tokens one table row addresses).
         validate: full check of block ids and lengths (one sync); default from
             ``PAGEDSERVE_VALIDATE``.
         trace: diagnostics of the ``fragment`` kernel only: int64 ``[programs, 8]``
@@ -314,7 +315,7 @@ def paged_decode_attention(
             B, Hq, Hkv, D, q.device, default_occupancy(cache_k.kv_type, cache_v.kv_type))
     else:
         workspace.check_fits(B, Hq, Hkv, D, q.device)
-    cfg = config or default_config(cache_k.kv_type, cache_v.kv_type)
+    cfg = config or default_config(cache_k.kv_type, cache_v.kv_type, B * capacity)
     if out is None:
         out = torch.empty_like(q)
     if B == 0:
