@@ -144,12 +144,11 @@ def _placement(num_blocks: int, window: int, gen: torch.Generator) -> torch.Tens
 
 
 def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str,
-                 window: int = 0, block_size: int = BS, joint: bool = False) -> Inputs:
+                 window: int = 0, block_size: int = BS) -> Inputs:
     """A pool holding exactly the sequences' blocks, in shuffled physical order.
     ``window`` (a what-if of ``probe_decode.py``): 0 shuffles the whole pool; N >= 1
     shuffles only within each run of N consecutive blocks (1: each sequence's blocks
-    consecutive, in order). ``block_size``: tokens per block (a what-if too). ``joint``:
-    a token's K and V rows side by side (``formats.allocate_joint``; a what-if too)."""
+    consecutive, in order). ``block_size``: tokens per block (a what-if too)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     need = [-(-n // block_size) for n in lens]
     perm = _placement(sum(need), window, torch.Generator().manual_seed(seed))
@@ -158,7 +157,8 @@ def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str,
     for b, n in enumerate(need):
         tables[b, :n] = perm[start:start + n].to(torch.int32)
         start += n
-    k, v = _allocate(kv_type, sum(need), block_size, device, joint)
+    k = KVBlockStorage.allocate(kv_type, sum(need), block_size, HKV, D, device=device)
+    v = KVBlockStorage.allocate(kv_type, sum(need), block_size, HKV, D, device=device)
     _fill(k, gen)
     _fill(v, gen)
     q = torch.randn(len(lens), HQ, D, generator=gen, device=device, dtype=torch.float16)
@@ -166,21 +166,12 @@ def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str,
                   torch.tensor(lens, dtype=torch.int32, device=device), list(lens))
 
 
-def _allocate(kv_type: str, num_blocks: int, block_size: int, device: str,
-              joint: bool) -> tuple[KVBlockStorage, KVBlockStorage]:
-    if joint:
-        return formats.allocate_joint(kv_type, kv_type, num_blocks, block_size, HKV, D,
-                                      device=device)
-    return tuple(KVBlockStorage.allocate(kv_type, num_blocks, block_size, HKV, D, device=device)
-                 for _ in range(2))
-
-
-def contiguous_of(src: Inputs, pad_len: int, joint: bool = False) -> Inputs:
+def contiguous_of(src: Inputs, pad_len: int) -> Inputs:
     """The same values, one block of ``pad_len`` rows per sequence (the padded layout)."""
     B, device = src.tables.shape[0], src.q.device
     caches = []
-    for c, cache in zip(_allocate(src.k.kv_type, B, pad_len, device, joint), (src.k, src.v),
-                        strict=True):
+    for cache in (src.k, src.v):
+        c = KVBlockStorage.allocate(cache.kv_type, B, pad_len, HKV, D, device=device)
         bs = cache.block_size
         for b in range(B):
             n = -(-src.lens_list[b] // bs)
@@ -304,9 +295,9 @@ class Bench:
         self.runner = Runner(device)
 
     def copies(self, kv_type: str, lens: tuple[int, ...], seed: int = 0,
-               window: int = 0, block_size: int = BS, joint: bool = False) -> list[Inputs]:
+               window: int = 0, block_size: int = BS) -> list[Inputs]:
         n = copies_for(live_bytes(kv_type, lens), self.l2, self.sizes)
-        return [paged_inputs(kv_type, lens, seed + i, self.device, window, block_size, joint)
+        return [paged_inputs(kv_type, lens, seed + i, self.device, window, block_size)
                 for i in range(n)]
 
     def sweep(self, kv_type: str) -> tuple[Launch, list[dict]]:

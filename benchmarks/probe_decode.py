@@ -76,9 +76,6 @@ def main(argv: list[str] | None = None) -> int:
                          "blocks (1: in order; 0, the default: the whole pool)")
     ap.add_argument("--block-size", type=int, default=ba.BS,
                     help="tokens per paged block (a what-if: the engine's is 16)")
-    ap.add_argument("--joint", choices=("none", "paged", "both"), default="none",
-                    help="store a token's K and V rows side by side: on the paged side, "
-                         "or on both sides")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     launches = [parse_launch(s, args.kv_type) for s in args.launch]
@@ -93,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     for case in args.cases:
         lens = parse_case(case, sizes.ragged)
         paged = bench.copies(args.kv_type, lens, seed=7, window=args.window,
-                             block_size=args.block_size, joint=args.joint != "none")
-        contig = [ba.contiguous_of(p, max(lens), joint=args.joint == "both") for p in paged]
+                             block_size=args.block_size)
+        contig = [ba.contiguous_of(p, max(lens)) for p in paged]
         sdpa_us = None
         if args.sdpa and args.kv_type == "f16":
             sdpa_us = _common.time_calls([lambda i=i: ba.sdpa(i, "full") for i in contig], method)

@@ -45,14 +45,6 @@ def check_storage(cache: KVBlockStorage, name: str) -> None:
         )
 
 
-def rows_evenly_spaced(part: torch.Tensor) -> bool:
-    """Whether ``[num_blocks, Hkv, block_size, W]`` ``part`` is rows of W contiguous
-    elements, each the same number of elements (at least W) after the one before."""
-    nb, hkv, bs, w = part.shape
-    row = part.stride(2)
-    return row >= w and part.stride() == (hkv * bs * row, bs * row, row, 1)
-
-
 def check_decode_args(
     q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None,
@@ -74,15 +66,10 @@ def check_decode_args(
              f"{tuple(cache_k.data.shape[:3])} vs {tuple(cache_v.data.shape[:3])}")
     _require(cache_k.num_blocks >= 1, "the K/V pool has no blocks")
     for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
-        # The kernel addresses rows by one int32 index over evenly spaced rows (contiguous
-        # storage, or K and V sharing rows: formats.allocate_joint), and points rows
-        # outside a sequence at row 0 (so the pool must have one).
-        for part in (c.data, c.scales):
-            if part is not None:
-                _require(rows_evenly_spaced(part),
-                         f"{name} storage must be [num_blocks, Hkv, block_size, W] rows at "
-                         f"one spacing of at least W, got strides {part.stride()} for shape "
-                         f"{tuple(part.shape)}")
+        # The kernel addresses rows by one int32 index over contiguous storage, and points
+        # rows outside a sequence at row 0 (so the pool must have one).
+        _require(c.data.is_contiguous() and (c.scales is None or c.scales.is_contiguous()),
+                 f"{name} storage must be contiguous for decode")
         rows = c.data.shape[0] * c.data.shape[1] * c.data.shape[2]
         _require(rows < 2**31, f"{name} holds {rows} rows; decode addresses at most 2**31 - 1")
     Hkv = cache_k.num_kv_heads

@@ -93,7 +93,6 @@ def _paged_decode_kernel(
     K_GROUP: tl.constexpr, ACC: tl.constexpr, PAGED: tl.constexpr,
     MERGE_UNROLL: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
     TABLE_READ: tl.constexpr, TABLE_AHEAD: tl.constexpr,
-    K_ROW: tl.constexpr, KS_ROW: tl.constexpr, V_ROW: tl.constexpr, VS_ROW: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -122,6 +121,9 @@ def _paged_decode_kernel(
 
     table_row = table_ptr + b * stride_tb
     lane = tl.arange(0, BLOCK_N)
+    # Payload elements per row: q4_0 packs two values per byte.
+    K_WIDTH: tl.constexpr = D // 2 if K_TYPE == "q4_0" else D
+    V_WIDTH: tl.constexpr = D // 2 if V_TYPE == "q4_0" else D
     if PAGED:
         rows_per_block = BS
         # TABLE_AHEAD: block ids run one tile ahead of the rows they address, so that the
@@ -150,14 +152,13 @@ def _paged_decode_kernel(
             valid = valid & block0_ok
         # An invalid id masks its rows: never read outside the pool.
         valid = valid & (ids >= 0) & (ids < num_blocks)
-        # Storage is [num_blocks, Hkv, rows per block] rows, evenly spaced (guards; K_ROW
-        # etc. are the spacings), so one row index addresses payloads and scales of K and
-        # V alike.
+        # Storage is contiguous [num_blocks, Hkv, rows per block, W] (guards), so one int32
+        # row index addresses payloads and scales of K and V alike.
         row_idx = tl.where(valid, (ids * num_kv_heads + h) * rows_per_block + row, 0).to(tl.int64)
-        k_row = row_idx * K_ROW
-        v_row = row_idx * V_ROW
-        ks_row = row_idx * KS_ROW
-        vs_row = row_idx * VS_ROW
+        k_row = row_idx * K_WIDTH
+        v_row = row_idx * V_WIDTH
+        ks_row = row_idx * NG
+        vs_row = row_idx * NG
 
         s = tile_scores(q, kd_ptr, ks_ptr, k_row, ks_row, valid, K_TYPE, D, NG, QUANT_DOT,
                         NATIVE)
@@ -234,17 +235,11 @@ def _next_pow2(x: int) -> int:
 def launch_constants(
     cfg: DecodeConfig, k_type: str, v_type: str, group: int, head_dim: int,
     block_size: int, *, paged: bool, max_batch: int, native: bool,
-    row_strides: tuple[int, int, int, int] | None = None,
 ) -> dict:
     """The kernel's compile-time arguments for one launch (``benchmarks/decode_sass.py``
-    compiles the kernel offline from the same ones). ``row_strides``: elements between
-    token rows of K's payload and scales, then V's (``KVBlockStorage.row_strides``);
-    ``None``: separate K and V storage. Cached: eager decode calls it per layer per step;
-    callers must not modify the dict."""
+    compiles the kernel offline from the same ones). Cached: eager decode calls it per
+    layer per step; callers must not modify the dict."""
     gp = _next_pow2(group)
-    if row_strides is None:
-        row_strides = (formats.payload_width(k_type, head_dim), head_dim // 32,
-                       formats.payload_width(v_type, head_dim), head_dim // 32)
     return dict(
         G=group, G_PAD=max(16, gp), GP=gp, D=head_dim, BS=block_size if paged else 1,
         # The plan's vectors span the workspace's max batch: one compile for all batches.
@@ -258,7 +253,6 @@ def launch_constants(
         # Per-block reads need whole blocks per tile; otherwise one read per row.
         TABLE_READ=cfg.table_read if paged and cfg.block_n % block_size == 0 else "row",
         TABLE_AHEAD=cfg.table_ahead,
-        **dict(zip(("K_ROW", "KS_ROW", "V_ROW", "VS_ROW"), row_strides, strict=True)),
     )
 
 
@@ -328,8 +322,7 @@ def paged_decode_attention(
         cfg = dataclasses.replace(cfg, quant_dot="packed", table_ahead=False)
     constants = launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
                                  paged=max_blocks > 1, max_batch=workspace.max_batch,
-                                 native=q.is_cuda,
-                                 row_strides=(*cache_k.row_strides, *cache_v.row_strides))
+                                 native=q.is_cuda)
     ks = cache_k.scales if cache_k.scales is not None else cache_k.data
     vs = cache_v.scales if cache_v.scales is not None else cache_v.data
     # Both kernels take the same grid and run-time arguments.

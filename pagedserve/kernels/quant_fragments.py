@@ -405,12 +405,10 @@ def _tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
 
 
 @gluon.jit
-def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, ROW_BYTES: gl.constexpr,
-               SCALE_ROW: gl.constexpr, layout: gl.constexpr):
+def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, layout: gl.constexpr):
     """Payload as int32 words ``[W, T, 8, WPG]`` (``WPG = GB / 4`` per group) and group
     scales ``[W, T, 8]`` (f16) of the rows ``rows`` where ``live`` (``_tile_rows``, in
     ``layout``'s token slice), in ``layout``; rows not live read row 0 with scale 0.
-    Rows lie ``ROW_BYTES`` (payload) and ``SCALE_ROW`` scales apart.
     Words, not bytes, wait in registers for the next tile: a byte would take a
     register."""
     L3: gl.constexpr = gl.SliceLayout(3, layout)
@@ -418,9 +416,8 @@ def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, ROW_BYTES: gl
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
     i = gl.arange(0, WPG,
                   layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
-    sc = gl.load(scale_ptr + row[:, :, None] * SCALE_ROW + g, mask=live[:, :, None], other=0.0)
-    ROW_WORDS: gl.constexpr = ROW_BYTES // 4
-    word_off = (row[:, :, None] * ROW_WORDS + g * WPG)[:, :, :, None] + i[None, None, None, :]
+    sc = gl.load(scale_ptr + row[:, :, None] * 8 + g, mask=live[:, :, None], other=0.0)
+    word_off = (row[:, :, None] * (8 * WPG) + g * WPG)[:, :, :, None] + i[None, None, None, :]
     # Unmasked: a row not read points at row 0 of the pool, and its zero scale makes every
     # value of it an exact 0 (a masked vector load would first zero its registers).
     words = gl.load(data_ptr.to(gl.pointer_type(gl.int32)) + word_off)
@@ -587,7 +584,6 @@ def fragment_decode_kernel(
     V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
     MMA: gl.constexpr, MERGE: gl.constexpr,
     K_PERM: gl.constexpr, Q_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr,
-    K_ROW: gl.constexpr, KS_ROW: gl.constexpr, V_ROW: gl.constexpr, VS_ROW: gl.constexpr,
     TRACE: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = W * T
@@ -649,10 +645,10 @@ def fragment_decode_kernel(
         id1 = block0
     rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
                             rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
-    kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_ROW, KS_ROW, K_WORDS)
+    kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
     rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
                             rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
-    vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_ROW, VS_ROW, V_WORDS)
+    vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
     live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
                       rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
     if AHEAD:
@@ -670,12 +666,10 @@ def fragment_decode_kernel(
             nid0, nid1 = id0, id1
         rows, live_k = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
                                   h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
-        kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_ROW, KS_ROW,
-                                       K_WORDS)
+        kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
         rows, live_v = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
                                   h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
-        vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_ROW, VS_ROW,
-                                       V_WORDS)
+        vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
 
         # S^T = K . Q^T: K dequantized where its bytes were loaded (the B arrangement),
         # then renamed as the A operand.
@@ -755,7 +749,7 @@ def fragment_decode_kernel(
 # The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this
 # kernel takes too: the plan's, the merge's and the table read's.
 SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
-                    "MERGE_GROUP", "TABLE_AHEAD", "K_ROW", "KS_ROW", "V_ROW", "VS_ROW")
+                    "MERGE_GROUP", "TABLE_AHEAD")
 
 
 def supports(q, cache_k, cache_v) -> bool:

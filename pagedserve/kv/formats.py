@@ -181,39 +181,6 @@ STORAGE_DTYPE = {
 }
 
 
-def allocate_joint(
-    k_type: str, v_type: str, num_blocks: int, block_size: int, num_kv_heads: int,
-    head_dim: int, device: str | torch.device = "cpu",
-) -> tuple[KVBlockStorage, KVBlockStorage]:
-    """K and V of one layer in one byte buffer, a token's K and V side by side::
-
-        buffer [num_blocks, Hkv, block_size, row]
-        row = | K data | V data | K scales | V scales |     (scales only if quantized)
-
-    so that a decode program's K and V rows of one block are one contiguous piece of
-    memory. Each returned tensor is a ``[num_blocks, Hkv, block_size, *]`` view whose
-    rows are ``row`` bytes apart (``KVBlockStorage.row_strides``)."""
-    parts = []  # (side 0 = K / 1 = V, "data" or "scales", dtype, row width)
-    for what in ("data", "scales"):
-        for side, kv_type in enumerate((k_type, v_type)):
-            if what == "data":
-                parts.append((side, what, STORAGE_DTYPE[kv_type],
-                              payload_width(kv_type, head_dim)))
-            elif spec(kv_type).quantized:
-                parts.append((side, what, torch.float16, head_dim // GROUP_SIZE))
-    sizes = [width * dtype.itemsize for _, _, dtype, width in parts]
-    buf = torch.zeros((num_blocks, num_kv_heads, block_size, sum(sizes)), dtype=torch.uint8,
-                      device=device)
-    views: dict[tuple[int, str], torch.Tensor] = {}
-    off = 0
-    for (side, what, dtype, _), size in zip(parts, sizes, strict=True):
-        views[(side, what)] = buf[..., off:off + size].view(dtype)
-        off += size
-    k = KVBlockStorage(k_type, views[(0, "data")], views.get((0, "scales")), head_dim)
-    v = KVBlockStorage(v_type, views[(1, "data")], views.get((1, "scales")), head_dim)
-    return k, v
-
-
 def payload_width(kv_type: str, head_dim: int) -> int:
     """Last-dim width of the ``data`` tensor for rows of ``head_dim`` values."""
     spec(kv_type).check_head_dim(head_dim)
@@ -252,14 +219,6 @@ class KVBlockStorage:
                 (*shape, head_dim // GROUP_SIZE), dtype=torch.float16, device=device
             )
         return cls(kv_type, data, scales, head_dim)
-
-    @property
-    def row_strides(self) -> tuple[int, int]:
-        """Elements from one token row to the next, of ``data`` and of ``scales``
-        (``data``'s again when float): ``W`` and ``D / 32`` unless K and V share rows
-        (``allocate_joint``)."""
-        scales = self.scales if self.scales is not None else self.data
-        return self.data.stride(2), scales.stride(2)
 
     @property
     def num_blocks(self) -> int:
