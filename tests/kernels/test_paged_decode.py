@@ -25,7 +25,14 @@ from kernel_oracle import (
 )
 
 from pagedserve.kernels import ops
-from pagedserve.kernels.decode_plan import MERGE_GROUP, DecodeConfig, DecodeWorkspace, plan_chunks
+from pagedserve.kernels.decode_plan import (
+    MERGE_GROUP,
+    STREAM_TOKENS,
+    DecodeConfig,
+    DecodeWorkspace,
+    default_config,
+    plan_chunks,
+)
 from pagedserve.kernels.paged_decode import MERGE_UNROLL
 from pagedserve.kv.formats import KVBlockStorage
 
@@ -154,6 +161,32 @@ def test_triton_fragment_mode_falls_back_off_gpu(k_type, v_type, d):
 def test_triton_default_config(kv_type):
     out, ref = run(kv_type, kv_type, [70, 5], config=None, chunks_per_head=None)
     assert rel_error(out, ref) <= bound(kv_type, kv_type)
+
+
+@pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("bf16", "f16"), ("q8_0", "f16"),
+                                           ("q4_0", "q4_0")])
+def test_default_config_by_size(k_type, v_type):
+    """Float K and V take 64-row tiles in four stages from STREAM_TOKENS addressable tokens
+    on; quantized types keep one launch at every size."""
+    short = default_config(k_type, v_type, STREAM_TOKENS - 1)
+    long = default_config(k_type, v_type, STREAM_TOKENS)
+    assert short == default_config(k_type, v_type)
+    if "q" in k_type + v_type:
+        assert long == short
+    else:
+        assert (short.block_n, short.num_stages) == (128, 2)
+        assert (long.block_n, long.num_stages) == (64, 4)
+
+
+@needs_triton
+def test_triton_default_config_streaming_launch():
+    """Tables wide enough to address STREAM_TOKENS tokens select the streaming f16 launch
+    (the lengths themselves stay small); it is as exact as the short one."""
+    cols = STREAM_TOKENS // (2 * 16)
+    assert default_config("f16", "f16", 2 * cols * 16).block_n == 64
+    out, ref = run("f16", "f16", [150, 33], config=None, chunks_per_head=None,
+                   table_cols=cols)
+    assert rel_error(out, ref) <= bound("f16", "f16")
 
 
 @needs_triton
