@@ -48,7 +48,8 @@ import _report  # noqa: E402
 
 from pagedserve.kernels import paged_decode, reference  # noqa: E402
 from pagedserve.kernels.decode_plan import (  # noqa: E402
-    STREAM_TOKENS,
+    CONTIGUOUS_TILE_TOKENS,
+    PAGED_TILE_TOKENS,
     DecodeConfig,
     DecodeWorkspace,
     default_config,
@@ -207,14 +208,17 @@ class Launch:
 
 
 def library_launch(kv_type: str) -> tuple[Launch, dict]:
-    """The library's launch for ``kv_type`` K and V, and its description by size class."""
-    by_size = {f"tokens < {STREAM_TOKENS}": default_config(kv_type, kv_type),
-               f"tokens >= {STREAM_TOKENS}": default_config(kv_type, kv_type, STREAM_TOKENS)}
+    """The library's launch for ``kv_type`` K and V, and its description by layout and
+    size class (``default_config``)."""
+    sizes = (0, PAGED_TILE_TOKENS, CONTIGUOUS_TILE_TOKENS)
+    by_case = {f"{'paged' if paged else 'contiguous'}, tokens >= {n}":
+               default_config(kv_type, kv_type, n, paged=paged)
+               for paged in (True, False) for n in sizes}
     occupancy = default_occupancy(kv_type, kv_type)
-    if len(set(by_size.values())) == 1:
-        desc = {**asdict(by_size.popitem()[1]), "occupancy": occupancy}
+    if len(set(by_case.values())) == 1:
+        desc = {**asdict(by_case.popitem()[1]), "occupancy": occupancy}
     else:
-        desc = {**{k: asdict(c) for k, c in by_size.items()}, "occupancy": occupancy}
+        desc = {**{k: asdict(c) for k, c in by_case.items()}, "occupancy": occupancy}
     return Launch(None, occupancy), desc
 
 

@@ -68,9 +68,11 @@ TABLE_READS = ("row", "block")
 MERGE_GROUP = 8
 # Programs per SM the chunk budget aims for; benchmarks/bench_attention.py sweeps it.
 DEFAULT_OCCUPANCY = 2.0
-# Tokens a launch's tables can address (batch x table columns x block size), from which
-# f16/bf16 decode takes its streaming launch (``default_config``).
-STREAM_TOKENS = 1 << 16
+# Sizes (tokens a launch's tables can address: batch x table columns x block size) at
+# which f16/bf16 decode changes launch (``default_config``): paged from 8K tokens on,
+# contiguous from 512K on.
+PAGED_TILE_TOKENS = 1 << 13
+CONTIGUOUS_TILE_TOKENS = 1 << 19
 # SM count assumed for CPU tensors (the Triton interpreter): small, so that plans split.
 INTERPRETER_NUM_SMS = 4
 
@@ -156,13 +158,15 @@ class DecodeConfig:
             )
 
 
-def default_config(k_type: str, v_type: str, tokens: int = 0) -> DecodeConfig:
-    """The launch choice per K/V type pair and size, from H200 runs of
+def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
+                   ) -> DecodeConfig:
+    """The launch choice per K/V type pair, layout and size, from H200 runs of
     ``bench_attention.py``'s sweep and side-by-side probes (docs/benchmarks/attention.md).
 
     ``tokens``: how many tokens the launch's tables can address (batch x table columns x
     block size), which the host knows without a sync; it bounds the live tokens from
-    above. Only f16/bf16 use it (below).
+    above. ``paged``: the paged layout (else the contiguous one, whose launch is chosen for
+    its own speed, so that it stays an honest baseline). Only f16/bf16 use them (below).
 
     - q8_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of 16
       tokens (32 spill: 208 bytes in the sm_90 loop), block ids a tile ahead, two
@@ -190,24 +194,35 @@ def default_config(k_type: str, v_type: str, tokens: int = 0) -> DecodeConfig:
       a 168-register cap 114.3, two stages 95.8. One table load per block, not one tile
       ahead (fewer registers held across the loop): paged / contiguous 0.968-1.006 at
       five points where the per-row, one-ahead read gave 0.954-0.960 (probe at 6a8cdfc).
-    - f16/bf16: 128-row tiles, two stages, one program per SM (81.9 us geomean). From
-      ``STREAM_TOKENS`` (64K) tokens on, 64-row tiles in four stages, which keep more
-      block reads in flight. Side by side on the H200 (probe at e523808), paged: 976.6
-      against 998.1 us at 8 x 128K, 77.9 against 79.4 at 64K x 1, 75.4 against 77.0 at
-      16K x 4, and paged / contiguous (the same launch on both) 0.985-1.002 over the eight
-      points of 128K tokens or more, where 128-row tiles gave 0.955-0.968. Below 64K
-      tokens the short pipeline stays: 14.4 against 16.0 us for one 4K sequence (SDPA
-      14.6), and paged / contiguous 0.98-1.0 where 64-row tiles gave 0.89-0.95 (their
-      contiguous side gains more than their paged side).
+    - f16/bf16, one program per SM, from side-by-side probes on the H200 (589b854,
+      e523808; ``docs/benchmarks/logs/probes``):
+
+      - paged below ``PAGED_TILE_TOKENS`` (8K): 128-row tiles, two stages (one 4K
+        sequence: 14.4 us, against 14.8 for the launch below; SDPA 14.6).
+      - paged from 8K tokens on: 64-row tiles in three stages, one table load per
+        16-row block, ids a tile ahead. 2 x 4K 18.9 us against 20.2 for 128-row tiles,
+        16K x 1 28.0 against 30.7, 64K x 1 75.7 against 79.4, 128K x 8 978.6 against
+        991.3. With one table load per row the same tiles took 19.4, 28.8, 79.2 and
+        1034.1 us.
+      - contiguous below ``CONTIGUOUS_TILE_TOKENS`` (512K): 64-row tiles in three
+        stages (2 x 4K 17.8 us against 20.2, 16K x 1 26.6 against 30.5, 64K x 1 73.4
+        against 77.4); from 512K on, 128-row tiles in two stages (8 x 128K 952.8
+        against 960.9, 8 x 64K 484.6 against 488.6).
 
     The minimum chunk is 128 tokens for all (the sweep's choice, for 4K contexts).
     """
-    floats = not (formats.spec(k_type).quantized or formats.spec(v_type).quantized)
-    return _default_config(k_type, v_type, floats and tokens >= STREAM_TOKENS)
+    if formats.spec(k_type).quantized or formats.spec(v_type).quantized:
+        return _quantized_config(k_type, v_type)
+    if paged and tokens >= PAGED_TILE_TOKENS:
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128,
+                            table_read="block")
+    if not paged and tokens < CONTIGUOUS_TILE_TOKENS:
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128)
+    return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128)
 
 
 @functools.cache
-def _default_config(k_type: str, v_type: str, stream: bool) -> DecodeConfig:
+def _quantized_config(k_type: str, v_type: str) -> DecodeConfig:
     if k_type == v_type == "q8_0":
         return DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="fragment", table_read="block", table_ahead=True)
@@ -217,12 +232,9 @@ def _default_config(k_type: str, v_type: str, stream: bool) -> DecodeConfig:
     if k_type == v_type == "q4_0":
         return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="fragment", table_read="block", table_ahead=True)
-    if "q4_0" in (k_type, v_type):
-        return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
-                            quant_dot="packed", table_read="block", table_ahead=False)
-    if stream:
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=4, min_partition=128)
-    return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128)
+    # q4_0 with a float type.
+    return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
+                        quant_dot="packed", table_read="block", table_ahead=False)
 
 
 @functools.cache

@@ -282,8 +282,8 @@ def paged_decode_attention(
         workspace: buffers of the partition plan; keep one per stream, and pass it when
             capturing CUDA graphs. ``None`` uses a cached one for this device and shape.
         out: ``[B, Hq, D]`` in ``q.dtype`` to write into (a CUDA graph's static output).
-        config: tile choices; default ``default_config(K type, V type, B * capacity)``
-            (capacity: the tokens one table row addresses).
+        config: tile choices; default ``default_config`` of the K and V types, the
+            tokens the tables address (``B * capacity``) and the layout.
         validate: full check of block ids and lengths (one sync); default from
             ``PAGEDSERVE_VALIDATE``.
         trace: diagnostics of the ``fragment`` kernel only: int64 ``[programs, 8]``
@@ -309,7 +309,8 @@ def paged_decode_attention(
             B, Hq, Hkv, D, q.device, default_occupancy(cache_k.kv_type, cache_v.kv_type))
     else:
         workspace.check_fits(B, Hq, Hkv, D, q.device)
-    cfg = config or default_config(cache_k.kv_type, cache_v.kv_type, B * capacity)
+    cfg = config or default_config(cache_k.kv_type, cache_v.kv_type, B * capacity,
+                                   paged=max_blocks > 1)
     if out is None:
         out = torch.empty_like(q)
     if B == 0:

@@ -26,8 +26,9 @@ from kernel_oracle import (
 
 from pagedserve.kernels import ops
 from pagedserve.kernels.decode_plan import (
+    CONTIGUOUS_TILE_TOKENS,
     MERGE_GROUP,
-    STREAM_TOKENS,
+    PAGED_TILE_TOKENS,
     DecodeConfig,
     DecodeWorkspace,
     default_config,
@@ -165,27 +166,36 @@ def test_triton_default_config(kv_type):
 
 @pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("bf16", "f16"), ("q8_0", "f16"),
                                            ("q4_0", "q4_0")])
-def test_default_config_by_size(k_type, v_type):
-    """Float K and V take 64-row tiles in four stages from STREAM_TOKENS addressable tokens
-    on; quantized types keep one launch at every size."""
-    short = default_config(k_type, v_type, STREAM_TOKENS - 1)
-    long = default_config(k_type, v_type, STREAM_TOKENS)
-    assert short == default_config(k_type, v_type)
+def test_default_config_by_layout_and_size(k_type, v_type):
+    """Float K and V: paged takes 64-row tiles in three stages with one table load per
+    block from PAGED_TILE_TOKENS on; contiguous takes 64-row tiles below
+    CONTIGUOUS_TILE_TOKENS. Quantized types keep one launch for every case."""
+    def tiles(tokens, paged):
+        c = default_config(k_type, v_type, tokens, paged=paged)
+        return c.block_n, c.num_stages, c.table_read
+
+    cases = [(n, paged) for n in (0, PAGED_TILE_TOKENS - 1, PAGED_TILE_TOKENS,
+                                  CONTIGUOUS_TILE_TOKENS - 1, CONTIGUOUS_TILE_TOKENS)
+             for paged in (True, False)]
     if "q" in k_type + v_type:
-        assert long == short
-    else:
-        assert (short.block_n, short.num_stages) == (128, 2)
-        assert (long.block_n, long.num_stages) == (64, 4)
+        assert len({tiles(n, paged) for n, paged in cases}) == 1
+        return
+    short, streaming = (128, 2, "row"), (64, 3, "block")
+    assert [tiles(n, True) for n in (0, PAGED_TILE_TOKENS - 1, PAGED_TILE_TOKENS,
+                                     CONTIGUOUS_TILE_TOKENS)] == [short, short] + [streaming] * 2
+    assert [tiles(n, False) for n in (0, CONTIGUOUS_TILE_TOKENS - 1,
+                                      CONTIGUOUS_TILE_TOKENS)] == [(64, 3, "row")] * 2 + [short]
 
 
 @needs_triton
-def test_triton_default_config_streaming_launch():
-    """Tables wide enough to address STREAM_TOKENS tokens select the streaming f16 launch
-    (the lengths themselves stay small); it is as exact as the short one."""
-    cols = STREAM_TOKENS // (2 * 16)
-    assert default_config("f16", "f16", 2 * cols * 16).block_n == 64
-    out, ref = run("f16", "f16", [150, 33], config=None, chunks_per_head=None,
-                   table_cols=cols)
+@pytest.mark.parametrize("lens,cols", [([150, 33], PAGED_TILE_TOKENS // 32), ([150], 1)])
+def test_triton_default_config_by_size(lens, cols):
+    """The f16 launches the size classes select run as exactly as the short one: paged
+    tables addressing PAGED_TILE_TOKENS tokens (the lengths stay small), and the
+    contiguous layout (one column: 64-row tiles)."""
+    block_size = 16 if cols > 1 else 160
+    out, ref = run("f16", "f16", lens, config=None, chunks_per_head=None, table_cols=cols,
+                   block_size=block_size)
     assert rel_error(out, ref) <= bound("f16", "f16")
 
 
