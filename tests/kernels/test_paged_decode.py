@@ -254,13 +254,17 @@ def test_triton_per_block_table_read_other_block_sizes(block_size, block_n):
 
 @needs_triton
 @pytest.mark.parametrize("table_read,table_ahead", [("row", True), ("block", True),
-                                                    ("row", False)])
+                                                    ("row", False), ("block", False)])
+@pytest.mark.parametrize("k_type,v_type,mode", [("q4_0", "f16", "group"),
+                                                ("f16", "f16", "group"),
+                                                ("q4_0", "q8_0", "packed")])
 def test_triton_masks_invalid_block_ids_without_validate(monkeypatch, table_read,
-                                                         table_ahead):
-    """Garbage ids inside a sequence are skipped, never read; the rest is exact."""
+                                                         table_ahead, k_type, v_type, mode):
+    """Garbage ids inside a sequence are skipped, never read; the rest is exact. Masked
+    loads (float and ``group`` tiles) and the packed tiles' clamp to row 0 alike."""
     monkeypatch.delenv("PAGEDSERVE_VALIDATE", raising=False)
     lens = [48, 20]
-    ck, cv, table, tables = build_pool("q4_0", "f16", lens, num_kv_heads=2, head_dim=64,
+    ck, cv, table, tables = build_pool(k_type, v_type, lens, num_kv_heads=2, head_dim=64,
                                        device=TRITON_DEVICE)
     table[0, 1] = 10**6
     table[1, 0] = -3
@@ -268,13 +272,13 @@ def test_triton_masks_invalid_block_ids_without_validate(monkeypatch, table_read
     ws = DecodeWorkspace(2, 4, 2, 64, TRITON_DEVICE, chunks_per_head=BUDGET)
     out = torch.full_like(q, float("nan")).to(TRITON_DEVICE)
     cfg = DecodeConfig(block_n=32, min_partition=32, table_read=table_read,
-                       table_ahead=table_ahead)
+                       table_ahead=table_ahead, quant_dot=mode)
     ops.paged_decode_attention(q.to(TRITON_DEVICE), ck, cv, table,
                                torch.tensor(lens, dtype=torch.int32, device=TRITON_DEVICE),
                                0.125, workspace=ws, out=out, config=cfg, backend="triton")
     live = [[p // 16 != 1 for p in range(48)], [p >= 16 for p in range(20)]]
     ref = decode_oracle(q, ck, cv, tables, lens, 0.125, live=live)
-    assert rel_error(out, ref) <= bound("q4_0", "f16")
+    assert rel_error(out, ref) <= bound(k_type, v_type)
 
 
 @needs_triton

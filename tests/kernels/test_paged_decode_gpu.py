@@ -232,6 +232,32 @@ def test_fragment_kernel_ragged_and_bf16_queries(kv_type):
     assert rel_error(out, decode_oracle(q, ck, cv, tables, lens, 0.0625)) <= bound("bf16", kv_type)
 
 
+@pytest.mark.parametrize("k_type,v_type,config", [
+    ("f16", "f16", None),  # the library's paged f16 launch for 8K+ tokens (masked loads)
+    ("f16", "f16", DecodeConfig(block_n=128, num_stages=2, min_partition=128)),
+    ("q4_0", "q8_0", DecodeConfig(block_n=64, quant_dot="packed", table_read="block")),
+], ids=["f16-default", "f16-row", "packed-clamped"])
+def test_triton_kernel_masks_invalid_block_ids(k_type, v_type, config):
+    """Ids far outside the pool (a 2**30 block would lie terabytes away) read nothing on
+    the GPU either: masked loads, or the packed tiles' clamp to row 0. Wide tables so
+    that the default f16 launch is the 8K+ one."""
+    lens = [3000, 700]
+    ck, cv, table, tables = build_pool(k_type, v_type, lens, num_kv_heads=4, head_dim=256,
+                                       device="cuda", table_cols=512)
+    bad = table.clone()
+    bad[0, 3] = 2**30  # tokens 48..63 of sequence 0
+    bad[1, 1] = -7  # tokens 16..31 of sequence 1
+    q = torch.randn(2, 24, 256).to(q_dtype_for(k_type, v_type))
+    out = ops.paged_decode_attention(q.cuda(), ck, cv, bad,
+                                     torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                     0.0625, config=config, validate=False)
+    torch.cuda.synchronize()
+    for b, hole in ((0, range(48, 64)), (1, range(16, 32))):
+        live = [[t not in hole for t in range(lens[b])]]
+        ref = decode_oracle(q[b:b + 1], ck, cv, [tables[b]], [lens[b]], 0.0625, live=live)
+        assert rel_error(out[b:b + 1], ref) <= bound(k_type, v_type)
+
+
 @pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
 def test_fragment_kernel_masks_invalid_block_ids(kv_type):
     """A table entry outside the pool reads nothing: its tokens drop out of the softmax
