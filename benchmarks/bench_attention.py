@@ -208,18 +208,21 @@ class Launch:
 
 
 def library_launch(kv_type: str) -> tuple[Launch, dict]:
-    """The library's launch for ``kv_type`` K and V, and its description by layout and
-    size class (``default_config``)."""
-    sizes = (0, PAGED_TILE_TOKENS, CONTIGUOUS_TILE_TOKENS)
-    by_case = {f"{'paged' if paged else 'contiguous'}, tokens >= {n}":
-               default_config(kv_type, kv_type, n, paged=paged)
-               for paged in (True, False) for n in sizes}
+    """The library's launch for ``kv_type`` K and V, and its description: per layout, the
+    config from each size on where ``default_config`` changes it."""
     occupancy = default_occupancy(kv_type, kv_type)
-    if len(set(by_case.values())) == 1:
-        desc = {**asdict(by_case.popitem()[1]), "occupancy": occupancy}
-    else:
-        desc = {**{k: asdict(c) for k, c in by_case.items()}, "occupancy": occupancy}
-    return Launch(None, occupancy), desc
+    desc: dict = {}
+    for paged, layout in ((True, "paged"), (False, "contiguous")):
+        last = None
+        for n in (0, PAGED_TILE_TOKENS, CONTIGUOUS_TILE_TOKENS):
+            cfg = default_config(kv_type, kv_type, n, paged=paged)
+            if cfg != last:
+                desc[f"{layout}, tokens >= {n}"] = asdict(cfg)
+                last = cfg
+    configs = list(desc.values())
+    if all(c == configs[0] for c in configs):  # one launch for every case
+        desc = configs[0]
+    return Launch(None, occupancy), {**desc, "occupancy": occupancy}
 
 
 class Runner:

@@ -214,11 +214,18 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
     if formats.spec(k_type).quantized or formats.spec(v_type).quantized:
         return _quantized_config(k_type, v_type)
     if paged and tokens >= PAGED_TILE_TOKENS:
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128,
-                            table_read="block")
+        return _FLOAT_PAGED_64
     if not paged and tokens < CONTIGUOUS_TILE_TOKENS:
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128)
-    return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128)
+        return _FLOAT_CONTIGUOUS_64
+    return _FLOAT_128
+
+
+# The float launches ``default_config`` picks between (built once: it runs per layer per
+# decode step when no config is given).
+_FLOAT_128 = DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128)
+_FLOAT_PAGED_64 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128,
+                               table_read="block")
+_FLOAT_CONTIGUOUS_64 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128)
 
 
 @functools.cache

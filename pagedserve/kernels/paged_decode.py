@@ -138,7 +138,6 @@ def _paged_decode_kernel(
     V_FLOAT: tl.constexpr = V_TYPE == "f16" or V_TYPE == "bf16"
     CLAMP_ROWS: tl.constexpr = QUANT_DOT == "packed" and not (K_FLOAT and V_FLOAT)
     if PAGED:
-        rows_per_block = BS
         # TABLE_AHEAD: block ids run one tile ahead of the rows they address, so that the
         # table lookup's latency hides behind the current tile instead of preceding it
         # (at the cost of the registers that hold them).
@@ -149,7 +148,7 @@ def _paged_decode_kernel(
             else:
                 ids_next = _tile_block_ids(table_row, tok_lo, tok_hi, BS, BLOCK_N)
     else:
-        rows_per_block = capacity  # one block per sequence, padded to the longest
+        # One block per sequence, of ``capacity`` rows (padded to the longest).
         block0 = tl.load(table_row)
         block0_ok = (block0 >= 0) & (block0 < num_blocks)
     for start in range(tok_lo, tok_hi, BLOCK_N):
@@ -180,7 +179,7 @@ def _paged_decode_kernel(
                 row_idx = (ids * num_kv_heads + h) * BS + tok % BS
             else:
                 valid = valid & block0_ok
-                row_idx = (block0 * num_kv_heads + h) * rows_per_block + tok
+                row_idx = (block0 * num_kv_heads + h) * capacity + tok
         if CLAMP_ROWS:
             row_idx = tl.where(valid, row_idx, 0)
         row_idx = row_idx.to(tl.int64)
