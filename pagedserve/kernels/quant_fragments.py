@@ -249,11 +249,32 @@ def ring_perm(words: gl.DistributedLinearLayout) -> tuple:
     return tuple([0] + order)
 
 
-def _inverse(perm: tuple) -> tuple:
-    inv = [0] * len(perm)
-    for j, p in enumerate(perm):
-        inv[p] = j
-    return tuple(inv)
+def _vector_layout(words: gl.DistributedLinearLayout) -> gl.DistributedLinearLayout:
+    """``words`` (``[W, T, 8, WPG]``) with each 16-byte vector as one element: ``[W, T, 8,
+    WPG / 4]``, the first two register bases (the 4 words of a vector) dropped."""
+    def vec(b):
+        return [b[0], b[1], b[2], b[3] >> 2]
+    w, t, g, wpg = words.shape
+    return gl.DistributedLinearLayout(
+        reg_bases=[vec(b) for b in words.reg_bases[2:]], lane_bases=words.lane_bases,
+        warp_bases=words.warp_bases, block_bases=[], shape=[w, t, g, wpg // 4])
+
+
+def ring_vector_perm(words: gl.DistributedLinearLayout) -> tuple:
+    """``permute`` order taking the vector tile's index bits (``_vector_layout``: ``[W,
+    t.., g.., v..]``, most significant first) to a ring slot's vector index ``[W, r..,
+    lane..]``: where each thread's copies go (``_ring_issue``)."""
+    vec = _vector_layout(words)
+    _, t, g, v = vec.shape
+    bits = []  # the vector tile's binary dims, in order: (dim, bit)
+    for d, size in enumerate((t, g, v)):
+        bits += [(d, b) for b in reversed(range(size.bit_length() - 1))]
+
+    def position(basis):
+        d = next(k for k in range(3) if basis[k + 1])
+        return 1 + bits.index((d, basis[d + 1].bit_length() - 1))
+    out = [position(b) for b in vec.reg_bases[::-1]] + [position(b) for b in vec.lane_bases[::-1]]
+    return tuple([0] + out)
 
 
 @functools.cache
@@ -273,7 +294,8 @@ def ring_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
         RING=gl.BlockedLayout([1, r, 1, 4], [1, 1, 32, 1], [num_warps, 1, 1, 1], [3, 2, 1, 0]),
         RING_SMEM=gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]),
         K_RING_PERM=ring_perm(k), V_RING_PERM=ring_perm(v),
-        K_RING_INV=_inverse(ring_perm(k)), V_RING_INV=_inverse(ring_perm(v)),
+        K_VEC=_vector_layout(k), V_VEC=_vector_layout(v),
+        K_RING_INV=ring_vector_perm(k), V_RING_INV=ring_vector_perm(v),
     )
 
 
@@ -499,22 +521,39 @@ def _load_scales(scale_ptr, rows, live, layout: gl.constexpr):
 
 
 @gluon.jit
-def _ring_issue(slot, data_ptr, rows, live, WPG: gl.constexpr, WORDS: gl.constexpr,
+def _ring_issue(slot, data_ptr, rows, live, WPG: gl.constexpr, VEC: gl.constexpr,
                 INV: gl.constexpr, RING: gl.constexpr):
-    """Start copying the payload words of the rows ``rows`` (``_word_offsets``, in
-    ``WORDS``) into ring slot ``slot`` (``cp.async``, 16-byte vectors): the offsets are
-    relabelled into the slot's ``[W, R, 32, 4]`` (``INV``, the inverse of ``ring_perm``;
-    no data moves), so each thread copies exactly the vectors it will read back."""
-    offs = _word_offsets(rows, live, WPG, WORDS)
-    W: gl.constexpr = WORDS.shape[0]
-    n: gl.constexpr = len(INV.value) - 1
+    """Start copying the payload of the rows ``rows`` where ``live`` (``_tile_rows``, in
+    the token slice of ``VEC``) into ring slot ``slot`` (``cp.async``, 16-byte vectors;
+    rows not live copy nothing and read as zeros). Each vector's offset is computed in
+    the vector tile ``VEC`` (``[W, T, 8, WPG / 4]``, the words' layout) and relabelled
+    into the slot's ``[W, R, 32]`` (``INV``; no data moves), so each thread copies
+    exactly the vectors it will read back."""
+    TOK: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, VEC))
+    rows = gl.convert_layout(rows, TOK, assert_trivial=True)
+    live = gl.convert_layout(live, TOK, assert_trivial=True)
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, VEC))))
+    v = gl.arange(0, WPG // 4,
+                  layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, VEC))))
+    base = ((rows.to(gl.int64) * (8 * WPG))[:, :, None] + g[None, None, :] * WPG)[:, :, :, None]
+    base = base + v[None, None, None, :] * 4  # [W, T, 8, WPG / 4]: each vector's first word
+    keep = gl.broadcast(live[:, :, None, None], base)[0]
+    W: gl.constexpr = VEC.shape[0]
     R: gl.constexpr = RING.size_per_thread[1]
-    offs = gl.reshape(gl.permute(gl.reshape(offs, [W] + [2] * n), INV.value), [W, R, 32, 4])
-    # The last axis is a 16-byte vector (its words' two low bits); the relabel hides that
-    # from the compiler's contiguity analysis.
-    offs = gl.max_contiguous(gl.multiple_of(gl.convert_layout(offs, RING, assert_trivial=True),
+    n: gl.constexpr = len(INV.value) - 1
+    SLOT: gl.constexpr = gl.SliceLayout(3, RING)
+    base = gl.reshape(gl.permute(gl.reshape(base, [W] + [2] * n), INV.value), [W, R, 32])
+    keep = gl.reshape(gl.permute(gl.reshape(keep, [W] + [2] * n), INV.value), [W, R, 32])
+    base = gl.convert_layout(base, SLOT, assert_trivial=True)
+    keep = gl.convert_layout(keep, SLOT, assert_trivial=True)
+    i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, RING))))
+    # The relabel hides from the compiler that each vector starts at a multiple of 4.
+    offs = gl.max_contiguous(gl.multiple_of(base[:, :, :, None] + i[None, None, None, :],
                                             [1, 1, 1, 4]), [1, 1, 1, 4])
-    async_copy.async_copy_global_to_shared(slot, data_ptr.to(gl.pointer_type(gl.int32)) + offs)
+    # A dead row copies nothing: pointed at one row, every program's copies of a dead
+    # tile would queue at one L2 slice.
+    async_copy.async_copy_global_to_shared(slot, data_ptr.to(gl.pointer_type(gl.int32)) + offs,
+                                           mask=gl.broadcast(keep[:, :, :, None], offs)[0])
 
 
 @gluon.jit
@@ -735,7 +774,7 @@ def fragment_decode_kernel(
     K_PERM: gl.constexpr, Q_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr,
     TRACE: gl.constexpr, STAGES: gl.constexpr, RING: gl.constexpr, RING_SMEM: gl.constexpr,
     K_RING_PERM: gl.constexpr, V_RING_PERM: gl.constexpr, K_RING_INV: gl.constexpr,
-    V_RING_INV: gl.constexpr,
+    V_RING_INV: gl.constexpr, K_VEC: gl.constexpr, V_VEC: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = W * T
     D: gl.constexpr = HEAD_DIM
@@ -852,8 +891,11 @@ def fragment_decode_kernel(
             rows_v, live_v = _tile_rows(table_row, id0, id1, at, tok_hi, num_blocks,
                                         num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
                                         WARP_IDS, VT)
-            _ring_issue(k_ring.index(s), kd_ptr, rows_k, live_k, WPG, K_WORDS, K_RING_INV, RING)
-            _ring_issue(v_ring.index(s), vd_ptr, rows_v, live_v, WPG, V_WORDS, V_RING_INV, RING)
+            if at < tok_hi:
+                _ring_issue(k_ring.index(s), kd_ptr, rows_k, live_k, WPG, K_VEC, K_RING_INV,
+                            RING)
+                _ring_issue(v_ring.index(s), vd_ptr, rows_v, live_v, WPG, V_VEC, V_RING_INV,
+                            RING)
             async_copy.commit_group()
             live_s = _tile_rows(table_row, id0, id1, at, tok_hi, num_blocks, num_kv_heads, h,
                                 rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
@@ -885,12 +927,15 @@ def fragment_decode_kernel(
                                         num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
                                         WARP_IDS, VT)
             # Into the slot of the tile computed last trip: its reads are done (their
-            # values were used), and a thread overwrites only its own vectors.
-            wslot = (it + STAGES - 1) % STAGES
-            _ring_issue(k_ring.index(wslot), kd_ptr, rows_k, live_k, WPG, K_WORDS, K_RING_INV,
-                        RING)
-            _ring_issue(v_ring.index(wslot), vd_ptr, rows_v, live_v, WPG, V_WORDS, V_RING_INV,
-                        RING)
+            # values were used), and a thread overwrites only its own vectors. A tile past
+            # the chunk copies nothing (an empty group keeps the count): its rows would all
+            # read row 0, and every program's copies of one row meet in one L2 slice.
+            if at < tok_hi:
+                wslot = (it + STAGES - 1) % STAGES
+                _ring_issue(k_ring.index(wslot), kd_ptr, rows_k, live_k, WPG, K_VEC,
+                            K_RING_INV, RING)
+                _ring_issue(v_ring.index(wslot), vd_ptr, rows_v, live_v, WPG, V_VEC,
+                            V_RING_INV, RING)
             async_copy.commit_group()
             ks_new = _load_scales(ks_ptr, rows_k, live_k, gl.SliceLayout(3, K_WORDS))
             vs_new = _load_scales(vs_ptr, rows_v, live_v, gl.SliceLayout(3, V_WORDS))

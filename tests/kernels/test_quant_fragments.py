@@ -160,16 +160,15 @@ def test_kernel_compiles_for_sm90_with_its_layout_premises(spec, mma, paged):
 def test_ring_slot_holds_each_threads_own_vectors(kv_type, tokens, name):
     """The shared ring's premise (``ring_layouts``): element ``[w, r, lane, i]`` of a
     slot is the word that register ``4 r + i`` of that lane holds in the word tile's
-    layout, so a thread reads back exactly what it copied; ``*_RING_INV`` puts the
-    tile's words there and ``*_RING_PERM`` takes them back (checked on index tensors)."""
+    layout, so a thread reads back exactly what it copied. ``*_RING_INV`` sends each
+    16-byte vector of the tile to its slot position (the copies), ``*_RING_PERM`` takes
+    the slot back to the tile (the reads); checked on index tensors."""
     words = qf.fragment_layouts(kv_type, 2, tokens)[f"{name}_WORDS"]
     ring = qf.ring_layouts(kv_type, 2, tokens)
     w_, t_, g_, wpg = words.shape
     regs = len(words.reg_bases)
     code = torch.arange(w_ * t_ * g_ * wpg).reshape(w_, t_, g_, wpg)  # the tile's words
-    n = len(ring[f"{name}_RING_INV"]) - 1
-    slot = code.reshape(w_, *[2] * n).permute(*ring[f"{name}_RING_INV"])
-    slot = slot.reshape(w_, 1 << (regs - 2), 32, 4)
+    held = torch.empty(w_, 1 << (regs - 2), 32, 4, dtype=torch.long)  # by the layout
     for w in range(w_):
         for lane in range(32):
             for k in range(1 << regs):
@@ -179,8 +178,14 @@ def test_ring_slot_holds_each_threads_own_vectors(kv_type, tokens, name):
                 for basis, bit in bases:
                     if bit:
                         coord = [c ^ x for c, x in zip(coord, basis, strict=True)]
-                assert slot[w, k // 4, lane, k % 4] == code[tuple(coord)]
-    back = slot.reshape(w_, *[2] * n).permute(*ring[f"{name}_RING_PERM"])
+                held[w, k // 4, lane, k % 4] = code[tuple(coord)]
+    assert torch.equal(held[..., 1:] - held[..., :1], torch.arange(1, 4).expand(held[..., 1:].shape))
+    vectors = code[..., ::4] // 4  # [W, T, 8, WPG / 4]: each vector's index
+    n = len(ring[f"{name}_RING_INV"]) - 1
+    slot = vectors.reshape(w_, *[2] * n).permute(*ring[f"{name}_RING_INV"])
+    assert torch.equal(slot.reshape(held.shape[:3]), held[..., 0] // 4)
+    n = len(ring[f"{name}_RING_PERM"]) - 1
+    back = held.reshape(w_, *[2] * n).permute(*ring[f"{name}_RING_PERM"])
     assert torch.equal(back.reshape(code.shape), code)
 
 
