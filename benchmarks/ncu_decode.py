@@ -5,7 +5,8 @@
         python3 benchmarks/ncu_decode.py --kv-type q4_0 --lens ragged
 
 ``--lens``: ``ragged`` (128K + 7 x 8K, the issue's case) or comma-separated lengths.
-The inputs, shapes and default launch configuration are those of ``bench_attention.py``.
+The inputs, shapes and default launch configuration are those of ``bench_attention.py``;
+``--launch`` takes a launch as ``probe_decode.py`` writes it.
 """
 
 from __future__ import annotations
@@ -27,12 +28,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-type", default="q4_0")
     ap.add_argument("--lens", default="ragged")
     ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--launch", default=None, help="a probe_decode.py launch (default: the "
+                    "library's)")
     args = ap.parse_args(argv)
     lens = RAGGED if args.lens == "ragged" else tuple(int(n) for n in args.lens.split(","))
+    config = workspace = None
+    if args.launch:
+        from bench_attention import HKV, HQ, D  # noqa: N811
+        from probe_decode import parse_launch
+
+        from pagedserve.kernels.decode_plan import DecodeWorkspace
+        launch = parse_launch(args.launch, args.kv_type)
+        config = launch.config
+        workspace = DecodeWorkspace(len(lens), HQ, HKV, D, "cuda", occupancy=launch.occupancy)
     inp = paged_inputs(args.kv_type, lens, seed=7, device="cuda")
     for _ in range(args.calls):
         paged_decode.paged_decode_attention(inp.q, inp.k, inp.v, inp.tables, inp.lens, SCALE,
-                                            out=inp.out, validate=False)
+                                            out=inp.out, validate=False, config=config,
+                                            workspace=workspace)
     torch.cuda.synchronize()
     print(f"{args.kv_type} {args.lens}: {args.calls} calls done")
     return 0

@@ -780,7 +780,6 @@ def fragment_decode_kernel(
     D: gl.constexpr = HEAD_DIM
     NL: gl.constexpr = 8 * GB  # labels per product: one per byte (per nibble half)
     WPG: gl.constexpr = GB // 4
-    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8] per-head state, as S^T's n
     TOKENS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, T], as S^T's m

@@ -179,7 +179,8 @@ def test_ring_slot_holds_each_threads_own_vectors(kv_type, tokens, name):
                     if bit:
                         coord = [c ^ x for c, x in zip(coord, basis, strict=True)]
                 held[w, k // 4, lane, k % 4] = code[tuple(coord)]
-    assert torch.equal(held[..., 1:] - held[..., :1], torch.arange(1, 4).expand(held[..., 1:].shape))
+    # Each register quadruple is one 16-byte vector: consecutive words.
+    assert torch.equal(held - held[..., :1], torch.arange(4).expand(held.shape))
     vectors = code[..., ::4] // 4  # [W, T, 8, WPG / 4]: each vector's index
     n = len(ring[f"{name}_RING_INV"]) - 1
     slot = vectors.reshape(w_, *[2] * n).permute(*ring[f"{name}_RING_INV"])
