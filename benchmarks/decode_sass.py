@@ -55,8 +55,7 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
         kernel, source = quant_fragments.fragment_decode_kernel, GluonASTSource
         const = {k: const[k] for k in quant_fragments.SHARED_CONSTANTS}
         const.update(quant_fragments.kernel_constants(k_type, cfg.num_warps,
-                                                      cfg.block_n // cfg.num_warps,
-                                                      cfg.num_stages))
+                                                      cfg.block_n // cfg.num_warps))
         const["TRACE"] = os.environ.get("TRACE") == "1"
     else:
         kernel, source = _paged_decode_kernel, ASTSource

@@ -149,11 +149,6 @@ class DecodeConfig:
             raise ValueError(
                 f"quant_dot {self.quant_dot!r} is not a mode; accepted: {list(QUANT_DOT_MODES)}"
             )
-        if self.quant_dot == "fragment" and self.num_stages > 3:
-            raise ValueError(
-                f"quant_dot 'fragment' takes 1 (register double buffer), 2 or 3 (shared "
-                f"ring) stages, got {self.num_stages}"
-            )
         if self.quant_dot == "fragment" and self.block_n not in (16 * self.num_warps,
                                                                  32 * self.num_warps):
             raise ValueError(

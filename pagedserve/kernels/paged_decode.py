@@ -366,8 +366,7 @@ def paged_decode_attention(
     )
     if cfg.quant_dot == "fragment":
         quant_fragments.launch(grid, args, constants, cache_k.kv_type, cfg.num_warps,
-                               cfg.block_n // cfg.num_warps, cfg.maxnreg, trace,
-                               cfg.num_stages)
+                               cfg.block_n // cfg.num_warps, cfg.maxnreg, trace)
     elif trace is not None:
         raise ValueError(f"trace= needs the fragment kernel; this launch is {cfg.quant_dot!r}")
     else:

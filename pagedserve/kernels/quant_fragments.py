@@ -88,7 +88,7 @@ import torch
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from pagedserve.kernels.decode_merge import NEG_BIG, finish_split, store_stats
 from pagedserve.kernels.decode_plan import locate_chunk
@@ -230,75 +230,6 @@ def _bits(n: int, dim: int, rank: int = 4, start: int = 0) -> list[list[int]]:
     return out
 
 
-def ring_perm(words: gl.DistributedLinearLayout) -> tuple:
-    """``permute`` order taking a ring slot's index bits ``[W, r.., lane.., i1 i0]`` (each
-    dim's bits most significant first) to the word tile's ``[W, t.., g.., word..]``: the
-    relabel after a slot is read. Every basis of ``words`` is one index bit, so this is a
-    renaming of registers and lanes (no data moves)."""
-    _, t, g, wpg = words.shape
-    sizes = [t, 8, wpg]
-    # The ring's bits, in its binary dims' order: R bits (MSB first), lanes, then i.
-    rbits = words.reg_bases[2:]
-    ring = [tuple(b[1:]) for b in rbits[::-1]] + [tuple(b[1:]) for b in words.lane_bases[::-1]]
-    ring += [tuple(b[1:]) for b in words.reg_bases[1::-1]]
-    order = []
-    for d, size in enumerate(sizes):
-        for bit in reversed(range(size.bit_length() - 1)):
-            want = tuple((1 << bit) if k == d else 0 for k in range(3))
-            order.append(1 + ring.index(want))
-    return tuple([0] + order)
-
-
-def _vector_layout(words: gl.DistributedLinearLayout) -> gl.DistributedLinearLayout:
-    """``words`` (``[W, T, 8, WPG]``) with each 16-byte vector as one element: ``[W, T, 8,
-    WPG / 4]``, the first two register bases (the 4 words of a vector) dropped."""
-    def vec(b):
-        return [b[0], b[1], b[2], b[3] >> 2]
-    w, t, g, wpg = words.shape
-    return gl.DistributedLinearLayout(
-        reg_bases=[vec(b) for b in words.reg_bases[2:]], lane_bases=words.lane_bases,
-        warp_bases=words.warp_bases, block_bases=[], shape=[w, t, g, wpg // 4])
-
-
-def ring_vector_perm(words: gl.DistributedLinearLayout) -> tuple:
-    """``permute`` order taking the vector tile's index bits (``_vector_layout``: ``[W,
-    t.., g.., v..]``, most significant first) to a ring slot's vector index ``[W, r..,
-    lane..]``: where each thread's copies go (``_ring_issue``)."""
-    vec = _vector_layout(words)
-    _, t, g, v = vec.shape
-    bits = []  # the vector tile's binary dims, in order: (dim, bit)
-    for d, size in enumerate((t, g, v)):
-        bits += [(d, b) for b in reversed(range(size.bit_length() - 1))]
-
-    def position(basis):
-        d = next(k for k in range(3) if basis[k + 1])
-        return 1 + bits.index((d, basis[d + 1].bit_length() - 1))
-    out = [position(b) for b in vec.reg_bases[::-1]] + [position(b) for b in vec.lane_bases[::-1]]
-    return tuple([0] + out)
-
-
-@functools.cache
-def ring_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
-    """The shared-memory payload ring (``STAGES`` > 1): a slot per tile in flight, in which
-    each thread keeps exactly the 16-byte vectors of its own fragments (so no barrier is
-    needed between a copy, its wait and the read), stored lane-major: a warp's 32
-    vectors of one register are 512 consecutive bytes, so its copies and reads meet no
-    bank conflict (the word tiles' own order would put all 32 lanes on two banks)::
-
-        slot [W warps][R = regs / 4][32 lanes][4 words]   (int32; row-major)
-    """
-    base = fragment_layouts(kv_type, num_warps, tokens)
-    k, v = base["K_WORDS"], base["V_WORDS"]
-    r = 1 << (len(k.reg_bases) - 2)
-    return dict(
-        RING=gl.BlockedLayout([1, r, 1, 4], [1, 1, 32, 1], [num_warps, 1, 1, 1], [3, 2, 1, 0]),
-        RING_SMEM=gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0]),
-        K_RING_PERM=ring_perm(k), V_RING_PERM=ring_perm(v),
-        K_VEC=_vector_layout(k), V_VEC=_vector_layout(v),
-        K_RING_INV=ring_vector_perm(k), V_RING_INV=ring_vector_perm(v),
-    )
-
-
 @functools.cache
 def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
     """The kernel's layouts (compile-time arguments) for one storage type, ``num_warps``
@@ -429,14 +360,13 @@ def _warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
 
 
 @gluon.jit
-def _rows_at(table_row, id0, id1, first, t, tok_hi, num_blocks, num_kv_heads, h,
-             rows_per_block, T: gl.constexpr, BS: gl.constexpr, PAGED: gl.constexpr,
-             WARP_IDS: gl.constexpr):
-    """``(row, live)`` of token ``first + t`` of each warp (``first = start + T w``), for
-    ``t`` an int32 tensor of any layout and ``first``, ``id0``, ``id1`` broadcastable to
-    it (ids expanded from their warp slice): the row's index in the pool's
-    ``[num_blocks * Hkv * rows_per_block]`` rows, and whether it holds a token of a block
-    in the pool (``row`` is meaningless where not).
+def _tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
+               rows_per_block, W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr,
+               PAGED: gl.constexpr, WARP_IDS: gl.constexpr, layout: gl.constexpr):
+    """``(row, live)`` of each row of the tile at ``start`` (warp w takes tokens
+    ``start + T w ..``), int32 and bool ``[W, T]`` in ``layout``: the row's index in the
+    pool's ``[num_blocks * Hkv * rows_per_block]`` rows, and whether it holds a token of a
+    block in the pool (``row`` is meaningless where not).
 
     ``id0``, ``id1``: ``_warp_block_ids`` (``WARP_IDS``), or the contiguous layout's one
     block (``PAGED=False``). From warp-uniform block bases a row is a base plus a
@@ -444,11 +374,17 @@ def _rows_at(table_row, id0, id1, first, t, tok_hi, num_blocks, num_kv_heads, h,
     lane index, so whether it is in the warp's first or second block is known per
     register. Otherwise (block sizes below 16 or not powers of 2) each row reads its own
     block id."""
+    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))[:, None]
+    t = gl.arange(0, T, layout=gl.SliceLayout(0, layout))[None, :]
+    first = start + w * T  # [W, 1]
     live = t < tok_hi - first
     if not PAGED:
         ok = (id0 >= 0) & (id0 < num_blocks)
         row = (id0 * num_kv_heads + h) * rows_per_block + first + t
     elif WARP_IDS:
+        warp: gl.constexpr = gl.SliceLayout(1, layout)
+        id0 = gl.convert_layout(id0, warp, assert_trivial=True)[:, None]
+        id1 = gl.convert_layout(id1, warp, assert_trivial=True)[:, None]
         base0 = (id0 * num_kv_heads + h) * BS
         ok0 = (id0 >= 0) & (id0 < num_blocks)
         if BS < T:
@@ -469,102 +405,23 @@ def _rows_at(table_row, id0, id1, first, t, tok_hi, num_blocks, num_kv_heads, h,
 
 
 @gluon.jit
-def _tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
-               rows_per_block, W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr,
-               PAGED: gl.constexpr, WARP_IDS: gl.constexpr, layout: gl.constexpr):
-    """``_rows_at`` of each row of the tile at ``start`` (warp w takes tokens
-    ``start + T w ..``): int32 and bool ``[W, T]`` in ``layout``."""
-    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))[:, None]
-    t = gl.arange(0, T, layout=gl.SliceLayout(0, layout))[None, :]
-    if WARP_IDS:
-        warp: gl.constexpr = gl.SliceLayout(1, layout)
-        id0 = gl.convert_layout(id0, warp, assert_trivial=True)[:, None]
-        id1 = gl.convert_layout(id1, warp, assert_trivial=True)[:, None]
-    return _rows_at(table_row, id0, id1, start + w * T, t, tok_hi, num_blocks, num_kv_heads,
-                    h, rows_per_block, T, BS, PAGED, WARP_IDS)
-
-
-@gluon.jit
-def _word_offsets(rows, live, WPG: gl.constexpr, layout: gl.constexpr):
-    """Offsets (in int32 words) of the payload words ``[W, T, 8, WPG]`` (``WPG = GB / 4``
-    per group) of the rows ``rows`` (``_tile_rows``, in ``layout``'s token slice), in
-    ``layout``. Rows not ``live`` point at row 0 of the pool: their loads need no mask,
-    and their zero scales (``_load_scales``) make every value of them an exact 0 (a
-    masked vector load would first zero its registers)."""
+def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, layout: gl.constexpr):
+    """Payload as int32 words ``[W, T, 8, WPG]`` (``WPG = GB / 4`` per group) and group
+    scales ``[W, T, 8]`` (f16) of the rows ``rows`` where ``live`` (``_tile_rows``, in
+    ``layout``'s token slice), in ``layout``; rows not live read row 0 with scale 0.
+    Words, not bytes, wait in registers for the next tile: a byte would take a
+    register."""
     L3: gl.constexpr = gl.SliceLayout(3, layout)
     row = gl.where(live, rows, 0).to(gl.int64)
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
     i = gl.arange(0, WPG,
                   layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
-    return (row[:, :, None] * (8 * WPG) + g * WPG)[:, :, :, None] + i[None, None, None, :]
-
-
-@gluon.jit
-def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, layout: gl.constexpr):
-    """Payload as int32 words ``[W, T, 8, WPG]`` and group scales ``[W, T, 8]`` (f16) of
-    the rows ``rows`` where ``live``, in ``layout``; rows not live read row 0 with scale 0
-    (``_word_offsets``). Words, not bytes, wait in registers for the next tile: a byte
-    would take a register."""
-    sc = _load_scales(scale_ptr, rows, live, gl.SliceLayout(3, layout))
-    words = gl.load(data_ptr.to(gl.pointer_type(gl.int32))
-                    + _word_offsets(rows, live, WPG, layout))
+    sc = gl.load(scale_ptr + row[:, :, None] * 8 + g, mask=live[:, :, None], other=0.0)
+    word_off = (row[:, :, None] * (8 * WPG) + g * WPG)[:, :, :, None] + i[None, None, None, :]
+    # Unmasked: a row not read points at row 0 of the pool, and its zero scale makes every
+    # value of it an exact 0 (a masked vector load would first zero its registers).
+    words = gl.load(data_ptr.to(gl.pointer_type(gl.int32)) + word_off)
     return words, sc
-
-
-@gluon.jit
-def _load_scales(scale_ptr, rows, live, layout: gl.constexpr):
-    """The group scales ``[W, T, 8]`` (f16, in ``layout``) of the rows ``rows`` where
-    ``live``, 0 elsewhere (which zeroes every value of a row not read)."""
-    row = gl.where(live, rows, 0).to(gl.int64)
-    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
-    return gl.load(scale_ptr + row[:, :, None] * 8 + g, mask=live[:, :, None], other=0.0)
-
-
-@gluon.jit
-def _ring_issue(slot, data_ptr, rows, live, WPG: gl.constexpr, VEC: gl.constexpr,
-                INV: gl.constexpr, RING: gl.constexpr):
-    """Start copying the payload of the rows ``rows`` where ``live`` (``_tile_rows``, in
-    the token slice of ``VEC``) into ring slot ``slot`` (``cp.async``, 16-byte vectors;
-    rows not live copy nothing and read as zeros). Each vector's offset is computed in
-    the vector tile ``VEC`` (``[W, T, 8, WPG / 4]``, the words' layout) and relabelled
-    into the slot's ``[W, R, 32]`` (``INV``; no data moves), so each thread copies
-    exactly the vectors it will read back."""
-    TOK: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, VEC))
-    rows = gl.convert_layout(rows, TOK, assert_trivial=True)
-    live = gl.convert_layout(live, TOK, assert_trivial=True)
-    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, VEC))))
-    v = gl.arange(0, WPG // 4,
-                  layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, VEC))))
-    base = ((rows.to(gl.int64) * (8 * WPG))[:, :, None] + g[None, None, :] * WPG)[:, :, :, None]
-    base = base + v[None, None, None, :] * 4  # [W, T, 8, WPG / 4]: each vector's first word
-    keep = gl.broadcast(live[:, :, None, None], base)[0]
-    W: gl.constexpr = VEC.shape[0]
-    R: gl.constexpr = RING.size_per_thread[1]
-    n: gl.constexpr = len(INV.value) - 1
-    SLOT: gl.constexpr = gl.SliceLayout(3, RING)
-    base = gl.reshape(gl.permute(gl.reshape(base, [W] + [2] * n), INV.value), [W, R, 32])
-    keep = gl.reshape(gl.permute(gl.reshape(keep, [W] + [2] * n), INV.value), [W, R, 32])
-    base = gl.convert_layout(base, SLOT, assert_trivial=True)
-    keep = gl.convert_layout(keep, SLOT, assert_trivial=True)
-    i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, RING))))
-    # The relabel hides from the compiler that each vector starts at a multiple of 4.
-    offs = gl.max_contiguous(gl.multiple_of(base[:, :, :, None] + i[None, None, None, :],
-                                            [1, 1, 1, 4]), [1, 1, 1, 4])
-    # A dead row copies nothing: pointed at one row, every program's copies of a dead
-    # tile would queue at one L2 slice.
-    async_copy.async_copy_global_to_shared(slot, data_ptr.to(gl.pointer_type(gl.int32)) + offs,
-                                           mask=gl.broadcast(keep[:, :, :, None], offs)[0])
-
-
-@gluon.jit
-def _ring_words(slot, PERM: gl.constexpr, WORDS: gl.constexpr, RING: gl.constexpr):
-    """A ring slot's payload as the word tile ``[W, T, 8, WPG]`` in ``WORDS``: each thread
-    reads back its own vectors, relabelled (``ring_perm``; no data moves)."""
-    x = slot.load(RING)
-    W: gl.constexpr = x.shape[0]
-    n: gl.constexpr = len(PERM.value) - 1
-    x = gl.reshape(gl.permute(gl.reshape(x, [W] + [2] * n), PERM.value), WORDS.shape)
-    return gl.convert_layout(x, WORDS, assert_trivial=True)
 
 
 @gluon.jit
@@ -658,51 +515,6 @@ def _pair_fragments(x, sc, PERM: gl.constexpr, HALVES: gl.constexpr, PAIR: gl.co
 
 
 @gluon.jit
-def _attend_tile(kx, ks, vx, vs, live, q_lo, q_hi, acc_lo, acc_hi, m_i, l_i, qk_scale,
-                 K_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr, HALVES: gl.constexpr,
-                 K_BYTES: gl.constexpr, V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
-                 MMA: gl.constexpr):
-    """One tile of the online softmax: payload words ``kx``, ``vx`` ``[W, T, 8, WPG]``
-    (``K_WORDS``, ``V_WORDS``), scales ``ks``, ``vs`` ``[W, T, 8]``, the scores' mask
-    ``live`` ``[W, T]`` -> the updated ``(acc_lo, acc_hi, m_i, l_i)`` (``acc_hi`` only
-    for q4_0; passed through otherwise)."""
-    W: gl.constexpr = kx.shape[0]
-    T: gl.constexpr = kx.shape[1]
-    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
-    B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-    # S^T = K . Q^T: K dequantized where its bytes were loaded (the B arrangement), then
-    # renamed as the A operand.
-    kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)
-    kscale = gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES))
-    zeros = gl.zeros([W, T, MAX_GROUP], gl.float32, MMA)
-    if HALVES:
-        k_lo, k_hi = _k_fragments(kb, kscale, K_PERM, True, B_OP)
-        # Two independent accumulations: shorter dependency chains of MMAs.
-        st = (mma_v2(_as_a_operand(k_lo, A_OP), q_lo, zeros)
-              + mma_v2(_as_a_operand(k_hi, A_OP), q_hi, zeros))
-    else:
-        st = mma_v2(_as_a_operand(_k_fragments(kb, kscale, K_PERM, False, B_OP), A_OP),
-                    q_lo, zeros)
-    st = gl.where(live[:, :, None], st * qk_scale, float("-inf"))  # [W, T, 8]
-    m_new = gl.maximum(m_i, gl.max(st, axis=1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(st - m_new[:, None, :])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    alpha_o = alpha[:, None, :]
-    p16 = _scores_to_b_operand(p.to(gl.float16), B_OP)
-    # O^T += V^T . P^T
-    vb = gl.convert_layout(_bytes(vx), V_LOAD, assert_trivial=True)
-    if HALVES:
-        v_lo, v_hi = _pair_fragments(vb, vs, V_PAIR_PERM, True, V_PAIR, A_OP)
-        acc_lo = mma_v2(v_lo, p16, acc_lo * alpha_o)
-        acc_hi = mma_v2(v_hi, p16, acc_hi * alpha_o)
-    else:
-        acc_lo = mma_v2(_pair_fragments(vb, vs, V_PAIR_PERM, False, V_PAIR, A_OP), p16,
-                        acc_lo * alpha_o)
-    return acc_lo, acc_hi, m_new, l_i
-
-
-@gluon.jit
 def _column(label, TO_D: gl.constexpr):
     """The column of output label ``label`` (0..255: lo labels, then q4_0's hi labels):
     itself (a partial keeps label order) or, ``TO_D``, its head_dim index
@@ -772,14 +584,13 @@ def fragment_decode_kernel(
     V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
     MMA: gl.constexpr, MERGE: gl.constexpr,
     K_PERM: gl.constexpr, Q_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr,
-    TRACE: gl.constexpr, STAGES: gl.constexpr, RING: gl.constexpr, RING_SMEM: gl.constexpr,
-    K_RING_PERM: gl.constexpr, V_RING_PERM: gl.constexpr, K_RING_INV: gl.constexpr,
-    V_RING_INV: gl.constexpr, K_VEC: gl.constexpr, V_VEC: gl.constexpr,
+    TRACE: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = W * T
     D: gl.constexpr = HEAD_DIM
     NL: gl.constexpr = 8 * GB  # labels per product: one per byte (per nibble half)
     WPG: gl.constexpr = GB // 4
+    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8] per-head state, as S^T's n
     TOKENS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, T], as S^T's m
@@ -806,7 +617,6 @@ def fragment_decode_kernel(
         acc_hi = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)
     else:
         q_lo = _load_q(q_base, stride_qh, G, W, Q_PERM, False, B_OP)
-        q_hi = q_lo
     acc_lo = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
     m_i = gl.full([W, MAX_GROUP], NEG_BIG, gl.float32, HEADS)
     l_i = gl.zeros([W, MAX_GROUP], gl.float32, HEADS)
@@ -833,127 +643,68 @@ def fragment_decode_kernel(
     else:
         id0 = block0
         id1 = block0
-    if not HALVES:
-        acc_hi = acc_lo
-    if STAGES == 1:
-        # Register double buffer: the next tile's words are in flight while this one is
-        # computed.
-        rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks,
-                                num_kv_heads, h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
-        kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
-        rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks,
-                                num_kv_heads, h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
-        vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
-        live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+    rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                            rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+    kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
+    rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                            rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+    vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
+    live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                      rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+    if AHEAD:
+        id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
+    _stamp(trace_ptr, slot, 2, TRACE)
+    for start in range(tok_lo, tok_hi, BLOCK_N):
+        # The next tile's bytes are in flight while this one is computed.
+        nxt = start + BLOCK_N
         if AHEAD:
-            id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
-        _stamp(trace_ptr, slot, 2, TRACE)
-        for start in range(tok_lo, tok_hi, BLOCK_N):
-            nxt = start + BLOCK_N
-            if AHEAD:
-                nid0, nid1 = id0, id1
-                id0, id1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT)
-            elif WARP_IDS:
-                nid0, nid1 = _warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT)
-            else:
-                nid0, nid1 = id0, id1
-            rows, live_k = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks,
-                                      num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
-                                      WARP_IDS, KT)
-            kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
-            rows, live_v = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks,
-                                      num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
-                                      WARP_IDS, VT)
-            vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
-            live_next = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks,
-                                   num_kv_heads, h, rows_per_block, W, T, BS, PAGED, WARP_IDS,
-                                   TOKENS)[1]
-            acc_lo, acc_hi, m_i, l_i = _attend_tile(
-                kx, ks, vx, vs, live, q_lo, q_hi, acc_lo, acc_hi, m_i, l_i, qk_scale, K_PERM,
-                V_PAIR_PERM, HALVES, K_BYTES, V_LOAD, V_PAIR, MMA)
-            kx, ks, vx, vs, live = kx_next, ks_next, vx_next, vs_next, live_next
-    else:
-        # Shared-memory ring of STAGES tiles (``ring_layouts``): STAGES - 1 tiles' payload
-        # in flight (cp.async) while one is computed, and no payload register waits.
-        # Scales and the scores' mask are small: they wait in registers (FIFO below).
-        R: gl.constexpr = RING.size_per_thread[1]
-        k_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, R, 32, 4], RING_SMEM)
-        v_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, R, 32, 4], RING_SMEM)
-        for s in gl.static_range(STAGES - 1):
-            at = tok_lo + s * BLOCK_N
-            if s > 0 and WARP_IDS and not AHEAD:
-                id0, id1 = _warp_block_ids(table_row, at, tok_hi, W, T, BS, KT)
-            rows_k, live_k = _tile_rows(table_row, id0, id1, at, tok_hi, num_blocks,
-                                        num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
-                                        WARP_IDS, KT)
-            rows_v, live_v = _tile_rows(table_row, id0, id1, at, tok_hi, num_blocks,
-                                        num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
-                                        WARP_IDS, VT)
-            if at < tok_hi:
-                _ring_issue(k_ring.index(s), kd_ptr, rows_k, live_k, WPG, K_VEC, K_RING_INV,
-                            RING)
-                _ring_issue(v_ring.index(s), vd_ptr, rows_v, live_v, WPG, V_VEC, V_RING_INV,
-                            RING)
-            async_copy.commit_group()
-            live_s = _tile_rows(table_row, id0, id1, at, tok_hi, num_blocks, num_kv_heads, h,
-                                rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
-            if s == 0:
-                ks = _load_scales(ks_ptr, rows_k, live_k, gl.SliceLayout(3, K_WORDS))
-                vs = _load_scales(vs_ptr, rows_v, live_v, gl.SliceLayout(3, V_WORDS))
-                live = live_s
-            else:
-                ks1 = _load_scales(ks_ptr, rows_k, live_k, gl.SliceLayout(3, K_WORDS))
-                vs1 = _load_scales(vs_ptr, rows_v, live_v, gl.SliceLayout(3, V_WORDS))
-                live1 = live_s
-            if AHEAD:
-                id0, id1 = _warp_block_ids(table_row, at + BLOCK_N, tok_hi, W, T, BS, KT)
-        _stamp(trace_ptr, slot, 2, TRACE)
-        for start in range(tok_lo, tok_hi, BLOCK_N):
-            it = (start - tok_lo) // BLOCK_N
-            at = start + (STAGES - 1) * BLOCK_N  # the tile whose copies start now
-            if AHEAD:
-                nid0, nid1 = id0, id1
-                id0, id1 = _warp_block_ids(table_row, at + BLOCK_N, tok_hi, W, T, BS, KT)
-            elif WARP_IDS:
-                nid0, nid1 = _warp_block_ids(table_row, at, tok_hi, W, T, BS, KT)
-            else:
-                nid0, nid1 = id0, id1
-            rows_k, live_k = _tile_rows(table_row, nid0, nid1, at, tok_hi, num_blocks,
-                                        num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
-                                        WARP_IDS, KT)
-            rows_v, live_v = _tile_rows(table_row, nid0, nid1, at, tok_hi, num_blocks,
-                                        num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
-                                        WARP_IDS, VT)
-            # Into the slot of the tile computed last trip: its reads are done (their
-            # values were used), and a thread overwrites only its own vectors. A tile past
-            # the chunk copies nothing (an empty group keeps the count): its rows would all
-            # read row 0, and every program's copies of one row meet in one L2 slice.
-            if at < tok_hi:
-                wslot = (it + STAGES - 1) % STAGES
-                _ring_issue(k_ring.index(wslot), kd_ptr, rows_k, live_k, WPG, K_VEC,
-                            K_RING_INV, RING)
-                _ring_issue(v_ring.index(wslot), vd_ptr, rows_v, live_v, WPG, V_VEC,
-                            V_RING_INV, RING)
-            async_copy.commit_group()
-            ks_new = _load_scales(ks_ptr, rows_k, live_k, gl.SliceLayout(3, K_WORDS))
-            vs_new = _load_scales(vs_ptr, rows_v, live_v, gl.SliceLayout(3, V_WORDS))
-            live_new = _tile_rows(table_row, nid0, nid1, at, tok_hi, num_blocks, num_kv_heads,
-                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
-            # This tile's copies are the oldest of the STAGES groups in flight.
-            async_copy.wait_group(STAGES - 1)
-            rslot = it % STAGES
-            kx = _ring_words(k_ring.index(rslot), K_RING_PERM, K_WORDS, RING)
-            vx = _ring_words(v_ring.index(rslot), V_RING_PERM, V_WORDS, RING)
-            acc_lo, acc_hi, m_i, l_i = _attend_tile(
-                kx, ks, vx, vs, live, q_lo, q_hi, acc_lo, acc_hi, m_i, l_i, qk_scale, K_PERM,
-                V_PAIR_PERM, HALVES, K_BYTES, V_LOAD, V_PAIR, MMA)
-            if STAGES == 2:
-                ks, vs, live = ks_new, vs_new, live_new
-            else:
-                ks, vs, live = ks1, vs1, live1
-                ks1, vs1, live1 = ks_new, vs_new, live_new
-        async_copy.wait_group(0)
+            nid0, nid1 = id0, id1
+            id0, id1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT)
+        elif WARP_IDS:
+            nid0, nid1 = _warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT)
+        else:
+            nid0, nid1 = id0, id1
+        rows, live_k = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+        kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
+        rows, live_v = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+        vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
+
+        # S^T = K . Q^T: K dequantized where its bytes were loaded (the B arrangement),
+        # then renamed as the A operand.
+        kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)
+        kscale = gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES))
+        zeros = gl.zeros([W, T, MAX_GROUP], gl.float32, MMA)
+        if HALVES:
+            k_lo, k_hi = _k_fragments(kb, kscale, K_PERM, True, B_OP)
+            # Two independent accumulations: shorter dependency chains of MMAs.
+            st = (mma_v2(_as_a_operand(k_lo, A_OP), q_lo, zeros)
+                  + mma_v2(_as_a_operand(k_hi, A_OP), q_hi, zeros))
+        else:
+            st = mma_v2(_as_a_operand(_k_fragments(kb, kscale, K_PERM, False, B_OP), A_OP),
+                        q_lo, zeros)
+        st = gl.where(live[:, :, None], st * qk_scale, float("-inf"))  # [W, T, 8]
+        m_new = gl.maximum(m_i, gl.max(st, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(st - m_new[:, None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        alpha_o = alpha[:, None, :]
+        p16 = _scores_to_b_operand(p.to(gl.float16), B_OP)
+        live = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
+                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+
+        # O^T += V^T . P^T
+        vb = gl.convert_layout(_bytes(vx), V_LOAD, assert_trivial=True)
+        if HALVES:
+            v_lo, v_hi = _pair_fragments(vb, vs, V_PAIR_PERM, True, V_PAIR, A_OP)
+            acc_lo = mma_v2(v_lo, p16, acc_lo * alpha_o)
+            acc_hi = mma_v2(v_hi, p16, acc_hi * alpha_o)
+        else:
+            acc_lo = mma_v2(_pair_fragments(vb, vs, V_PAIR_PERM, False, V_PAIR, A_OP), p16,
+                            acc_lo * alpha_o)
+        kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
 
     _stamp(trace_ptr, slot, 3, TRACE)
     # The warps' partial states -> one (log-sum-exp weights), in RED: a thread holds
@@ -1009,23 +760,17 @@ def supports(q, cache_k, cache_v) -> bool:
 
 
 @functools.cache
-def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int,
-                     stages: int = 1) -> dict:
-    """This kernel's own compile-time arguments for a storage type, warp shape and
-    pipeline depth (``stages``: 1, the register double buffer, or 2-3 tiles in a
-    shared-memory ring). Cached: eager decode launches per layer per step; callers must
-    not modify the dict."""
-    if stages not in (1, 2, 3):
-        raise ValueError(f"the fragment kernel takes 1, 2 or 3 stages, got {stages}")
+def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int) -> dict:
+    """This kernel's own compile-time arguments for a storage type and warp shape (cached:
+    eager decode launches per layer per step; callers must not modify the dict)."""
     geo = GEOMETRY[kv_type]
     return dict(W=num_warps, T=tokens_per_warp, GB=geo.group_bytes, HALVES=geo.halves,
-                STAGES=stages, **fragment_layouts(kv_type, num_warps, tokens_per_warp),
-                **ring_layouts(kv_type, num_warps, tokens_per_warp))
+                **fragment_layouts(kv_type, num_warps, tokens_per_warp))
 
 
 def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
            num_warps: int, tokens_per_warp: int, maxnreg: int | None,
-           trace: torch.Tensor | None = None, stages: int = 1) -> None:
+           trace: torch.Tensor | None = None) -> None:
     """One launch over checked arguments: ``paged_decode.paged_decode_attention``'s grid
     and run-time arguments (the two kernels share them) and the Triton kernel's
     compile-time arguments (``paged_decode.launch_constants``), of which this kernel takes
@@ -1040,6 +785,6 @@ def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
     fragment_decode_kernel[grid](
         *args, args[1] if trace is None else trace,
         **{k: constants[k] for k in SHARED_CONSTANTS},
-        **kernel_constants(kv_type, num_warps, tokens_per_warp, stages),
+        **kernel_constants(kv_type, num_warps, tokens_per_warp),
         TRACE=trace is not None, num_warps=num_warps, maxnreg=maxnreg,
     )

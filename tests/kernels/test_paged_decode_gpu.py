@@ -220,53 +220,6 @@ def test_fragment_kernel_block_sizes(block_size, table_ahead, kv_type):
 
 
 @pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("block_size,table_ahead", [(16, True), (16, False), (32, True),
-                                                    (8, True)])
-def test_fragment_kernel_shared_ring(kv_type, stages, block_size, table_ahead):
-    """The shared-memory payload ring (``num_stages`` 2 or 3): many partitions, so that
-    chunks of one to many tiles start mid-block and the ring's last copies fall past
-    the chunk; warp-uniform block ids (one or two per warp, ahead or just in time) and
-    one id per row (block size 8)."""
-    cfg = dataclasses.replace(FRAGMENT_CONFIGS[kv_type], num_stages=stages,
-                              table_ahead=table_ahead)
-    check(kv_type, kv_type, EDGE_LENS, config=cfg, block_size=block_size,
-          ws_kwargs=dict(chunks_per_head=64))
-
-
-@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
-def test_fragment_kernel_shared_ring_contiguous_and_invalid_ids(kv_type):
-    """The ring on the contiguous layout (one block per sequence), and a table entry
-    outside the pool dropping its tokens (validate=False)."""
-    cfg = dataclasses.replace(FRAGMENT_CONFIGS[kv_type], num_stages=3)
-    lens = [5000, 1, 0, 300]
-    ck, cv, table, tables = build_pool(kv_type, kv_type, lens, num_kv_heads=4, head_dim=256,
-                                       block_size=5008, device="cuda")
-    q = torch.randn(len(lens), 24, 256).half()
-    out = ops.paged_decode_attention(q.cuda(), ck, cv, table[:, :1].contiguous(),
-                                     torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                     0.0625, config=cfg)
-    torch.cuda.synchronize()
-    assert rel_error(out, decode_oracle(q, ck, cv, tables, lens, 0.0625)) <= bound(kv_type,
-                                                                                   kv_type)
-    lens = [100, 40]
-    ck, cv, table, tables = build_pool(kv_type, kv_type, lens, num_kv_heads=4, head_dim=256,
-                                       device="cuda")
-    bad = table.clone()
-    bad[0, 3] = ck.num_blocks + 5  # tokens 48..63 of sequence 0
-    bad[1, 1] = -7  # tokens 16..31 of sequence 1
-    q = torch.randn(2, 24, 256).half()
-    out = ops.paged_decode_attention(q.cuda(), ck, cv, bad,
-                                     torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                     0.0625, config=cfg, validate=False)
-    torch.cuda.synchronize()
-    for b, hole in ((0, range(48, 64)), (1, range(16, 32))):
-        live = [[t not in hole for t in range(lens[b])]]
-        ref = decode_oracle(q[b:b + 1], ck, cv, [tables[b]], [lens[b]], 0.0625, live=live)
-        assert rel_error(out[b:b + 1], ref) <= bound(kv_type, kv_type)
-
-
-@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
 def test_fragment_kernel_ragged_and_bf16_queries(kv_type):
     lens = [131072] + [8192] * 7
     ck, cv, table, tables = build_pool(kv_type, kv_type, lens, num_kv_heads=4, head_dim=256,

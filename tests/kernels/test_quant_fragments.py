@@ -155,53 +155,6 @@ def test_kernel_compiles_for_sm90_with_its_layout_premises(spec, mma, paged):
     assert not any(op.startswith(("LDS", "STS", "LDSM", "STSM")) for op in stats["memory_ops"])
 
 
-@pytest.mark.parametrize("kv_type,tokens", [("q4_0", 32), ("q8_0", 16), ("q8_0", 32)])
-@pytest.mark.parametrize("name", ["K", "V"])
-def test_ring_slot_holds_each_threads_own_vectors(kv_type, tokens, name):
-    """The shared ring's premise (``ring_layouts``): element ``[w, r, lane, i]`` of a
-    slot is the word that register ``4 r + i`` of that lane holds in the word tile's
-    layout, so a thread reads back exactly what it copied. ``*_RING_INV`` sends each
-    16-byte vector of the tile to its slot position (the copies), ``*_RING_PERM`` takes
-    the slot back to the tile (the reads); checked on index tensors."""
-    words = qf.fragment_layouts(kv_type, 2, tokens)[f"{name}_WORDS"]
-    ring = qf.ring_layouts(kv_type, 2, tokens)
-    w_, t_, g_, wpg = words.shape
-    regs = len(words.reg_bases)
-    code = torch.arange(w_ * t_ * g_ * wpg).reshape(w_, t_, g_, wpg)  # the tile's words
-    held = torch.empty(w_, 1 << (regs - 2), 32, 4, dtype=torch.long)  # by the layout
-    for w in range(w_):
-        for lane in range(32):
-            for k in range(1 << regs):
-                coord = [w, 0, 0, 0]
-                bases = [(b, (k >> j) & 1) for j, b in enumerate(words.reg_bases)]
-                bases += [(b, (lane >> j) & 1) for j, b in enumerate(words.lane_bases)]
-                for basis, bit in bases:
-                    if bit:
-                        coord = [c ^ x for c, x in zip(coord, basis, strict=True)]
-                held[w, k // 4, lane, k % 4] = code[tuple(coord)]
-    # Each register quadruple is one 16-byte vector: consecutive words.
-    assert torch.equal(held - held[..., :1], torch.arange(4).expand(held.shape))
-    vectors = code[..., ::4] // 4  # [W, T, 8, WPG / 4]: each vector's index
-    n = len(ring[f"{name}_RING_INV"]) - 1
-    slot = vectors.reshape(w_, *[2] * n).permute(*ring[f"{name}_RING_INV"])
-    assert torch.equal(slot.reshape(held.shape[:3]), held[..., 0] // 4)
-    n = len(ring[f"{name}_RING_PERM"]) - 1
-    back = held.reshape(w_, *[2] * n).permute(*ring[f"{name}_RING_PERM"])
-    assert torch.equal(back.reshape(code.shape), code)
-
-
-@pytest.mark.parametrize("spec", ["q4_0:q4_0:fragment:128:4:3:block",
-                                  "q8_0:q8_0:fragment:64:4:2:block"], ids=["q4_0", "q8_0"])
-def test_ring_kernel_compiles_for_sm90_with_16_byte_copies(spec):
-    """The ring variant compiles for sm_90 with its free relabels (``assert_trivial``),
-    copies its payload in 16-byte ``cp.async`` vectors and reads it back in 16-byte
-    shared loads, one of each per four words (K and V: 16 of each per thread)."""
-    stats = _compile_for_sm90(spec, True)
-    assert stats["memory_ops"].get("LDGSTS.E.BYPASS.128") == 16
-    assert stats["memory_ops"].get("LDS.128") == 16
-    assert "LDG.E.128" not in stats["memory_ops"]
-
-
 def test_launcher_binds_every_kernel_argument(monkeypatch):
     """The Gluon kernel runs only on a GPU; on the CPU, check that the launcher's
     arguments (shared with the Triton kernel) bind the kernel's signature exactly: each
