@@ -6,7 +6,8 @@
 
 ``--lens``: ``ragged`` (128K + 7 x 8K, the issue's case) or comma-separated lengths.
 The inputs, shapes and default launch configuration are those of ``bench_attention.py``;
-``--launch`` takes a launch as ``probe_decode.py`` writes it.
+``--launch`` takes a launch as ``probe_decode.py`` writes it; the calls run through the
+benchmark's ``Runner`` (its workspace, so at most 8 sequences).
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import RAGGED, SCALE, paged_inputs  # noqa: E402
-
-from pagedserve.kernels import paged_decode  # noqa: E402
+from bench_attention import RAGGED, Runner, paged_inputs  # noqa: E402
+from probe_decode import parse_launch  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,20 +32,11 @@ def main(argv: list[str] | None = None) -> int:
                     "library's)")
     args = ap.parse_args(argv)
     lens = RAGGED if args.lens == "ragged" else tuple(int(n) for n in args.lens.split(","))
-    config = workspace = None
-    if args.launch:
-        from bench_attention import HKV, HQ, D  # noqa: N811
-        from probe_decode import parse_launch
-
-        from pagedserve.kernels.decode_plan import DecodeWorkspace
-        launch = parse_launch(args.launch, args.kv_type)
-        config = launch.config
-        workspace = DecodeWorkspace(len(lens), HQ, HKV, D, "cuda", occupancy=launch.occupancy)
+    launch = parse_launch(args.launch or "default", args.kv_type)
     inp = paged_inputs(args.kv_type, lens, seed=7, device="cuda")
+    runner = Runner("cuda")
     for _ in range(args.calls):
-        paged_decode.paged_decode_attention(inp.q, inp.k, inp.v, inp.tables, inp.lens, SCALE,
-                                            out=inp.out, validate=False, config=config,
-                                            workspace=workspace)
+        runner.ours(inp, launch)
     torch.cuda.synchronize()
     print(f"{args.kv_type} {args.lens}: {args.calls} calls done")
     return 0
