@@ -78,13 +78,19 @@ for spec in "$@"; do
     profile-engine) run_stage "$stage" "$limit" python3 benchmarks/profile_engine.py --out "$OUT" ;;
     # Nsight Compute on the decode kernel: the ragged case per K/V type, and f16 at one 4K
     # sequence (the latency-bound corner where SDPA is faster).
-    ncu-decode)    for case in q4_0:ragged q8_0:ragged f16:ragged f16:4096; do
-                     run_stage "ncu-${case/:/-}" "$limit" ncu --clock-control none \
+    # $NCU_CASES: TYPE:LENS[:LAYOUT] each (LENS ragged or comma-separated; LAYOUT paged or
+    # contiguous), default the ragged case of each type and one 4K f16 sequence.
+    ncu-decode)    for case in ${NCU_CASES:-q4_0:ragged q8_0:ragged f16:ragged f16:4096}; do
+                     IFS=: read -r kv lens layout <<< "$case"
+                     run_stage "ncu-$kv-${lens//,/_}-${layout:-paged}" "$limit" ncu \
+                       --clock-control none \
                        --kernel-name regex:decode_kernel --launch-skip 2 --launch-count 1 \
                        --section SpeedOfLight --section Occupancy --section LaunchStats \
                        --section WarpStateStats --section SchedulerStats \
                        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-                       python3 benchmarks/ncu_decode.py --kv-type "${case%%:*}" --lens "${case##*:}"
+                       --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum \
+                       python3 benchmarks/ncu_decode.py --kv-type "$kv" --lens "$lens" \
+                       --layout "${layout:-paged}"
                    done ;;
     # PROBE_ARGS may hold several argument lists separated by '|': one probe each.
     probe-decode)  IFS='|' read -ra probes <<< "${PROBE_ARGS:-}"

@@ -7,7 +7,8 @@
 ``--lens``: ``ragged`` (128K + 7 x 8K, the issue's case) or comma-separated lengths.
 The inputs, shapes and default launch configuration are those of ``bench_attention.py``;
 ``--launch`` takes a launch as ``probe_decode.py`` writes it; the calls run through the
-benchmark's ``Runner`` (its workspace, so at most 8 sequences).
+benchmark's ``Runner`` (its workspace, so at most 8 sequences). ``--layout contiguous``
+profiles the padded contiguous layout of the same values (the ratio's denominator).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import RAGGED, Runner, paged_inputs  # noqa: E402
+from bench_attention import RAGGED, Runner, contiguous_of, paged_inputs  # noqa: E402
 from probe_decode import parse_launch  # noqa: E402
 
 
@@ -30,15 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=4)
     ap.add_argument("--launch", default=None, help="a probe_decode.py launch (default: the "
                     "library's)")
+    ap.add_argument("--layout", choices=("paged", "contiguous"), default="paged")
     args = ap.parse_args(argv)
     lens = RAGGED if args.lens == "ragged" else tuple(int(n) for n in args.lens.split(","))
     launch = parse_launch(args.launch or "default", args.kv_type)
     inp = paged_inputs(args.kv_type, lens, seed=7, device="cuda")
+    if args.layout == "contiguous":
+        inp = contiguous_of(inp, max(lens))
     runner = Runner("cuda")
     for _ in range(args.calls):
         runner.ours(inp, launch)
     torch.cuda.synchronize()
-    print(f"{args.kv_type} {args.lens}: {args.calls} calls done")
+    print(f"{args.kv_type} {args.lens} {args.layout}: {args.calls} calls done")
     return 0
 
 
