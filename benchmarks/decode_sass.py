@@ -56,9 +56,9 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
         const = {k: const[k] for k in quant_fragments.SHARED_CONSTANTS}
         const.update(quant_fragments.kernel_constants(k_type, cfg.num_warps,
                                                       cfg.block_n // cfg.num_warps))
-        const["TRACE"] = os.environ.get("TRACE") == "1"
     else:
         kernel, source = _paged_decode_kernel, ASTSource
+    const["TRACE"] = os.environ.get("TRACE") == "1"
     names = kernel.arg_names
     pointers = {
         "q_ptr": "*fp16", "out_ptr": "*fp16", "kd_ptr": POINTER_TYPES[k_type],

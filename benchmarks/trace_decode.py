@@ -1,19 +1,22 @@
-"""Where a decode call's time goes: per-program timelines of the fragment kernel.
+"""Where a decode call's time goes: per-program timelines of the decode kernels.
 
 The benchmark's per-call time of a short case is far above its bytes' share of the
 copy bandwidth (one 4K q4_0 sequence: about 22 us for 4.7 MB). This launches the
-``fragment`` kernel (q4_0 or q8_0 K and V) once with ``trace=``, so that every program
-records the global timer at six points (``quant_fragments.TRACE_FIELDS``), and prints,
-per case, the phases over all programs (relative to the first program's entry)::
+library's kernel for the type (the Gluon ``fragment`` kernel for q4_0 and q8_0, the
+Triton kernel for f16) once with ``trace=``, so that every program records the global
+timer at six points (``quant_fragments.TRACE_FIELDS``), and prints, per case, the
+phases over all programs (relative to the first program's entry)::
 
     entry -> planned -> loop -> looped -> stored -> merged
      plan     prologue   tiles   epilogue  count and merge
 
 Beside them, in the same process and by the benchmark's method (CUDA-graph replay over
 rotating input copies), the untraced call's time, and the floor of one graph node: an
-empty kernel over the same grid. Writes ``trace_decode.json`` to ``--out`` (or $OUT).
+empty kernel over the same grid. ``--layout contiguous`` traces the padded contiguous
+layout of the same values. Writes ``trace_decode.json`` to ``--out`` (or $OUT).
 
     python benchmarks/trace_decode.py --kv-type q4_0 --cases ragged 4096x1 131072x1
+    python benchmarks/trace_decode.py --kv-type f16 --cases 4096x2 --layout contiguous
 """
 
 from __future__ import annotations
@@ -34,11 +37,7 @@ import bench_attention as ba  # noqa: E402
 from probe_decode import parse_case  # noqa: E402
 
 from pagedserve.kernels import paged_decode, quant_fragments  # noqa: E402
-from pagedserve.kernels.decode_plan import (  # noqa: E402
-    DecodeWorkspace,
-    default_config,
-    default_occupancy,
-)
+from pagedserve.kernels.decode_plan import DecodeWorkspace, default_occupancy  # noqa: E402
 
 PHASES = (("plan", "entry", "planned"), ("prologue", "planned", "loop"),
           ("tiles", "loop", "looped"), ("epilogue", "looped", "stored"),
@@ -67,6 +66,8 @@ def summarize(rec: torch.Tensor) -> dict:
            "entry_max_us": max(u["entry"] for u in us),
            "looped_p50_us": _pct([u["looped"] for u in us], 0.5),
            "looped_max_us": max(u["looped"] for u in us),
+           "stored_p50_us": _pct([u["stored"] for u in us], 0.5),
+           "stored_max_us": max(u["stored"] for u in us),
            "tiles_max": max(u["tiles"] for u in us)}
     for name, a, b in PHASES:
         d = [u[b] - u[a] for u in us]
@@ -81,18 +82,19 @@ def summarize(rec: torch.Tensor) -> dict:
     return out
 
 
-def trace_case(kv_type: str, lens: tuple[int, ...]) -> dict:
-    cfg = default_config(kv_type, kv_type)
+def trace_case(kv_type: str, lens: tuple[int, ...], layout: str = "paged") -> dict:
     ws = DecodeWorkspace(8, ba.HQ, ba.HKV, ba.D, "cuda",
                          occupancy=default_occupancy(kv_type, kv_type))
     nbytes = ba.live_bytes(kv_type, lens)
     copies = ba.copies_for(nbytes, _common.run_meta()["l2_bytes"], ba.FULL)
     inputs = [ba.paged_inputs(kv_type, lens, seed=11 + i, device="cuda") for i in range(copies)]
+    if layout == "contiguous":
+        inputs = [ba.contiguous_of(inp, max(lens)) for inp in inputs]
 
-    def call(inp, trace=None):
+    def call(inp, trace=None):  # the library's launch for the type, size and layout
         return paged_decode.paged_decode_attention(
             inp.q, inp.k, inp.v, inp.tables, inp.lens, ba.SCALE, workspace=ws, out=inp.out,
-            config=cfg, validate=False, trace=trace)
+            validate=False, trace=trace)
 
     grid = paged_decode.decode_grid(ws, len(lens))
     trace = torch.zeros(math.prod(grid), 8, dtype=torch.int64, device="cuda")
@@ -111,6 +113,7 @@ def trace_case(kv_type: str, lens: tuple[int, ...]) -> dict:
     calls = [lambda inp=inp: call(inp) for inp in inputs]
     empty = [lambda: _empty_kernel[grid](trace)] * len(calls)
     return {"lens": f"{lens[0]}x{len(lens)}" if len(set(lens)) == 1 else "ragged",
+            "layout": layout,
             "live_mb": nbytes / 1e6, "max_err": err,
             "graph_us": _common.time_calls(calls, "graph"),
             "empty_kernel_graph_us": _common.time_calls(empty, "graph"),
@@ -119,20 +122,22 @@ def trace_case(kv_type: str, lens: tuple[int, ...]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kv-type", choices=quant_fragments.TYPES, default="q4_0")
+    ap.add_argument("--kv-type", choices=("q4_0", "q8_0", "f16"), default="q4_0")
+    ap.add_argument("--layout", choices=("paged", "contiguous"), default="paged")
     ap.add_argument("--cases", nargs="+", default=["ragged", "4096x1", "131072x1"])
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("trace_decode needs a GPU (the fragment kernel is Gluon)")
+        raise SystemExit("trace_decode needs a GPU (the timer and SM reads are PTX)")
     copy_bw = _common.copy_bandwidth_gbs()
     results = []
     cols = ["case", "MB", "graph us", "empty us", "span us", "entry p50/max", "plan",
             "prologue", "tiles (max)", "tile us", "epilogue", "merge p50/max", "last end"]
-    print(f"{args.kv_type}, copy bandwidth {copy_bw:.0f} GB/s; phases: p50 over programs, us")
+    print(f"{args.kv_type}, {args.layout}, copy bandwidth {copy_bw:.0f} GB/s; phases: p50 over "
+          "programs, us")
     print(" | ".join(cols))
     for spec in args.cases:
-        r = trace_case(args.kv_type, parse_case(spec, ba.RAGGED))
+        r = trace_case(args.kv_type, parse_case(spec, ba.RAGGED), args.layout)
         results.append(r)
         print(" | ".join(str(x) for x in [
             r["lens"], f"{r['live_mb']:.1f}", f"{r['graph_us']:.1f}",
@@ -141,12 +146,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['prologue_p50_us']:.2f}", f"{r['tiles_p50_us']:.1f} ({r['tiles_max']})",
             f"{r['tile_p50_us']:.3f}", f"{r['epilogue_p50_us']:.2f}",
             f"{r['merge_p50_us']:.2f}/{r['merge_max_us']:.2f}", r["last"]]))
-        print(f"   spans of 5 runs: {r['span_us_runs']}; max err {r['max_err']:.1e}")
+        print(f"   own work done (stored) p50 {r['stored_p50_us']:.2f} max "
+              f"{r['stored_max_us']:.2f}; loop ended p50 {r['looped_p50_us']:.2f} max "
+              f"{r['looped_max_us']:.2f}; spans of 5 runs: {r['span_us_runs']}; "
+              f"max err {r['max_err']:.1e}")
     if args.out:
         path = Path(args.out) / "trace_decode.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"meta": _common.run_meta(), "copy_bw_gbs": copy_bw,
-                                    "kv_type": args.kv_type, "cases": results}, indent=1))
+                                    "kv_type": args.kv_type, "layout": args.layout,
+                                    "cases": results}, indent=1))
         print(f"wrote {path}")
     return 0
 

@@ -78,6 +78,16 @@ def _block_first_rows(table_row, start, tok_hi, num_blocks, num_kv_heads, h,
     return tl.where((ids >= 0) & (ids < num_blocks), (ids * num_kv_heads + h) * BS, -1)
 
 
+@triton.jit
+def _stamp(trace_ptr, slot, field: tl.constexpr, TRACE: tl.constexpr):
+    """``TRACE``: the global timer into field ``field`` of record ``slot``
+    (``quant_fragments.TRACE_FIELDS``, which the Gluon kernel writes the same way)."""
+    if TRACE:
+        t = tl.inline_asm_elementwise(quant_fragments.GLOBALTIMER_ASM, "=l,r", [slot],
+                                      dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(trace_ptr + slot * 8 + field, t)
+
+
 # Counts vary per call; specializing on them (== 1, % 16) would only multiply compiles.
 @triton.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
                                "max_chunks", "num_kv_heads"])
@@ -89,15 +99,18 @@ def _paged_decode_kernel(
     batch, num_blocks, capacity, chunk_budget, max_chunks, num_kv_heads,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     qk_scale,  # softmax scale * log2(e)
+    trace_ptr,  # int64 [Hkv * programs per head, 8] (quant_fragments.TRACE_FIELDS) when TRACE
     G: tl.constexpr, G_PAD: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QUANT_DOT: tl.constexpr,
     K_GROUP: tl.constexpr, ACC: tl.constexpr, PAGED: tl.constexpr,
     MERGE_UNROLL: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
-    TABLE_READ: tl.constexpr, TABLE_AHEAD: tl.constexpr,
+    TABLE_READ: tl.constexpr, TABLE_AHEAD: tl.constexpr, TRACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
+    slot = h * tl.num_programs(0) + pid
+    _stamp(trace_ptr, slot, 0, TRACE)
     NG: tl.constexpr = D // 32
     num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
         lens_ptr, batch, capacity, chunk_budget, pid, tl.arange(0, B_PAD), BLOCK_N,
@@ -105,6 +118,12 @@ def _paged_decode_kernel(
     )
     if pid >= num_chunks:
         return
+    _stamp(trace_ptr, slot, 1, TRACE)
+    if TRACE:
+        sm = tl.inline_asm_elementwise(quant_fragments.SMID_ASM, "=r,r", [pid],
+                                       dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(trace_ptr + slot * 8 + 6, sm.to(tl.int64))
+        tl.store(trace_ptr + slot * 8 + 7, tl.cdiv(tok_hi - tok_lo, BLOCK_N).to(tl.int64))
 
     if K_TYPE == "bf16":
         q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
@@ -151,6 +170,7 @@ def _paged_decode_kernel(
         # One block per sequence, of ``capacity`` rows (padded to the longest).
         block0 = tl.load(table_row)
         block0_ok = (block0 >= 0) & (block0 < num_blocks)
+    _stamp(trace_ptr, slot, 2, TRACE)
     for start in range(tok_lo, tok_hi, BLOCK_N):
         tok = start + lane
         valid = tok < tok_hi
@@ -200,23 +220,27 @@ def _paged_decode_kernel(
                       NATIVE)
         m_i = m_new
 
+    _stamp(trace_ptr, slot, 3, TRACE)
     if seq_chunks == 1:
         # The common short-sequence case: no partials, no merge.
         # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
         inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1.0), 0.0)
         store_rows(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, acc, inv,
                    G, G_PAD, D, NG, ACC)
+        _stamp(trace_ptr, slot, 4, TRACE)
     else:
         head_acc = part_acc_ptr + h * max_chunks * G * D
         head_ml = part_ml_ptr + h * max_chunks * G * 2
         ones = tl.full([G_PAD], 1.0, tl.float32)
         store_rows(head_acc + pid * G * D, D, acc, ones, G, G_PAD, D, NG, ACC)
         store_stats(head_ml + pid * G * 2, m_i, l_i, tl.arange(0, G_PAD), G)
+        _stamp(trace_ptr, slot, 4, TRACE)
         finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
                      head_ml, group_counter_ptr + h * max_chunks,
                      seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
                      tl.arange(0, GP), tl.arange(0, D), tl.arange(0, D), G, D, MERGE_UNROLL,
                      MERGE_GROUP)
+    _stamp(trace_ptr, slot, 5, TRACE)
 
 
 # Scratch for callers that pass no workspace, one per (device, Hq, Hkv, D, occupancy), grown to the
@@ -314,9 +338,10 @@ def paged_decode_attention(
             tokens the tables address (``B * capacity``) and the layout.
         validate: full check of block ids and lengths (one sync); default from
             ``PAGEDSERVE_VALIDATE``.
-        trace: diagnostics of the ``fragment`` kernel only: int64 ``[programs, 8]``
-            (programs: the product of ``decode_grid``) receives each program's timestamps
-            (``quant_fragments.TRACE_FIELDS``; ``benchmarks/trace_decode.py``).
+        trace: diagnostics: int64 ``[programs, 8]`` (programs: the product of
+            ``decode_grid``) receives each program's timestamps, SM and tile count
+            (``quant_fragments.TRACE_FIELDS``; ``benchmarks/trace_decode.py``), from a
+            separately compiled variant of either kernel.
 
     Returns:
         ``out``: ``[B, Hq, D]`` in ``q.dtype``; a zero-length sequence yields zeros.
@@ -364,12 +389,16 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         scale * LOG2E,
     )
+    if trace is not None and (trace.dtype != torch.int64 or trace.device != q.device
+                              or tuple(trace.shape) != (grid[0] * grid[1], 8)):
+        raise ValueError(
+            f"trace must be int64 [{grid[0] * grid[1]}, 8] on {q.device}, got "
+            f"{trace.dtype} {list(trace.shape)} on {trace.device}")
     if cfg.quant_dot == "fragment":
         quant_fragments.launch(grid, args, constants, cache_k.kv_type, cfg.num_warps,
                                cfg.block_n // cfg.num_warps, cfg.maxnreg, trace)
-    elif trace is not None:
-        raise ValueError(f"trace= needs the fragment kernel; this launch is {cfg.quant_dot!r}")
     else:
-        _paged_decode_kernel[grid](*args, **constants, num_warps=cfg.num_warps,
+        _paged_decode_kernel[grid](*args, out if trace is None else trace, **constants,
+                                   TRACE=trace is not None, num_warps=cfg.num_warps,
                                    num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
     return out

@@ -776,12 +776,7 @@ def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
     compile-time arguments (``paged_decode.launch_constants``), of which this kernel takes
     the plan's, the merge's and the table read's. ``trace``: int64 ``[grid[0] * grid[1],
     8]`` to receive each program's ``TRACE_FIELDS`` (a separately compiled variant;
-    records of programs without work keep only their entry time)."""
-    if trace is not None and (trace.dtype != torch.int64 or trace.device != args[0].device
-                              or tuple(trace.shape) != (grid[0] * grid[1], 8)):
-        raise ValueError(
-            f"trace must be int64 [{grid[0] * grid[1]}, 8] on {args[0].device}, got "
-            f"{trace.dtype} {list(trace.shape)} on {trace.device}")
+    records of programs without work keep only their entry time; checked by the caller)."""
     fragment_decode_kernel[grid](
         *args, args[1] if trace is None else trace,
         **{k: constants[k] for k in SHARED_CONSTANTS},

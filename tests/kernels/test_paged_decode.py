@@ -383,3 +383,23 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="needs TRITON_INTERPRET=1"):
         ops.paged_decode_attention(torch.randn(1, 1, 64).half(), ck, cv, table,
                                    torch.tensor([8], dtype=torch.int32), 0.1, backend="triton")
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q4_0"])
+def test_trace_buffer_is_checked_before_launch(kv_type):
+    """A trace buffer of the wrong shape or dtype is refused by name, for either kernel
+    (the traced variants themselves run on the GPU: ``test_paged_decode_gpu.py``)."""
+    from pagedserve.kernels import paged_decode
+    from pagedserve.kernels.decode_plan import DecodeWorkspace
+
+    ck, cv, table, _ = build_pool(kv_type, kv_type, [40], num_kv_heads=2, head_dim=64,
+                                  device=TRITON_DEVICE)
+    seq_lens = torch.tensor([40], dtype=torch.int32, device=TRITON_DEVICE)
+    q = torch.randn(1, 4, 64, dtype=torch.float16, device=TRITON_DEVICE)
+    ws = DecodeWorkspace(1, 4, 2, 64, TRITON_DEVICE, chunks_per_head=3)
+    programs = 3 * 2  # decode_grid: 3 chunks per head, 2 heads
+    for bad in (torch.zeros(programs, 7, dtype=torch.int64, device=TRITON_DEVICE),
+                torch.zeros(programs, 8, dtype=torch.int32, device=TRITON_DEVICE)):
+        with pytest.raises(ValueError, match=rf"trace must be int64 \[{programs}, 8\]"):
+            paged_decode.paged_decode_attention(q, ck, cv, table, seq_lens, 0.125,
+                                                workspace=ws, trace=bad)

@@ -279,22 +279,24 @@ def test_fragment_kernel_masks_invalid_block_ids(kv_type):
         assert rel_error(out[b:b + 1], ref) <= bound(kv_type, kv_type)
 
 
-@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
-def test_fragment_kernel_trace_records(kv_type):
-    """``trace=`` (benchmarks/trace_decode.py) changes the output by rounding at most (a
-    separate compile; within one f16 ulp of the largest output), and each program's
-    record agrees with the host mirror of the plan: its tile count, the order of its
-    six timestamps, an SM in range; programs beyond the plan record only their entry."""
+@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0", "f16"])
+def test_kernel_trace_records(kv_type):
+    """``trace=`` (benchmarks/trace_decode.py; the Gluon kernel for q4_0 and q8_0, the
+    Triton kernel for f16) changes the output by rounding at most (a separate compile;
+    within one f16 ulp of the largest output), and each program's record agrees with the
+    host mirror of the plan: its tile count, the order of its six timestamps, an SM in
+    range; programs beyond the plan record only their entry."""
     from pagedserve.kernels import paged_decode, quant_fragments
-    from pagedserve.kernels.decode_plan import plan_chunks
+    from pagedserve.kernels.decode_plan import default_config, plan_chunks
 
     lens, hkv, block_size = [3000, 0, 700, 129, 16], 4, 16
-    cfg = FRAGMENT_CONFIGS[kv_type]
     ck, cv, table, _ = build_pool(kv_type, kv_type, lens, num_kv_heads=hkv, head_dim=256,
                                   block_size=block_size, device="cuda")
     q = torch.randn(len(lens), 24, 256, generator=torch.Generator().manual_seed(5)).half().cuda()
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     ws = DecodeWorkspace(len(lens), 24, hkv, 256, "cuda", chunks_per_head=9)
+    cfg = FRAGMENT_CONFIGS.get(kv_type) or default_config(
+        kv_type, kv_type, len(lens) * table.shape[1] * block_size, paged=True)
     plain = ops.paged_decode_attention(q, ck, cv, table, seq_lens, 0.0625, workspace=ws,
                                        config=cfg)
     trace = torch.zeros(math.prod(paged_decode.decode_grid(ws, len(lens))), 8,
