@@ -49,7 +49,6 @@ import _report  # noqa: E402
 from pagedserve.kernels import paged_decode, reference  # noqa: E402
 from pagedserve.kernels.decode_plan import (  # noqa: E402
     CONTIGUOUS_TILE_TOKENS,
-    PAGED_TILE_TOKENS,
     DecodeConfig,
     DecodeWorkspace,
     default_config,
@@ -214,7 +213,7 @@ def library_launch(kv_type: str) -> tuple[Launch, dict]:
     desc: dict = {}
     for paged, layout in ((True, "paged"), (False, "contiguous")):
         last = None
-        for n in (0, PAGED_TILE_TOKENS, CONTIGUOUS_TILE_TOKENS):
+        for n in (0, CONTIGUOUS_TILE_TOKENS):
             cfg = default_config(kv_type, kv_type, n, paged=paged)
             if cfg != last:
                 desc[f"{layout}, tokens >= {n}"] = asdict(cfg)

@@ -68,10 +68,8 @@ TABLE_READS = ("row", "block")
 MERGE_GROUP = 8
 # Programs per SM the chunk budget aims for; benchmarks/bench_attention.py sweeps it.
 DEFAULT_OCCUPANCY = 2.0
-# Sizes (tokens a launch's tables can address: batch x table columns x block size) at
-# which f16/bf16 decode changes launch (``default_config``): paged from 8K tokens on,
-# contiguous from 512K on.
-PAGED_TILE_TOKENS = 1 << 13
+# Size (tokens a launch's tables can address: batch x table columns x block size) from
+# which contiguous f16/bf16 decode changes launch (``default_config``).
 CONTIGUOUS_TILE_TOKENS = 1 << 19
 # SM count assumed for CPU tensors (the Triton interpreter): small, so that plans split.
 INTERPRETER_NUM_SMS = 4
@@ -197,13 +195,13 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
     - f16/bf16, one program per SM, from side-by-side probes on the H200 (589b854,
       e523808; ``docs/benchmarks/logs/probes``):
 
-      - paged below ``PAGED_TILE_TOKENS`` (8K): 128-row tiles, two stages (one 4K
-        sequence: 14.4 us, against 14.8 for the launch below; SDPA 14.6).
-      - paged from 8K tokens on: 64-row tiles in three stages, one table load per
-        16-row block, ids a tile ahead. 2 x 4K 18.9 us against 20.2 for 128-row tiles,
-        16K x 1 28.0 against 30.7, 64K x 1 75.7 against 79.4, 128K x 8 978.6 against
-        991.3. With one table load per row the same tiles took 19.4, 28.8, 79.2 and
-        1034.1 us.
+      - paged, every size: 64-row tiles in three stages, one table load per 16-row
+        block, ids a tile ahead. 2 x 4K 18.9 us against 20.2 for 128-row tiles, 16K x 1
+        28.0 against 30.7, 64K x 1 75.7 against 79.4, 128K x 8 978.6 against 991.3. With
+        one table load per row the same tiles took 19.4, 28.8, 79.2 and 1034.1 us. One
+        4K sequence: 14.2 us against 14.4 and 14.6 for 128-row tiles with a table load
+        per row (two calls at 053bd7c and 83cac66; SDPA 14.6), which had been the
+        launch below 8K tokens until the rows' addresses got cheaper (b0b5945).
       - contiguous below ``CONTIGUOUS_TILE_TOKENS`` (512K): 64-row tiles in three
         stages (2 x 4K 17.8 us against 20.2, 16K x 1 26.6 against 30.5, 64K x 1 73.4
         against 77.4); from 512K on, 128-row tiles in two stages (8 x 128K 952.8
@@ -213,7 +211,7 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
     """
     if formats.spec(k_type).quantized or formats.spec(v_type).quantized:
         return _quantized_config(k_type, v_type)
-    if paged and tokens >= PAGED_TILE_TOKENS:
+    if paged:
         return _FLOAT_PAGED_64
     if not paged and tokens < CONTIGUOUS_TILE_TOKENS:
         return _FLOAT_CONTIGUOUS_64
@@ -251,8 +249,9 @@ def default_occupancy(k_type: str, v_type: str) -> float:
     leaves a second wave.
 
     q8_0 or q4_0 K and V (the Gluon kernel): two (255 registers). Other q8_0: three (168
-    registers x 128 threads). Other q4_0: two (255 registers). f16: one (two
-    stages of 128-row K and V tiles take 143 KB of shared memory, per Nsight Compute): at
+    registers x 128 threads). Other q4_0: two (255 registers). f16: one (three
+    stages of 64-row K and V tiles take 141 KB of shared memory, two of 128-row tiles
+    143 KB, per Nsight Compute): at
     2 x 4K the plan for two programs per SM made two waves, 30.8 us against 24.2 us at
     one (side-by-side probe on the H200, 2026-11-29).
     """

@@ -28,7 +28,6 @@ from pagedserve.kernels import ops
 from pagedserve.kernels.decode_plan import (
     CONTIGUOUS_TILE_TOKENS,
     MERGE_GROUP,
-    PAGED_TILE_TOKENS,
     DecodeConfig,
     DecodeWorkspace,
     default_config,
@@ -168,31 +167,27 @@ def test_triton_default_config(kv_type):
                                            ("q4_0", "q4_0")])
 def test_default_config_by_layout_and_size(k_type, v_type):
     """Float K and V: paged takes 64-row tiles in three stages with one table load per
-    block from PAGED_TILE_TOKENS on; contiguous takes 64-row tiles below
-    CONTIGUOUS_TILE_TOKENS. Quantized types keep one launch for every case."""
+    block at every size; contiguous takes 64-row tiles (one table load per row: it has
+    one block) below CONTIGUOUS_TILE_TOKENS and 128-row tiles in two stages from there.
+    Quantized types keep one launch for every case."""
     def tiles(tokens, paged):
         c = default_config(k_type, v_type, tokens, paged=paged)
         return c.block_n, c.num_stages, c.table_read
 
-    cases = [(n, paged) for n in (0, PAGED_TILE_TOKENS - 1, PAGED_TILE_TOKENS,
-                                  CONTIGUOUS_TILE_TOKENS - 1, CONTIGUOUS_TILE_TOKENS)
-             for paged in (True, False)]
+    sizes = (0, 1, CONTIGUOUS_TILE_TOKENS - 1, CONTIGUOUS_TILE_TOKENS)
+    cases = [(n, paged) for n in sizes for paged in (True, False)]
     if "q" in k_type + v_type:
         assert len({tiles(n, paged) for n, paged in cases}) == 1
         return
-    short, streaming = (128, 2, "row"), (64, 3, "block")
-    assert [tiles(n, True) for n in (0, PAGED_TILE_TOKENS - 1, PAGED_TILE_TOKENS,
-                                     CONTIGUOUS_TILE_TOKENS)] == [short, short] + [streaming] * 2
-    assert [tiles(n, False) for n in (0, CONTIGUOUS_TILE_TOKENS - 1,
-                                      CONTIGUOUS_TILE_TOKENS)] == [(64, 3, "row")] * 2 + [short]
+    assert [tiles(n, True) for n in sizes] == [(64, 3, "block")] * 4
+    assert [tiles(n, False) for n in sizes] == [(64, 3, "row")] * 3 + [(128, 2, "row")]
 
 
 @needs_triton
-@pytest.mark.parametrize("lens,cols", [([150, 33], PAGED_TILE_TOKENS // 32), ([150], 1)])
+@pytest.mark.parametrize("lens,cols", [([150, 33], 16), ([150], 1)])
 def test_triton_default_config_by_size(lens, cols):
-    """The f16 launches the size classes select run as exactly as the short one: paged
-    tables addressing PAGED_TILE_TOKENS tokens (the lengths stay small), and the
-    contiguous layout (one column: 64-row tiles)."""
+    """The f16 launches ``default_config`` selects by layout run exactly: paged (64-row
+    tiles, one table load per block) and contiguous (one column: 64-row tiles)."""
     block_size = 16 if cols > 1 else 160
     out, ref = run("f16", "f16", lens, config=None, chunks_per_head=None, table_cols=cols,
                    block_size=block_size)
