@@ -397,6 +397,9 @@ def paged_decode_attention(
     if cfg.quant_dot == "fragment":
         quant_fragments.launch(grid, args, constants, cache_k.kv_type, cfg.num_warps,
                                cfg.block_n // cfg.num_warps, cfg.maxnreg, trace)
+    elif trace is not None and not q.is_cuda:
+        raise ValueError("trace= needs a GPU: the timer and SM reads are PTX, which the "
+                         "Triton interpreter does not run")
     else:
         _paged_decode_kernel[grid](*args, out if trace is None else trace, **constants,
                                    TRACE=trace is not None, num_warps=cfg.num_warps,
