@@ -50,7 +50,7 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
     the library's launcher would pass (``paged_decode.launch_constants``; for
     ``fragment``, the Gluon kernel's subset and layouts, as ``quant_fragments.launch``)."""
     const = launch_constants(cfg, k_type, v_type, HQ // HKV, D, BS, paged=paged,
-                             max_batch=8, native=True)
+                             max_batch=8, native=True, trace=os.environ.get("TRACE") == "1")
     if cfg.quant_dot == "fragment":
         kernel, source = quant_fragments.fragment_decode_kernel, GluonASTSource
         const = {k: const[k] for k in quant_fragments.SHARED_CONSTANTS}
@@ -58,7 +58,6 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
                                                       cfg.block_n // cfg.num_warps))
     else:
         kernel, source = _paged_decode_kernel, ASTSource
-    const["TRACE"] = os.environ.get("TRACE") == "1"
     names = kernel.arg_names
     pointers = {
         "q_ptr": "*fp16", "out_ptr": "*fp16", "kd_ptr": POINTER_TYPES[k_type],

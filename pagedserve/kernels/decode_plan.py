@@ -213,7 +213,7 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
         return _quantized_config(k_type, v_type)
     if paged:
         return _FLOAT_PAGED_64
-    if not paged and tokens < CONTIGUOUS_TILE_TOKENS:
+    if tokens < CONTIGUOUS_TILE_TOKENS:
         return _FLOAT_CONTIGUOUS_64
     return _FLOAT_128
 

@@ -286,10 +286,11 @@ def _next_pow2(x: int) -> int:
 @functools.cache
 def launch_constants(
     cfg: DecodeConfig, k_type: str, v_type: str, group: int, head_dim: int,
-    block_size: int, *, paged: bool, max_batch: int, native: bool,
+    block_size: int, *, paged: bool, max_batch: int, native: bool, trace: bool = False,
 ) -> dict:
     """The kernel's compile-time arguments for one launch (``benchmarks/decode_sass.py``
-    compiles the kernel offline from the same ones). Cached: eager decode calls it per
+    compiles the kernel offline from the same ones; ``trace``: the variant that records
+    each program's ``quant_fragments.TRACE_FIELDS``). Cached: eager decode calls it per
     layer per step; callers must not modify the dict."""
     gp = _next_pow2(group)
     return dict(
@@ -304,7 +305,7 @@ def launch_constants(
         MERGE_UNROLL=MERGE_GROUP if cfg.quant_dot == "fragment" else MERGE_UNROLL,
         # Per-block reads need whole blocks per tile; otherwise one read per row.
         TABLE_READ=cfg.table_read if paged and cfg.block_n % block_size == 0 else "row",
-        TABLE_AHEAD=cfg.table_ahead,
+        TABLE_AHEAD=cfg.table_ahead, TRACE=trace,
     )
 
 
@@ -376,10 +377,11 @@ def paged_decode_attention(
         cfg = dataclasses.replace(cfg, quant_dot="packed", table_ahead=False)
     constants = launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
                                  paged=max_blocks > 1, max_batch=workspace.max_batch,
-                                 native=q.is_cuda)
+                                 native=q.is_cuda, trace=trace is not None)
     ks = cache_k.scales if cache_k.scales is not None else cache_k.data
     vs = cache_v.scales if cache_v.scales is not None else cache_v.data
-    # Both kernels take the same grid and run-time arguments.
+    # Both kernels take the same grid and run-time arguments; untraced, the trace pointer
+    # is a placeholder (the output), never written.
     grid = decode_grid(workspace, B)
     args = (
         q, out, cache_k.data, ks, cache_v.data, vs, block_tables, seq_lens,
@@ -387,7 +389,7 @@ def paged_decode_attention(
         workspace.seq_counters,
         B, num_blocks, capacity, workspace.chunk_budget, workspace.max_chunks, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        scale * LOG2E,
+        scale * LOG2E, out if trace is None else trace,
     )
     if trace is not None and (trace.dtype != torch.int64 or trace.device != q.device
                               or tuple(trace.shape) != (grid[0] * grid[1], 8)):
@@ -396,12 +398,11 @@ def paged_decode_attention(
             f"{trace.dtype} {list(trace.shape)} on {trace.device}")
     if cfg.quant_dot == "fragment":
         quant_fragments.launch(grid, args, constants, cache_k.kv_type, cfg.num_warps,
-                               cfg.block_n // cfg.num_warps, cfg.maxnreg, trace)
+                               cfg.block_n // cfg.num_warps, cfg.maxnreg)
     elif trace is not None and not q.is_cuda:
         raise ValueError("trace= needs a GPU: the timer and SM reads are PTX, which the "
                          "Triton interpreter does not run")
     else:
-        _paged_decode_kernel[grid](*args, out if trace is None else trace, **constants,
-                                   TRACE=trace is not None, num_warps=cfg.num_warps,
+        _paged_decode_kernel[grid](*args, **constants, num_warps=cfg.num_warps,
                                    num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
     return out

@@ -84,7 +84,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -749,7 +748,7 @@ def fragment_decode_kernel(
 # The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this
 # kernel takes too: the plan's, the merge's and the table read's.
 SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
-                    "MERGE_GROUP", "TABLE_AHEAD")
+                    "MERGE_GROUP", "TABLE_AHEAD", "TRACE")
 
 
 def supports(q, cache_k, cache_v) -> bool:
@@ -769,17 +768,16 @@ def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int) -> dict
 
 
 def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
-           num_warps: int, tokens_per_warp: int, maxnreg: int | None,
-           trace: torch.Tensor | None = None) -> None:
+           num_warps: int, tokens_per_warp: int, maxnreg: int | None) -> None:
     """One launch over checked arguments: ``paged_decode.paged_decode_attention``'s grid
-    and run-time arguments (the two kernels share them) and the Triton kernel's
-    compile-time arguments (``paged_decode.launch_constants``), of which this kernel takes
-    the plan's, the merge's and the table read's. ``trace``: int64 ``[grid[0] * grid[1],
-    8]`` to receive each program's ``TRACE_FIELDS`` (a separately compiled variant;
-    records of programs without work keep only their entry time; checked by the caller)."""
+    and run-time arguments (the two kernels share them, the trace pointer last) and the
+    Triton kernel's compile-time arguments (``paged_decode.launch_constants``), of which
+    this kernel takes the plan's, the merge's, the table read's and ``TRACE`` (a
+    separately compiled variant whose programs record their ``TRACE_FIELDS``; records of
+    programs without work keep only their entry time)."""
     fragment_decode_kernel[grid](
-        *args, args[1] if trace is None else trace,
+        *args,
         **{k: constants[k] for k in SHARED_CONSTANTS},
         **kernel_constants(kv_type, num_warps, tokens_per_warp),
-        TRACE=trace is not None, num_warps=num_warps, maxnreg=maxnreg,
+        num_warps=num_warps, maxnreg=maxnreg,
     )
