@@ -18,8 +18,10 @@ paged blocks only within runs of N consecutive blocks (1: each sequence's blocks
 order): is a gap the table or the memory placement, and at what scale? ``--block-size``
 sets the paged blocks' tokens (16 in the engine) for the same question. A launch that
 fails (say, out of shared memory) prints its error and the probe goes on. Prints one
-row per (case, launch) and writes ``probe_decode.json`` to $OUT when set. ``--dry-run``
-runs toy sizes on the CPU under ``TRITON_INTERPRET=1`` to check the script.
+row per (case, launch) and writes ``probe_decode.json`` to $OUT when set.
+``--contig-default`` times the contiguous side with the library's launch (a paged-only
+what-if against the benchmark's baseline). ``--dry-run`` runs toy sizes on the CPU under
+``TRITON_INTERPRET=1`` to check the script.
 """
 
 from __future__ import annotations
@@ -76,9 +78,13 @@ def main(argv: list[str] | None = None) -> int:
                          "blocks (1: in order; 0, the default: the whole pool)")
     ap.add_argument("--block-size", type=int, default=ba.BS,
                     help="tokens per paged block (a what-if: the engine's is 16)")
+    ap.add_argument("--contig-default", action="store_true",
+                    help="time the contiguous side with the library's launch whatever the "
+                         "paged launch (a paged-only what-if against the benchmark's baseline)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     launches = [parse_launch(s, args.kv_type) for s in args.launch]
+    library = parse_launch("default", args.kv_type)
     if args.dry_run:
         device, sizes, method = "cpu", ba.DRY, "eager"
     elif torch.cuda.is_available():
@@ -98,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         for spec, launch in zip(args.launch, launches, strict=True):
             row = {"case": case, "lens": list(lens), **launch.as_dict(), "sdpa_us": sdpa_us}
             try:
-                sides = {name: [lambda i=i, lc=launch: bench.runner.ours(i, lc) for i in inputs]
-                         for name, inputs in (("paged", paged), ("contig", contig))}
+                contig_launch = library if args.contig_default else launch
+                sides = {name: [lambda i=i, lc=lc: bench.runner.ours(i, lc) for i in inputs]
+                         for name, inputs, lc in (("paged", paged, launch),
+                                                  ("contig", contig, contig_launch))}
                 for name, us in _common.time_sides(sides, method, min_rounds=8,
                                                    min_seconds=0.05).items():
                     row[f"{name}_us"] = us
