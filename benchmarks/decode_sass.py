@@ -54,9 +54,8 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
     if cfg.quant_dot == "fragment":
         kernel, source = quant_fragments.fragment_decode_kernel, GluonASTSource
         const = {k: const[k] for k in quant_fragments.SHARED_CONSTANTS}
-        tokens = cfg.block_n if cfg.head_warps else cfg.block_n // cfg.num_warps
-        const.update(quant_fragments.kernel_constants(k_type, cfg.num_warps, tokens,
-                                                      cfg.head_warps))
+        const.update(quant_fragments.kernel_constants(k_type, cfg.num_warps,
+                                                      cfg.block_n // cfg.num_warps))
     else:
         kernel, source = _paged_decode_kernel, ASTSource
     names = kernel.arg_names
@@ -142,10 +141,8 @@ def main(argv: list[str]) -> int:
         block_n, warps = int(parts[3]), int(parts[4])
         stages = int(parts[5]) if len(parts) >= 6 else 2
         table = _common.table_read_fields(parts[6] if len(parts) == 7 else "row")
-        heads = mode == "heads"  # the fragment kernel, one K/V head per warp
         cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
-                           min_partition=max(128, block_n),
-                           quant_dot="fragment" if heads else mode, head_warps=heads,
+                           min_partition=max(128, block_n), quant_dot=mode,
                            maxnreg=int(os.environ["MAXNREG"]) if "MAXNREG" in os.environ else None,
                            **table)
         st = loop_stats(compile_decode(k_type, v_type, cfg, paged))

@@ -122,7 +122,6 @@ class DecodeConfig:
     maxnreg: int | None = None
     table_read: str = "row"
     table_ahead: bool = True
-    head_warps: bool = False
 
     def __post_init__(self) -> None:
         if not (_is_pow2(self.block_n) and 16 <= self.block_n <= 256):
@@ -148,12 +147,8 @@ class DecodeConfig:
             raise ValueError(
                 f"quant_dot {self.quant_dot!r} is not a mode; accepted: {list(QUANT_DOT_MODES)}"
             )
-        if self.head_warps and not (self.quant_dot == "fragment" and self.block_n in (16, 32)):
-            raise ValueError(
-                f"head_warps takes quant_dot 'fragment' and block_n 16 or 32 (tokens per "
-                f"tile, each warp one K/V head), got {self.quant_dot!r} and {self.block_n}")
-        if (self.quant_dot == "fragment" and not self.head_warps
-                and self.block_n not in (16 * self.num_warps, 32 * self.num_warps)):
+        if self.quant_dot == "fragment" and self.block_n not in (16 * self.num_warps,
+                                                                 32 * self.num_warps):
             raise ValueError(
                 f"quant_dot 'fragment' takes 16 or 32 tokens per warp: block_n must be "
                 f"{16 * self.num_warps} or {32 * self.num_warps} for num_warps="

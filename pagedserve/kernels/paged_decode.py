@@ -374,12 +374,7 @@ def paged_decode_attention(
         # The Gluon kernel's shapes only, and no Gluon in the interpreter: the same
         # values from the Triton kernel's 16-byte-vector dequantization, with its own
         # table read (``default_config``'s for q4_0 in packed mode).
-        cfg = dataclasses.replace(
-            cfg, quant_dot="packed", table_ahead=False, head_warps=False,
-            block_n=cfg.block_n * cfg.num_warps if cfg.head_warps else cfg.block_n)
-    if cfg.head_warps and cfg.num_warps != Hkv:
-        raise ValueError(f"head_warps needs one warp per K/V head: num_warps "
-                         f"{cfg.num_warps} != Hkv {Hkv}")
+        cfg = dataclasses.replace(cfg, quant_dot="packed", table_ahead=False)
     constants = launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
                                  paged=max_blocks > 1, max_batch=workspace.max_batch,
                                  native=q.is_cuda, trace=trace is not None)
@@ -388,8 +383,6 @@ def paged_decode_attention(
     # Both kernels take the same grid and run-time arguments; untraced, the trace pointer
     # is a placeholder (the output), never written.
     grid = decode_grid(workspace, B)
-    if cfg.head_warps:
-        grid = (grid[0], 1)
     args = (
         q, out, cache_k.data, ks, cache_v.data, vs, block_tables, seq_lens,
         workspace.part_acc, workspace.part_ml, workspace.group_counters,
@@ -405,8 +398,7 @@ def paged_decode_attention(
             f"{trace.dtype} {list(trace.shape)} on {trace.device}")
     if cfg.quant_dot == "fragment":
         quant_fragments.launch(grid, args, constants, cache_k.kv_type, cfg.num_warps,
-                               cfg.block_n if cfg.head_warps else cfg.block_n // cfg.num_warps,
-                               cfg.maxnreg, cfg.head_warps)
+                               cfg.block_n // cfg.num_warps, cfg.maxnreg)
     elif trace is not None and not q.is_cuda:
         raise ValueError("trace= needs a GPU: the timer and SM reads are PTX, which the "
                          "Triton interpreter does not run")

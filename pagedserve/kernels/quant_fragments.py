@@ -302,7 +302,7 @@ def _relabel(x, PERM: gl.constexpr, shape: gl.constexpr):
 
 @gluon.jit
 def _load_q(q_base, row_stride, G: gl.constexpr, W: gl.constexpr, Q_PERM: gl.constexpr,
-            HALVES: gl.constexpr, layout: gl.constexpr, HEAD_WARPS: gl.constexpr):
+            HALVES: gl.constexpr, layout: gl.constexpr):
     """q of the G heads as the ``B`` operand of ``S^T = K . Q^T``: f16 ``[W, NL, 8]``
     (heads >= G zero), the same in every warp; for q4_0 twice, lo and hi labels. Loaded
     in 16-byte vectors and relabelled (``k_label_to_byte``); one conversion into the
@@ -311,9 +311,7 @@ def _load_q(q_base, row_stride, G: gl.constexpr, W: gl.constexpr, Q_PERM: gl.con
     warp = _arange3(W, 0, QL)
     head = _arange3(MAX_GROUP, 1, QL)
     d = _arange3(HEAD_DIM, 2, QL)
-    WARP_ROWS: gl.constexpr = G if HEAD_WARPS else 0  # warp w: K/V head w's query heads
-    q = gl.load(q_base + ((warp * WARP_ROWS + head) * row_stride + d),
-                mask=(warp * 0 + head + d * 0) < G,
+    q = gl.load(q_base + (warp * 0 + head * row_stride + d), mask=(warp * 0 + head + d * 0) < G,
                 other=0.0).to(gl.float32).to(gl.float16)  # [W, 8, 256]
     if HALVES:
         # d = 32 g + 16 half + j -> lo / hi halves of [W, 8, g, j], then bytes -> labels.
@@ -343,15 +341,14 @@ def _scores_to_b_operand(p, layout: gl.constexpr):
 
 @gluon.jit
 def _warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
-                    BS: gl.constexpr, layout: gl.constexpr, HEAD_WARPS: gl.constexpr):
+                    BS: gl.constexpr, layout: gl.constexpr):
     """The one or two block ids of each warp's T tokens of the tile at ``start``: int32
     ``[W]`` twice, in ``layout``'s warp slice; -1 past ``tok_hi``. A warp's tokens start
     at a multiple of T (chunks start at multiples of the tile) and ``BS`` is a power of
     2 >= 16 (``WARP_IDS``), so they lie in one block or two: two loads per thread (one
     address per warp each), not one per token."""
     w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
-    STEP: gl.constexpr = 0 if HEAD_WARPS else T
-    first = start + w * STEP  # [W]
+    first = start + w * T  # [W]
     blk = first // BS
     id0 = gl.load(table_row + blk, mask=first < tok_hi, other=-1)
     if BS < T:
@@ -364,8 +361,7 @@ def _warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
 @gluon.jit
 def _tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
                rows_per_block, W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr,
-               PAGED: gl.constexpr, WARP_IDS: gl.constexpr, layout: gl.constexpr,
-               HEAD_WARPS: gl.constexpr):
+               PAGED: gl.constexpr, WARP_IDS: gl.constexpr, layout: gl.constexpr):
     """``(row, live)`` of each row of the tile at ``start`` (warp w takes tokens
     ``start + T w ..``), int32 and bool ``[W, T]`` in ``layout``: the row's index in the
     pool's ``[num_blocks * Hkv * rows_per_block]`` rows, and whether it holds a token of a
@@ -379,10 +375,7 @@ def _tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
     block id."""
     w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))[:, None]
     t = gl.arange(0, T, layout=gl.SliceLayout(0, layout))[None, :]
-    STEP: gl.constexpr = 0 if HEAD_WARPS else T
-    HSTEP: gl.constexpr = 1 if HEAD_WARPS else 0
-    first = start + w * STEP  # [W, 1]
-    h = h + w * HSTEP  # [W, 1]: each warp's K/V head
+    first = start + w * T  # [W, 1]
     live = t < tok_hi - first
     if not PAGED:
         ok = (id0 >= 0) & (id0 < num_blocks)
@@ -563,62 +556,6 @@ def _store_labels(ptr, row_stride, o_lo, o_hi, row_scale, G: gl.constexpr,
 
 
 @gluon.jit
-def _store_warp_heads(ptr, row_stride, o_lo, o_hi, row_scale, G: gl.constexpr,
-                      HALVES: gl.constexpr, TO_D: gl.constexpr):
-    """``HEAD_WARPS``: write each warp's ``O^T`` ``[W, NL, 8]`` (MMA layout) times
-    ``row_scale[w, head]`` to row ``w G + head`` of ``ptr`` (stride ``row_stride``),
-    column ``_column(label)``, for heads < G; for q4_0 ``o_hi`` holds labels ``NL + r``."""
-    W: gl.constexpr = o_lo.shape[0]
-    NL: gl.constexpr = o_lo.shape[1]
-    L: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 1, 32], [W, 1, 1], [2, 1, 0])
-    w = _arange3(W, 0, L)
-    head = _arange3(MAX_GROUP, 1, L)
-    r = _arange3(NL, 2, L)
-    mask = (w * 0 + head + r * 0) < G
-    scale = gl.convert_layout(row_scale, gl.SliceLayout(2, L))[:, :, None]
-    base = ptr + (w * G + head) * row_stride
-    x = gl.convert_layout(gl.permute(o_lo, [0, 2, 1]), L)
-    gl.store(base + _column(r, TO_D), (x * scale).to(ptr.dtype.element_ty), mask=mask)
-    if HALVES:
-        x = gl.convert_layout(gl.permute(o_hi, [0, 2, 1]), L)
-        gl.store(base + _column(r + NL, TO_D), (x * scale).to(ptr.dtype.element_ty),
-                 mask=mask)
-
-
-@gluon.jit
-def _finish_head_warps(out_ptr, out_row_stride, part_acc_ptr, part_ml_ptr, group_counter_ptr,
-                       seq_counter_ptr, pid, first, seq_chunks, acc_lo, acc_hi, m_i, l_i,
-                       G: gl.constexpr, W: gl.constexpr, HALVES: gl.constexpr,
-                       MERGE: gl.constexpr, MERGE_GROUP: gl.constexpr, trace_ptr, slot,
-                       TRACE: gl.constexpr):
-    """``HEAD_WARPS``: the end of a program whose warp w held K/V head w: its W G query
-    heads are one ``[W G, 256]`` partial per slot (the workspace's buffers seen as
-    ``[C, W G, D]``), merged as one group of rows with the counters of K/V head 0."""
-    D: gl.constexpr = HEAD_DIM
-    GW: gl.constexpr = W * G
-    HEADS: gl.constexpr = m_i.type.layout
-    if seq_chunks == 1:
-        inv = gl.where(l_i > 0.0, 1.0 / gl.maximum(l_i, 1.0), 0.0)
-        _store_warp_heads(out_ptr, out_row_stride, acc_lo, acc_hi, inv, G, HALVES, True)
-        _stamp(trace_ptr, slot, 4, TRACE)
-    else:
-        _store_warp_heads(part_acc_ptr + pid * GW * D, D, acc_lo, acc_hi, l_i * 0.0 + 1.0, G,
-                          HALVES, False)
-        w = gl.arange(0, W, layout=gl.SliceLayout(1, HEADS))[:, None]
-        head = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(0, HEADS))[None, :]
-        ml = part_ml_ptr + (pid * GW + w * G + head) * 2
-        gl.store(ml, m_i, mask=(w * 0 + head) < G)
-        gl.store(ml + 1, l_i, mask=(w * 0 + head) < G)
-        _stamp(trace_ptr, slot, 4, TRACE)
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, MERGE))
-        finish_split(out_ptr, out_row_stride, part_acc_ptr, part_ml_ptr, group_counter_ptr,
-                     seq_counter_ptr, pid, first, seq_chunks,
-                     gl.arange(0, W * MAX_GROUP, layout=gl.SliceLayout(1, MERGE)), cols,
-                     _column(cols, True), GW, D, 2, MERGE_GROUP)
-    _stamp(trace_ptr, slot, 5, TRACE)
-
-
-@gluon.jit
 def _stamp(trace_ptr, slot, field: gl.constexpr, TRACE: gl.constexpr):
     """``TRACE``: the global timer into field ``field`` of record ``slot``."""
     if TRACE:
@@ -646,9 +583,9 @@ def fragment_decode_kernel(
     V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
     MMA: gl.constexpr, MERGE: gl.constexpr,
     K_PERM: gl.constexpr, Q_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr,
-    TRACE: gl.constexpr, HEAD_WARPS: gl.constexpr,
+    TRACE: gl.constexpr,
 ):
-    BLOCK_N: gl.constexpr = T if HEAD_WARPS else W * T
+    BLOCK_N: gl.constexpr = W * T
     D: gl.constexpr = HEAD_DIM
     NL: gl.constexpr = 8 * GB  # labels per product: one per byte (per nibble half)
     WPG: gl.constexpr = GB // 4
@@ -675,10 +612,10 @@ def fragment_decode_kernel(
 
     q_base = q_ptr + b * stride_qb + h * G * stride_qh
     if HALVES:
-        q_lo, q_hi = _load_q(q_base, stride_qh, G, W, Q_PERM, True, B_OP, HEAD_WARPS)
+        q_lo, q_hi = _load_q(q_base, stride_qh, G, W, Q_PERM, True, B_OP)
         acc_hi = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)
     else:
-        q_lo = _load_q(q_base, stride_qh, G, W, Q_PERM, False, B_OP, HEAD_WARPS)
+        q_lo = _load_q(q_base, stride_qh, G, W, Q_PERM, False, B_OP)
     acc_lo = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
     m_i = gl.full([W, MAX_GROUP], NEG_BIG, gl.float32, HEADS)
     l_i = gl.zeros([W, MAX_GROUP], gl.float32, HEADS)
@@ -701,36 +638,36 @@ def fragment_decode_kernel(
     # payload loads.
     AHEAD: gl.constexpr = TABLE_AHEAD and WARP_IDS
     if WARP_IDS:
-        id0, id1 = _warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT, HEAD_WARPS)
+        id0, id1 = _warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT)
     else:
         id0 = block0
         id1 = block0
     rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                            rows_per_block, W, T, BS, PAGED, WARP_IDS, KT, HEAD_WARPS)
+                            rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
     kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
     rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                            rows_per_block, W, T, BS, PAGED, WARP_IDS, VT, HEAD_WARPS)
+                            rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
     vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
     live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                      rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS, HEAD_WARPS)[1]
+                      rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
     if AHEAD:
-        id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT, HEAD_WARPS)
+        id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
     _stamp(trace_ptr, slot, 2, TRACE)
     for start in range(tok_lo, tok_hi, BLOCK_N):
         # The next tile's bytes are in flight while this one is computed.
         nxt = start + BLOCK_N
         if AHEAD:
             nid0, nid1 = id0, id1
-            id0, id1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT, HEAD_WARPS)
+            id0, id1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT)
         elif WARP_IDS:
-            nid0, nid1 = _warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT, HEAD_WARPS)
+            nid0, nid1 = _warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT)
         else:
             nid0, nid1 = id0, id1
         rows, live_k = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT, HEAD_WARPS)
+                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
         kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
         rows, live_v = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT, HEAD_WARPS)
+                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
         vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
 
         # S^T = K . Q^T: K dequantized where its bytes were loaded (the B arrangement),
@@ -755,7 +692,7 @@ def fragment_decode_kernel(
         alpha_o = alpha[:, None, :]
         p16 = _scores_to_b_operand(p.to(gl.float16), B_OP)
         live = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
-                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS, HEAD_WARPS)[1]
+                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
 
         # O^T += V^T . P^T
         vb = gl.convert_layout(_bytes(vx), V_LOAD, assert_trivial=True)
@@ -769,12 +706,6 @@ def fragment_decode_kernel(
         kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
 
     _stamp(trace_ptr, slot, 3, TRACE)
-    if HEAD_WARPS:
-        _finish_head_warps(out_ptr + b * stride_ob, stride_oh, part_acc_ptr, part_ml_ptr,
-                           group_counter_ptr, seq_counter_ptr + b * num_kv_heads, pid, first,
-                           seq_chunks, acc_lo, acc_hi if HALVES else acc_lo, m_i, l_i, G, W,
-                           HALVES, MERGE, MERGE_GROUP, trace_ptr, slot, TRACE)
-        return
     # The warps' partial states -> one (log-sum-exp weights), in RED: a thread holds
     # every warp's copy of its elements (so the sums stay in the thread), four labels
     # contiguous (16-byte stores of a partial).
@@ -828,19 +759,16 @@ def supports(q, cache_k, cache_v) -> bool:
 
 
 @functools.cache
-def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int,
-                     head_warps: bool = False) -> dict:
+def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int) -> dict:
     """This kernel's own compile-time arguments for a storage type and warp shape (cached:
     eager decode launches per layer per step; callers must not modify the dict)."""
     geo = GEOMETRY[kv_type]
     return dict(W=num_warps, T=tokens_per_warp, GB=geo.group_bytes, HALVES=geo.halves,
-                HEAD_WARPS=head_warps,
                 **fragment_layouts(kv_type, num_warps, tokens_per_warp))
 
 
 def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
-           num_warps: int, tokens_per_warp: int, maxnreg: int | None,
-           head_warps: bool = False) -> None:
+           num_warps: int, tokens_per_warp: int, maxnreg: int | None) -> None:
     """One launch over checked arguments: ``paged_decode.paged_decode_attention``'s grid
     and run-time arguments (the two kernels share them, the trace pointer last) and the
     Triton kernel's compile-time arguments (``paged_decode.launch_constants``), of which
@@ -850,6 +778,6 @@ def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
     fragment_decode_kernel[grid](
         *args,
         **{k: constants[k] for k in SHARED_CONSTANTS},
-        **kernel_constants(kv_type, num_warps, tokens_per_warp, head_warps),
+        **kernel_constants(kv_type, num_warps, tokens_per_warp),
         num_warps=num_warps, maxnreg=maxnreg,
     )
