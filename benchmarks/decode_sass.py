@@ -55,7 +55,7 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
         kernel, source = quant_fragments.fragment_decode_kernel, GluonASTSource
         const = {k: const[k] for k in quant_fragments.SHARED_CONSTANTS}
         const.update(quant_fragments.kernel_constants(k_type, cfg.num_warps,
-                                                      cfg.block_n // cfg.num_warps, cfg.steal))
+                                                      cfg.block_n // cfg.num_warps))
     else:
         kernel, source = _paged_decode_kernel, ASTSource
     names = kernel.arg_names
@@ -64,7 +64,6 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
         "ks_ptr": "*fp16", "vd_ptr": POINTER_TYPES[v_type], "vs_ptr": "*fp16",
         "table_ptr": "*i32", "lens_ptr": "*i32", "part_acc_ptr": "*fp32",
         "part_ml_ptr": "*fp32", "group_counter_ptr": "*i32", "seq_counter_ptr": "*i32",
-        "tile_counter_ptr": "*i32",
         "trace_ptr": "*i64",
     }
     # Strides of q, out and the block table at the Qwen3.5 shape: all multiples of 16.
@@ -142,10 +141,8 @@ def main(argv: list[str]) -> int:
         block_n, warps = int(parts[3]), int(parts[4])
         stages = int(parts[5]) if len(parts) >= 6 else 2
         table = _common.table_read_fields(parts[6] if len(parts) == 7 else "row")
-        steal = mode.endswith("+steal")  # fragment+steal: work stealing
         cfg = DecodeConfig(block_n=block_n, num_warps=warps, num_stages=stages,
-                           min_partition=max(128, block_n), quant_dot=mode.removesuffix("+steal"),
-                           steal=steal,
+                           min_partition=max(128, block_n), quant_dot=mode,
                            maxnreg=int(os.environ["MAXNREG"]) if "MAXNREG" in os.environ else None,
                            **table)
         st = loop_stats(compile_decode(k_type, v_type, cfg, paged))

@@ -50,10 +50,9 @@ def parse_launch(spec: str, kv_type: str) -> ba.Launch:
                          "MAXNREG:OCCUPANCY[:TABLE_READ] or 'default'")
     mode, block_n, warps, stages, min_p, maxnreg, occ = parts[:7]
     table = _common.table_read_fields(parts[7] if len(parts) == 8 else "row")
-    steal = mode.endswith("+steal")  # fragment+steal: work stealing (DecodeConfig.steal)
     return ba.Launch(DecodeConfig(block_n=int(block_n), num_warps=int(warps),
                                   num_stages=int(stages), min_partition=int(min_p),
-                                  quant_dot=mode.removesuffix("+steal"), steal=steal,
+                                  quant_dot=mode,
                                   maxnreg=None if maxnreg == "-" else int(maxnreg), **table),
                      float(occ))
 

@@ -98,7 +98,7 @@ def finish_split(
     out_ptr, out_row_stride, head_acc, head_ml, group_counter_ptr, seq_counter_ptr,
     pid, first, seq_chunks, rows, cols, out_cols,
     G: tl.constexpr, D: tl.constexpr, MERGE_UNROLL: tl.constexpr,
-    MERGE_GROUP: tl.constexpr, tile_counter_ptr=None, RESET_TILES: tl.constexpr = False,
+    MERGE_GROUP: tl.constexpr,
 ):
     """After this chunk's partial is stored: count it, and merge if it is the last.
 
@@ -107,10 +107,6 @@ def finish_split(
 
     Publication order: a barrier orders every thread's stores before the one thread that
     performs the (release) atomic; its (acquire) result then orders the merge's loads.
-
-    ``RESET_TILES``: the sequence's chunks took their tiles from ``tile_counter_ptr``
-    (work stealing); whoever writes the output resets it, after every chunk has counted
-    itself, so after every take.
     """
     g_first = first + ((pid - first) // MERGE_GROUP) * MERGE_GROUP
     g_size = tl.minimum(MERGE_GROUP, first + seq_chunks - g_first)
@@ -123,8 +119,6 @@ def finish_split(
         tl.atomic_xchg(group_counter_ptr + g_first, 0, sem="relaxed", scope="gpu")
         if num_groups == 1:
             store_merged(out_ptr, out_row_stride, o, l, rows, out_cols, G)
-            if RESET_TILES:
-                tl.atomic_xchg(tile_counter_ptr, 0, sem="relaxed", scope="gpu")
         else:
             store_partial(head_acc + g_first * G * D, head_ml + g_first * G * 2, o, m, l,
                           rows, cols, G, D)
@@ -135,5 +129,3 @@ def finish_split(
                                          MERGE_GROUP, rows, cols, G, D, MERGE_UNROLL)
                 store_merged(out_ptr, out_row_stride, o, l, rows, out_cols, G)
                 tl.atomic_xchg(seq_counter_ptr, 0, sem="relaxed", scope="gpu")
-                if RESET_TILES:
-                    tl.atomic_xchg(tile_counter_ptr, 0, sem="relaxed", scope="gpu")

@@ -106,10 +106,6 @@ class DecodeConfig:
             pool's block size, else ``"row"``).
         table_ahead: load the next tile's block ids while the current tile is read (hides
             the table lookup's latency; holds the ids in registers meanwhile).
-        steal: work stealing (``fragment`` only): the warps of a sequence's programs take
-            its slices of ``block_n / num_warps`` tokens from a shared counter as they go,
-            instead of each program reading its own chunk, so programs on faster SMs read
-            more (the plan still sets how many programs each sequence gets).
         maxnreg: registers per thread the compiler may use (``None``: its own choice,
             up to 255). Fewer registers let more programs share an SM; a quantized tile
             loop is latency-bound, so more resident warps can pay for a few spills.
@@ -126,7 +122,6 @@ class DecodeConfig:
     maxnreg: int | None = None
     table_read: str = "row"
     table_ahead: bool = True
-    steal: bool = False
 
     def __post_init__(self) -> None:
         if not (_is_pow2(self.block_n) and 16 <= self.block_n <= 256):
@@ -152,9 +147,6 @@ class DecodeConfig:
             raise ValueError(
                 f"quant_dot {self.quant_dot!r} is not a mode; accepted: {list(QUANT_DOT_MODES)}"
             )
-        if self.steal and self.quant_dot != "fragment":
-            raise ValueError(f"steal takes quant_dot 'fragment' (the Gluon kernel), got "
-                             f"{self.quant_dot!r}")
         if self.quant_dot == "fragment" and self.block_n not in (16 * self.num_warps,
                                                                  32 * self.num_warps):
             raise ValueError(
@@ -303,8 +295,6 @@ class DecodeWorkspace:
             the group's first slot; zero between launches.
         seq_counters: int32 ``[max_batch, Hkv]``: groups merged per (sequence, K/V
             head); zero between launches.
-        tile_counters: int32 ``[max_batch, Hkv]``: slices taken per (sequence, K/V head)
-            by a work-stealing launch (``DecodeConfig.steal``); zero between launches.
         chunk_budget: W.
     """
 
@@ -342,12 +332,10 @@ class DecodeWorkspace:
         self.seq_counters = torch.zeros(
             (max_batch, num_kv_heads), dtype=torch.int32, device=self.device
         )
-        self.tile_counters = torch.zeros_like(self.seq_counters)
 
     def counters_clear(self) -> bool:
         """Whether every merge counter is back to zero (true between launches)."""
-        return not (bool(self.group_counters.any()) or bool(self.seq_counters.any())
-                    or bool(self.tile_counters.any()))
+        return not (bool(self.group_counters.any()) or bool(self.seq_counters.any()))
 
     def check_fits(
         self, batch: int, num_q_heads: int, num_kv_heads: int, head_dim: int,

@@ -96,7 +96,6 @@ def _paged_decode_kernel(
     kd_ptr, ks_ptr, vd_ptr, vs_ptr,  # K/V payload and scales (scales: any pointer if float)
     table_ptr, lens_ptr,  # int32 [B, max_blocks], int32 [B]
     part_acc_ptr, part_ml_ptr, group_counter_ptr, seq_counter_ptr,  # workspace
-    tile_counter_ptr,  # workspace; the Gluon kernel's work stealing only
     batch, num_blocks, capacity, chunk_budget, max_chunks, num_kv_heads,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     qk_scale,  # softmax scale * log2(e)
@@ -375,7 +374,7 @@ def paged_decode_attention(
         # The Gluon kernel's shapes only, and no Gluon in the interpreter: the same
         # values from the Triton kernel's 16-byte-vector dequantization, with its own
         # table read (``default_config``'s for q4_0 in packed mode).
-        cfg = dataclasses.replace(cfg, quant_dot="packed", table_ahead=False, steal=False)
+        cfg = dataclasses.replace(cfg, quant_dot="packed", table_ahead=False)
     constants = launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
                                  paged=max_blocks > 1, max_batch=workspace.max_batch,
                                  native=q.is_cuda, trace=trace is not None)
@@ -387,7 +386,7 @@ def paged_decode_attention(
     args = (
         q, out, cache_k.data, ks, cache_v.data, vs, block_tables, seq_lens,
         workspace.part_acc, workspace.part_ml, workspace.group_counters,
-        workspace.seq_counters, workspace.tile_counters,
+        workspace.seq_counters,
         B, num_blocks, capacity, workspace.chunk_budget, workspace.max_chunks, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         scale * LOG2E, out if trace is None else trace,
@@ -399,7 +398,7 @@ def paged_decode_attention(
             f"{trace.dtype} {list(trace.shape)} on {trace.device}")
     if cfg.quant_dot == "fragment":
         quant_fragments.launch(grid, args, constants, cache_k.kv_type, cfg.num_warps,
-                               cfg.block_n // cfg.num_warps, cfg.maxnreg, cfg.steal)
+                               cfg.block_n // cfg.num_warps, cfg.maxnreg)
     elif trace is not None and not q.is_cuda:
         raise ValueError("trace= needs a GPU: the timer and SM reads are PTX, which the "
                          "Triton interpreter does not run")

@@ -138,21 +138,6 @@ mul.f16x2 $3, $3, $6;
 # l // 4, columns 2 (l % 4) and + 1), warp-wide, into the same arrangement.
 MOVMATRIX_ASM = tl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 
-# Work stealing (``STEAL``): lane 0 of a warp takes the next slice number of its counter
-# ($1, a global address; other lanes get 0); a later ``WARP_LANE0_ASM`` hands lane 0's value to
-# the whole warp, so the atomic's latency is not waited on where it is issued.
-CLAIM_ASM = tl.constexpr("""
-{
-.reg .pred p;
-.reg .u32 lane;
-mov.u32 lane, %laneid;
-setp.eq.u32 p, lane, 0;
-mov.u32 $0, 0;
-@p atom.global.add.u32 $0, [$1], 1;
-}
-""")
-WARP_LANE0_ASM = tl.constexpr("shfl.sync.idx.b32 $0, $1, 0, 0x1f, 0xffffffff;")
-
 # Diagnostics (``TRACE``): the global nanosecond timer and the SM of a program.
 GLOBALTIMER_ASM = tl.constexpr("mov.u64 $0, %globaltimer;")
 SMID_ASM = tl.constexpr("mov.u32 $0, %smid;")
@@ -356,15 +341,14 @@ def _scores_to_b_operand(p, layout: gl.constexpr):
 
 @gluon.jit
 def _warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
-                    BS: gl.constexpr, layout: gl.constexpr, OWN_START: gl.constexpr):
+                    BS: gl.constexpr, layout: gl.constexpr):
     """The one or two block ids of each warp's T tokens of the tile at ``start``: int32
     ``[W]`` twice, in ``layout``'s warp slice; -1 past ``tok_hi``. A warp's tokens start
     at a multiple of T (chunks start at multiples of the tile) and ``BS`` is a power of
     2 >= 16 (``WARP_IDS``), so they lie in one block or two: two loads per thread (one
     address per warp each), not one per token."""
     w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
-    STEP: gl.constexpr = 0 if OWN_START else T
-    first = start + w * STEP  # [W]
+    first = start + w * T  # [W]
     blk = first // BS
     id0 = gl.load(table_row + blk, mask=first < tok_hi, other=-1)
     if BS < T:
@@ -377,8 +361,7 @@ def _warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
 @gluon.jit
 def _tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
                rows_per_block, W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr,
-               PAGED: gl.constexpr, WARP_IDS: gl.constexpr, layout: gl.constexpr,
-               OWN_START: gl.constexpr):
+               PAGED: gl.constexpr, WARP_IDS: gl.constexpr, layout: gl.constexpr):
     """``(row, live)`` of each row of the tile at ``start`` (warp w takes tokens
     ``start + T w ..``), int32 and bool ``[W, T]`` in ``layout``: the row's index in the
     pool's ``[num_blocks * Hkv * rows_per_block]`` rows, and whether it holds a token of a
@@ -392,8 +375,7 @@ def _tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
     block id."""
     w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))[:, None]
     t = gl.arange(0, T, layout=gl.SliceLayout(0, layout))[None, :]
-    STEP: gl.constexpr = 0 if OWN_START else T
-    first = start + w * STEP  # [W, 1]
+    first = start + w * T  # [W, 1]
     live = t < tok_hi - first
     if not PAGED:
         ok = (id0 >= 0) & (id0 < num_blocks)
@@ -574,65 +556,6 @@ def _store_labels(ptr, row_stride, o_lo, o_hi, row_scale, G: gl.constexpr,
 
 
 @gluon.jit
-def _tile_update(kx, ks, vx, vs, live, q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale,
-                 HALVES: gl.constexpr, K_BYTES: gl.constexpr, V_LOAD: gl.constexpr,
-                 V_PAIR: gl.constexpr, MMA: gl.constexpr, K_PERM: gl.constexpr,
-                 V_PAIR_PERM: gl.constexpr):
-    """One tile of every warp's online softmax: payload words and scales of K (``kx``,
-    ``ks``) and V (``vx``, ``vs``), rows ``live`` ``[W, T]`` -> the updated running max,
-    sum and ``O^T`` (``acc_hi``: q4_0's hi labels; unused otherwise)."""
-    W: gl.constexpr = kx.shape[0]
-    T: gl.constexpr = kx.shape[1]
-    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
-    B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-    # S^T = K . Q^T: K dequantized where its bytes were loaded (the B arrangement), then
-    # renamed as the A operand.
-    kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)
-    kscale = gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES))
-    zeros = gl.zeros([W, T, MAX_GROUP], gl.float32, MMA)
-    if HALVES:
-        k_lo, k_hi = _k_fragments(kb, kscale, K_PERM, True, B_OP)
-        # Two independent accumulations: shorter dependency chains of MMAs.
-        st = (mma_v2(_as_a_operand(k_lo, A_OP), q_lo, zeros)
-              + mma_v2(_as_a_operand(k_hi, A_OP), q_hi, zeros))
-    else:
-        st = mma_v2(_as_a_operand(_k_fragments(kb, kscale, K_PERM, False, B_OP), A_OP),
-                    q_lo, zeros)
-    st = gl.where(live[:, :, None], st * qk_scale, float("-inf"))  # [W, T, 8]
-    m_new = gl.maximum(m_i, gl.max(st, axis=1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(st - m_new[:, None, :])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    alpha_o = alpha[:, None, :]
-    p16 = _scores_to_b_operand(p.to(gl.float16), B_OP)
-    # O^T += V^T . P^T
-    vb = gl.convert_layout(_bytes(vx), V_LOAD, assert_trivial=True)
-    if HALVES:
-        v_lo, v_hi = _pair_fragments(vb, vs, V_PAIR_PERM, True, V_PAIR, A_OP)
-        acc_lo = mma_v2(v_lo, p16, acc_lo * alpha_o)
-        acc_hi = mma_v2(v_hi, p16, acc_hi * alpha_o)
-    else:
-        acc_lo = mma_v2(_pair_fragments(vb, vs, V_PAIR_PERM, False, V_PAIR, A_OP), p16,
-                        acc_lo * alpha_o)
-    return m_new, l_i, acc_lo, acc_hi
-
-
-@gluon.jit
-def _claim(ctr):
-    """``STEAL``: lane 0's atomic take of the next slice number at address ``ctr`` (int64);
-    read it with ``_warp_lane0`` an iteration later."""
-    return gl.inline_asm_elementwise(CLAIM_ASM, "=r,l", [ctr], dtype=gl.int32, is_pure=False,
-                                     pack=1)
-
-
-@gluon.jit
-def _warp_lane0(x):
-    """Lane 0's ``x`` in every lane of the warp (a warp-uniform value)."""
-    return gl.inline_asm_elementwise(WARP_LANE0_ASM, "=r,r", [x], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
 def _stamp(trace_ptr, slot, field: gl.constexpr, TRACE: gl.constexpr):
     """``TRACE``: the global timer into field ``field`` of record ``slot``."""
     if TRACE:
@@ -648,7 +571,6 @@ def fragment_decode_kernel(
     kd_ptr, ks_ptr, vd_ptr, vs_ptr,  # payload and scales of K and V
     table_ptr, lens_ptr,  # int32 [B, max_blocks], int32 [B]
     part_acc_ptr, part_ml_ptr, group_counter_ptr, seq_counter_ptr,  # workspace
-    tile_counter_ptr,  # workspace: int32 [max_batch, Hkv], slices taken (STEAL)
     batch, num_blocks, capacity, chunk_budget, max_chunks, num_kv_heads,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     qk_scale,  # softmax scale * log2(e)
@@ -661,7 +583,7 @@ def fragment_decode_kernel(
     V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
     MMA: gl.constexpr, MERGE: gl.constexpr,
     K_PERM: gl.constexpr, Q_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr,
-    TRACE: gl.constexpr, STEAL: gl.constexpr,
+    TRACE: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = W * T
     D: gl.constexpr = HEAD_DIM
@@ -694,8 +616,6 @@ def fragment_decode_kernel(
         acc_hi = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)
     else:
         q_lo = _load_q(q_base, stride_qh, G, W, Q_PERM, False, B_OP)
-        q_hi = 0.0  # q4_0 only (HALVES)
-        acc_hi = 0.0
     acc_lo = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
     m_i = gl.full([W, MAX_GROUP], NEG_BIG, gl.float32, HEADS)
     l_i = gl.zeros([W, MAX_GROUP], gl.float32, HEADS)
@@ -717,107 +637,73 @@ def fragment_decode_kernel(
     # rows they address, so that the table lookup's latency is not in front of the
     # payload loads.
     AHEAD: gl.constexpr = TABLE_AHEAD and WARP_IDS
-    if STEAL:
-        # Work stealing: every warp of every program of this (sequence, K/V head) takes
-        # the sequence's T-token slices from one counter as it goes, so a warp on a faster
-        # SM takes more of them; slice numbers run three ahead of the slice computed (its
-        # bytes one ahead, its block ids two ahead, its number three ahead: the claim's
-        # atomic is issued an iteration before its value is read). Each warp's loop ends
-        # on its own (warp-uniform values; no barrier inside).
-        seq_len = gl.minimum(gl.maximum(gl.load(lens_ptr + b), 0), capacity)
-        n_slices = gl.cdiv(seq_len, T)
-        ctr = (tile_counter_ptr + b * num_kv_heads + h).to(gl.int64, bitcast=True)
-        r0 = _claim(ctr)
-        r1 = _claim(ctr)
-        r2 = _claim(ctr)
-        s0 = _warp_lane0(r0)
-        s1 = _warp_lane0(r1)
-        if WARP_IDS:
-            id0, id1 = _warp_block_ids(table_row, s0 * T, seq_len, W, T, BS, KT, True)
-        else:
-            id0 = block0
-            id1 = block0
-        rows, live = _tile_rows(table_row, id0, id1, s0 * T, seq_len, num_blocks, num_kv_heads,
-                                h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT, True)
-        kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
-        rows, live = _tile_rows(table_row, id0, id1, s0 * T, seq_len, num_blocks, num_kv_heads,
-                                h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT, True)
-        vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
-        live = _tile_rows(table_row, id0, id1, s0 * T, seq_len, num_blocks, num_kv_heads, h,
-                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS, True)[1]
-        if WARP_IDS:
-            nid0, nid1 = _warp_block_ids(table_row, s1 * T, seq_len, W, T, BS, KT, True)
-        else:
-            nid0 = block0
-            nid1 = block0
-        r3 = _claim(ctr)
-        r4 = _claim(ctr)
-        s2 = _warp_lane0(r2)
-        _stamp(trace_ptr, slot, 2, TRACE)
-        while s0 < n_slices:
-            rows, live_k = _tile_rows(table_row, nid0, nid1, s1 * T, seq_len, num_blocks,
-                                      num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
-                                      WARP_IDS, KT, True)
-            kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
-            rows, live_v = _tile_rows(table_row, nid0, nid1, s1 * T, seq_len, num_blocks,
-                                      num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
-                                      WARP_IDS, VT, True)
-            vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
-            if WARP_IDS:
-                mid0, mid1 = _warp_block_ids(table_row, s2 * T, seq_len, W, T, BS, KT, True)
-            else:
-                mid0 = block0
-                mid1 = block0
-            s3 = _warp_lane0(r3)
-            r3 = r4
-            r4 = _claim(ctr)
-            m_i, l_i, acc_lo, acc_hi = _tile_update(
-                kx, ks, vx, vs, live, q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, HALVES,
-                K_BYTES, V_LOAD, V_PAIR, MMA, K_PERM, V_PAIR_PERM)
-            live = _tile_rows(table_row, nid0, nid1, s1 * T, seq_len, num_blocks, num_kv_heads,
-                              h, rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS, True)[1]
-            kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
-            nid0, nid1 = mid0, mid1
-            s0, s1, s2 = s1, s2, s3
+    if WARP_IDS:
+        id0, id1 = _warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT)
     else:
-        if WARP_IDS:
-            id0, id1 = _warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT, False)
-        else:
-            id0 = block0
-            id1 = block0
-        rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                                rows_per_block, W, T, BS, PAGED, WARP_IDS, KT, False)
-        kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
-        rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                                rows_per_block, W, T, BS, PAGED, WARP_IDS, VT, False)
-        vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
-        live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS, False)[1]
+        id0 = block0
+        id1 = block0
+    rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                            rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+    kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
+    rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                            rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+    vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
+    live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                      rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+    if AHEAD:
+        id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
+    _stamp(trace_ptr, slot, 2, TRACE)
+    for start in range(tok_lo, tok_hi, BLOCK_N):
+        # The next tile's bytes are in flight while this one is computed.
+        nxt = start + BLOCK_N
         if AHEAD:
-            id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT, False)
-        _stamp(trace_ptr, slot, 2, TRACE)
-        for start in range(tok_lo, tok_hi, BLOCK_N):
-            # The next tile's bytes are in flight while this one is computed.
-            nxt = start + BLOCK_N
-            if AHEAD:
-                nid0, nid1 = id0, id1
-                id0, id1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT, False)
-            elif WARP_IDS:
-                nid0, nid1 = _warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT, False)
-            else:
-                nid0, nid1 = id0, id1
-            rows, live_k = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                      h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT, False)
-            kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
-            rows, live_v = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                      h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT, False)
-            vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
-            m_i, l_i, acc_lo, acc_hi = _tile_update(
-                kx, ks, vx, vs, live, q_lo, q_hi, m_i, l_i, acc_lo, acc_hi, qk_scale, HALVES,
-                K_BYTES, V_LOAD, V_PAIR, MMA, K_PERM, V_PAIR_PERM)
-            live = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
-                              rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS, False)[1]
-            kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
+            nid0, nid1 = id0, id1
+            id0, id1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT)
+        elif WARP_IDS:
+            nid0, nid1 = _warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT)
+        else:
+            nid0, nid1 = id0, id1
+        rows, live_k = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+        kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
+        rows, live_v = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+        vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
+
+        # S^T = K . Q^T: K dequantized where its bytes were loaded (the B arrangement),
+        # then renamed as the A operand.
+        kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)
+        kscale = gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES))
+        zeros = gl.zeros([W, T, MAX_GROUP], gl.float32, MMA)
+        if HALVES:
+            k_lo, k_hi = _k_fragments(kb, kscale, K_PERM, True, B_OP)
+            # Two independent accumulations: shorter dependency chains of MMAs.
+            st = (mma_v2(_as_a_operand(k_lo, A_OP), q_lo, zeros)
+                  + mma_v2(_as_a_operand(k_hi, A_OP), q_hi, zeros))
+        else:
+            st = mma_v2(_as_a_operand(_k_fragments(kb, kscale, K_PERM, False, B_OP), A_OP),
+                        q_lo, zeros)
+        st = gl.where(live[:, :, None], st * qk_scale, float("-inf"))  # [W, T, 8]
+        m_new = gl.maximum(m_i, gl.max(st, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(st - m_new[:, None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        alpha_o = alpha[:, None, :]
+        p16 = _scores_to_b_operand(p.to(gl.float16), B_OP)
+        live = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
+                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+
+        # O^T += V^T . P^T
+        vb = gl.convert_layout(_bytes(vx), V_LOAD, assert_trivial=True)
+        if HALVES:
+            v_lo, v_hi = _pair_fragments(vb, vs, V_PAIR_PERM, True, V_PAIR, A_OP)
+            acc_lo = mma_v2(v_lo, p16, acc_lo * alpha_o)
+            acc_hi = mma_v2(v_hi, p16, acc_hi * alpha_o)
+        else:
+            acc_lo = mma_v2(_pair_fragments(vb, vs, V_PAIR_PERM, False, V_PAIR, A_OP), p16,
+                            acc_lo * alpha_o)
+        kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
 
     _stamp(trace_ptr, slot, 3, TRACE)
     # The warps' partial states -> one (log-sum-exp weights), in RED: a thread holds
@@ -835,16 +721,11 @@ def fragment_decode_kernel(
         o_hi = _warps_combined(acc_hi, wgt, RED)
     else:
         o_hi = o_lo
-    tile_counter = tile_counter_ptr + b * num_kv_heads + h
     if seq_chunks == 1:
         # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
         inv = gl.where(l_sum > 0.0, 1.0 / gl.maximum(l_sum, 1.0), 0.0)
         _store_labels(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, o_lo, o_hi,
                       inv, G, HALVES, True)
-        if STEAL:
-            # Every warp has left its loop (the combine above went through shared memory
-            # behind barriers), so no slice is taken after this reset.
-            gl.atomic_xchg(tile_counter, 0, sem="relaxed", scope="gpu")
         _stamp(trace_ptr, slot, 4, TRACE)
     else:
         # A partial is [G, 256] float32 in label order (each thread's four labels one
@@ -860,7 +741,7 @@ def fragment_decode_kernel(
                      head_ml, group_counter_ptr + h * max_chunks,
                      seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
                      gl.arange(0, GP, layout=gl.SliceLayout(1, MERGE)), cols,
-                     _column(cols, True), G, D, MERGE_UNROLL, MERGE_GROUP, tile_counter, STEAL)
+                     _column(cols, True), G, D, MERGE_UNROLL, MERGE_GROUP)
     _stamp(trace_ptr, slot, 5, TRACE)
 
 
@@ -878,19 +759,16 @@ def supports(q, cache_k, cache_v) -> bool:
 
 
 @functools.cache
-def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int,
-                     steal: bool = False) -> dict:
+def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int) -> dict:
     """This kernel's own compile-time arguments for a storage type and warp shape (cached:
     eager decode launches per layer per step; callers must not modify the dict)."""
     geo = GEOMETRY[kv_type]
     return dict(W=num_warps, T=tokens_per_warp, GB=geo.group_bytes, HALVES=geo.halves,
-                STEAL=steal,
                 **fragment_layouts(kv_type, num_warps, tokens_per_warp))
 
 
 def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
-           num_warps: int, tokens_per_warp: int, maxnreg: int | None,
-           steal: bool = False) -> None:
+           num_warps: int, tokens_per_warp: int, maxnreg: int | None) -> None:
     """One launch over checked arguments: ``paged_decode.paged_decode_attention``'s grid
     and run-time arguments (the two kernels share them, the trace pointer last) and the
     Triton kernel's compile-time arguments (``paged_decode.launch_constants``), of which
@@ -900,6 +778,6 @@ def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
     fragment_decode_kernel[grid](
         *args,
         **{k: constants[k] for k in SHARED_CONSTANTS},
-        **kernel_constants(kv_type, num_warps, tokens_per_warp, steal),
+        **kernel_constants(kv_type, num_warps, tokens_per_warp),
         num_warps=num_warps, maxnreg=maxnreg,
     )
