@@ -25,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -79,7 +80,38 @@ def summarize(rec: torch.Tensor) -> dict:
     out["last"] = {k: round(v, 3) for k, v in last.items()}
     sms = [u["sm"] for u in us]
     out["programs_per_sm_max"] = max(sms.count(s) for s in set(sms))
+    # When each SM's last loop ended: co-resident programs share an SM unevenly (one ends
+    # early, the other then runs alone), so the programs' own ends overstate imbalance.
+    sm_end: dict[int, float] = {}
+    for u in us:
+        sm_end[u["sm"]] = max(sm_end.get(u["sm"], 0.0), u["looped"])
+    out["sm_looped_p10_us"] = _pct(list(sm_end.values()), 0.1)
+    out["sm_looped_p50_us"] = _pct(list(sm_end.values()), 0.5)
+    out["sm_looped_max_us"] = max(sm_end.values())
     return out
+
+
+def sm_tile_correlation(rec_a: list[list[int]], rec_b: list[list[int]],
+                        min_tiles: int = 4) -> float:
+    """Pearson correlation, over the SMs, of the mean time per tile of the programs each SM
+    ran (``min_tiles`` tiles or more) in two calls' records: near 1 when the same SMs are
+    slow in both calls (the speed belongs to the SM, not to the call); NaN with fewer than
+    three SMs in common."""
+    f = {name: i for i, name in enumerate(quant_fragments.TRACE_FIELDS)}
+
+    def per_sm(rec: list[list[int]]) -> dict[int, float]:
+        times: dict[int, list[float]] = {}
+        for r in rec:
+            if r[f["planned"]] and r[f["tiles"]] >= min_tiles:
+                times.setdefault(r[f["sm"]], []).append(
+                    (r[f["looped"]] - r[f["loop"]]) / r[f["tiles"]])
+        return {sm: statistics.fmean(t) for sm, t in times.items()}
+
+    a, b = per_sm(rec_a), per_sm(rec_b)
+    common = sorted(set(a) & set(b))
+    if len(common) < 3:
+        return math.nan
+    return statistics.correlation([a[s] for s in common], [b[s] for s in common])
 
 
 def trace_case(kv_type: str, lens: tuple[int, ...], layout: str = "paged") -> dict:
@@ -102,13 +134,14 @@ def trace_case(kv_type: str, lens: tuple[int, ...], layout: str = "paged") -> di
         call(inputs[0])
         call(inputs[-1], trace)
     err = ba.rel_err(inputs[-1].out, inputs[-1])
-    runs = []
+    runs, records = [], []
     for i in range(5):  # each after an idle GPU: one traced call, alone
         torch.cuda.synchronize()
         trace.zero_()
         call(inputs[i % copies], trace)
         torch.cuda.synchronize()
         runs.append(summarize(trace.cpu()))
+        records.append(trace.cpu().tolist())
     best = min(runs, key=lambda r: r["span_us"])
     calls = [lambda inp=inp: call(inp) for inp in inputs]
     empty = [lambda: _empty_kernel[grid](trace)] * len(calls)
@@ -117,7 +150,10 @@ def trace_case(kv_type: str, lens: tuple[int, ...], layout: str = "paged") -> di
             "live_mb": nbytes / 1e6, "max_err": err,
             "graph_us": _common.time_calls(calls, "graph"),
             "empty_kernel_graph_us": _common.time_calls(empty, "graph"),
-            "span_us_runs": [round(r["span_us"], 2) for r in runs], **best}
+            "span_us_runs": [round(r["span_us"], 2) for r in runs], **best,
+            "sm_tile_correlation": sm_tile_correlation(records[0], records[1]),
+            # Each run's raw records, one row per program (grid order): TRACE_FIELDS.
+            "records": records}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['stored_max_us']:.2f}; loop ended p50 {r['looped_p50_us']:.2f} max "
               f"{r['looped_max_us']:.2f}; spans of 5 runs: {r['span_us_runs']}; "
               f"max err {r['max_err']:.1e}")
+        print(f"   each SM's last loop end p10 {r['sm_looped_p10_us']:.1f} p50 "
+              f"{r['sm_looped_p50_us']:.1f} max {r['sm_looped_max_us']:.1f}; per-SM time per "
+              f"tile, correlation between calls 1 and 2: {r['sm_tile_correlation']:.2f}")
     if args.out:
         path = Path(args.out) / "trace_decode.json"
         path.parent.mkdir(parents=True, exist_ok=True)
