@@ -106,7 +106,6 @@ def _paged_decode_kernel(
     K_GROUP: tl.constexpr, ACC: tl.constexpr, PAGED: tl.constexpr,
     MERGE_UNROLL: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
     TABLE_READ: tl.constexpr, TABLE_AHEAD: tl.constexpr, TRACE: tl.constexpr,
-    PAIRED: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -188,12 +187,7 @@ def _paged_decode_kernel(
             NB: tl.constexpr = BLOCK_N // BS
             block_row = tl.reshape(tl.broadcast_to(block_row[:, None], (NB, BS)), (BLOCK_N,))
             valid = valid & (block_row >= 0)
-            if PAIRED:
-                # Experiment: one pool [num_blocks, Hkv, 2 (K, V), BS, W]; a block-head's
-                # K rows, then its V rows.
-                row_idx = block_row * 2 + lane % BS
-            else:
-                row_idx = block_row + lane % BS  # a tile starts on a block boundary
+            row_idx = block_row + lane % BS  # a tile starts on a block boundary
         else:
             if PAGED:
                 if TABLE_AHEAD:
@@ -210,10 +204,7 @@ def _paged_decode_kernel(
             row_idx = tl.where(valid, row_idx, 0)
         row_idx = row_idx.to(tl.int64)
         k_row = row_idx * K_WIDTH
-        if PAIRED:
-            v_row = (row_idx + BS) * V_WIDTH
-        else:
-            v_row = row_idx * V_WIDTH
+        v_row = row_idx * V_WIDTH
         ks_row = row_idx * NG
         vs_row = row_idx * NG
 
@@ -329,7 +320,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
     workspace: DecodeWorkspace | None = None, out: torch.Tensor | None = None,
     config: DecodeConfig | None = None, validate: bool | None = None,
-    trace: torch.Tensor | None = None, paired_pool: torch.Tensor | None = None,
+    trace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence, Triton.
 
@@ -411,10 +402,6 @@ def paged_decode_attention(
     elif trace is not None and not q.is_cuda:
         raise ValueError("trace= needs a GPU: the timer and SM reads are PTX, which the "
                          "Triton interpreter does not run")
-    elif paired_pool is not None:  # experiment: K and V rows of a block-head adjacent
-        args = (args[0], args[1], paired_pool, ks, paired_pool, vs) + args[6:]
-        _paged_decode_kernel[grid](*args, **constants, PAIRED=True, num_warps=cfg.num_warps,
-                                   num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
     else:
         _paged_decode_kernel[grid](*args, **constants, num_warps=cfg.num_warps,
                                    num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
