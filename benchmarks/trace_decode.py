@@ -4,7 +4,7 @@ The benchmark's per-call time of a short case is far above its bytes' share of t
 copy bandwidth (one 4K q4_0 sequence: about 22 us for 4.7 MB). This launches the
 library's kernel for the type (the Gluon ``fragment`` kernel for q4_0 and q8_0, the
 Triton kernel for f16) once with ``trace=``, so that every program records the global
-timer at six points (``quant_fragments.TRACE_FIELDS``), and prints, per case, the
+timer at six points (``decode_trace.TRACE_FIELDS``), and prints, per case, the
 phases over all programs (relative to the first program's entry)::
 
     entry -> planned -> loop -> looped -> stored -> merged
@@ -37,9 +37,11 @@ import _common  # noqa: E402
 import bench_attention as ba  # noqa: E402
 from probe_decode import parse_case  # noqa: E402
 
-from pagedserve.kernels import paged_decode, quant_fragments  # noqa: E402
+from pagedserve.kernels import paged_decode  # noqa: E402
 from pagedserve.kernels.decode_plan import DecodeWorkspace, default_occupancy  # noqa: E402
+from pagedserve.kernels.decode_trace import TRACE_FIELDS  # noqa: E402
 
+FIELD = {name: i for i, name in enumerate(TRACE_FIELDS)}  # a record's column of each field
 PHASES = (("plan", "entry", "planned"), ("prologue", "planned", "loop"),
           ("tiles", "loop", "looped"), ("epilogue", "looped", "stored"),
           ("merge", "stored", "merged"))
@@ -57,7 +59,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def summarize(rec: torch.Tensor) -> dict:
     """Phase statistics of trace records ``[programs, 8]`` (programs with work only)."""
-    f = {name: i for i, name in enumerate(quant_fragments.TRACE_FIELDS)}
+    f = FIELD
     rows = [r for r in rec.tolist() if r[f["planned"]] != 0]
     t0 = min(r[f["entry"]] for r in rows)
     us = [{k: (r[i] - t0) / 1e3 for k, i in f.items() if k not in ("sm", "tiles")}
@@ -97,7 +99,7 @@ def sm_tile_correlation(rec_a: list[list[int]], rec_b: list[list[int]],
     ran (``min_tiles`` tiles or more) in two calls' records: near 1 when the same SMs are
     slow in both calls (the speed belongs to the SM, not to the call); NaN with fewer than
     three SMs in common."""
-    f = {name: i for i, name in enumerate(quant_fragments.TRACE_FIELDS)}
+    f = FIELD
 
     def per_sm(rec: list[list[int]]) -> dict[int, float]:
         times: dict[int, list[float]] = {}
@@ -140,8 +142,9 @@ def trace_case(kv_type: str, lens: tuple[int, ...], layout: str = "paged") -> di
         trace.zero_()
         call(inputs[i % copies], trace)
         torch.cuda.synchronize()
-        runs.append(summarize(trace.cpu()))
-        records.append(trace.cpu().tolist())
+        rec = trace.cpu()
+        runs.append(summarize(rec))
+        records.append(rec.tolist())
     best = min(runs, key=lambda r: r["span_us"])
     calls = [lambda inp=inp: call(inp) for inp in inputs]
     empty = [lambda: _empty_kernel[grid](trace)] * len(calls)

@@ -46,6 +46,7 @@ from pagedserve.kernels.decode_plan import (
     default_occupancy,
     locate_chunk,
 )
+from pagedserve.kernels.decode_trace import record_program, stamp
 from pagedserve.kernels.kv_tiles import (
     load_q,
     rescale,
@@ -78,16 +79,6 @@ def _block_first_rows(table_row, start, tok_hi, num_blocks, num_kv_heads, h,
     return tl.where((ids >= 0) & (ids < num_blocks), (ids * num_kv_heads + h) * BS, -1)
 
 
-@triton.jit
-def _stamp(trace_ptr, slot, field: tl.constexpr, TRACE: tl.constexpr):
-    """``TRACE``: the global timer into field ``field`` of record ``slot``
-    (``quant_fragments.TRACE_FIELDS``, which the Gluon kernel writes the same way)."""
-    if TRACE:
-        t = tl.inline_asm_elementwise(quant_fragments.GLOBALTIMER_ASM, "=l,r", [slot],
-                                      dtype=tl.int64, is_pure=False, pack=1)
-        tl.store(trace_ptr + slot * 8 + field, t)
-
-
 # Counts vary per call; specializing on them (== 1, % 16) would only multiply compiles.
 @triton.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
                                "max_chunks", "num_kv_heads"])
@@ -99,7 +90,7 @@ def _paged_decode_kernel(
     batch, num_blocks, capacity, chunk_budget, max_chunks, num_kv_heads,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     qk_scale,  # softmax scale * log2(e)
-    trace_ptr,  # int64 [Hkv * programs per head, 8] (quant_fragments.TRACE_FIELDS) when TRACE
+    trace_ptr,  # int64 [Hkv * programs per head, 8] (decode_trace) when TRACE
     G: tl.constexpr, G_PAD: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
     BS: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QUANT_DOT: tl.constexpr,
@@ -110,7 +101,7 @@ def _paged_decode_kernel(
     pid = tl.program_id(0)
     h = tl.program_id(1)
     slot = h * tl.num_programs(0) + pid
-    _stamp(trace_ptr, slot, 0, TRACE)
+    stamp(trace_ptr, slot, 0, TRACE)
     NG: tl.constexpr = D // 32
     num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
         lens_ptr, batch, capacity, chunk_budget, pid, tl.arange(0, B_PAD), BLOCK_N,
@@ -118,12 +109,8 @@ def _paged_decode_kernel(
     )
     if pid >= num_chunks:
         return
-    _stamp(trace_ptr, slot, 1, TRACE)
-    if TRACE:
-        sm = tl.inline_asm_elementwise(quant_fragments.SMID_ASM, "=r,r", [pid],
-                                       dtype=tl.int32, is_pure=False, pack=1)
-        tl.store(trace_ptr + slot * 8 + 6, sm.to(tl.int64))
-        tl.store(trace_ptr + slot * 8 + 7, tl.cdiv(tok_hi - tok_lo, BLOCK_N).to(tl.int64))
+    stamp(trace_ptr, slot, 1, TRACE)
+    record_program(trace_ptr, slot, pid, tl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
 
     if K_TYPE == "bf16":
         q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
@@ -170,7 +157,7 @@ def _paged_decode_kernel(
         # One block per sequence, of ``capacity`` rows (padded to the longest).
         block0 = tl.load(table_row)
         block0_ok = (block0 >= 0) & (block0 < num_blocks)
-    _stamp(trace_ptr, slot, 2, TRACE)
+    stamp(trace_ptr, slot, 2, TRACE)
     for start in range(tok_lo, tok_hi, BLOCK_N):
         tok = start + lane
         valid = tok < tok_hi
@@ -220,27 +207,27 @@ def _paged_decode_kernel(
                       NATIVE)
         m_i = m_new
 
-    _stamp(trace_ptr, slot, 3, TRACE)
+    stamp(trace_ptr, slot, 3, TRACE)
     if seq_chunks == 1:
         # The common short-sequence case: no partials, no merge.
         # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
         inv = tl.where(l_i > 0.0, 1.0 / tl.maximum(l_i, 1.0), 0.0)
         store_rows(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, acc, inv,
                    G, G_PAD, D, NG, ACC)
-        _stamp(trace_ptr, slot, 4, TRACE)
+        stamp(trace_ptr, slot, 4, TRACE)
     else:
         head_acc = part_acc_ptr + h * max_chunks * G * D
         head_ml = part_ml_ptr + h * max_chunks * G * 2
         ones = tl.full([G_PAD], 1.0, tl.float32)
         store_rows(head_acc + pid * G * D, D, acc, ones, G, G_PAD, D, NG, ACC)
         store_stats(head_ml + pid * G * 2, m_i, l_i, tl.arange(0, G_PAD), G)
-        _stamp(trace_ptr, slot, 4, TRACE)
+        stamp(trace_ptr, slot, 4, TRACE)
         finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
                      head_ml, group_counter_ptr + h * max_chunks,
                      seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
                      tl.arange(0, GP), tl.arange(0, D), tl.arange(0, D), G, D, MERGE_UNROLL,
                      MERGE_GROUP)
-    _stamp(trace_ptr, slot, 5, TRACE)
+    stamp(trace_ptr, slot, 5, TRACE)
 
 
 # Scratch for callers that pass no workspace, one per (device, Hq, Hkv, D, occupancy), grown to the
@@ -290,7 +277,7 @@ def launch_constants(
 ) -> dict:
     """The kernel's compile-time arguments for one launch (``benchmarks/decode_sass.py``
     compiles the kernel offline from the same ones; ``trace``: the variant that records
-    each program's ``quant_fragments.TRACE_FIELDS``). Cached: eager decode calls it per
+    each program's ``decode_trace.TRACE_FIELDS``). Cached: eager decode calls it per
     layer per step; callers must not modify the dict."""
     gp = _next_pow2(group)
     return dict(
@@ -341,7 +328,7 @@ def paged_decode_attention(
             ``PAGEDSERVE_VALIDATE``.
         trace: diagnostics: int64 ``[programs, 8]`` (programs: the product of
             ``decode_grid``) receives each program's timestamps, SM and tile count
-            (``quant_fragments.TRACE_FIELDS``; ``benchmarks/trace_decode.py``), from a
+            (``decode_trace.TRACE_FIELDS``; ``benchmarks/trace_decode.py``), from a
             separately compiled variant of either kernel.
 
     Returns:

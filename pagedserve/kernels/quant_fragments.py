@@ -75,7 +75,7 @@ axis of the MMA layout lowered to 11 barrier rounds through shared memory, and c
 us per program); a split chunk stores its partial ``[G, 256]`` in label order as 16-byte
 vectors (the merge is elementwise, so any order serves; ``_column`` maps labels to
 head_dim for the output), and the merge takes a whole group of partials per trip. With
-``trace=`` every program records the global timer at six points (``TRACE_FIELDS``;
+``trace=`` every program records the global timer at six points (``decode_trace``;
 ``benchmarks/trace_decode.py``), a separately compiled variant.
 """
 
@@ -91,6 +91,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from pagedserve.kernels.decode_merge import NEG_BIG, finish_split, store_stats
 from pagedserve.kernels.decode_plan import locate_chunk
+from pagedserve.kernels.decode_trace import record_program, stamp
 from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM, Q8_PAIRS_ASM, q4_dequant_asm
 
 # V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
@@ -137,13 +138,6 @@ mul.f16x2 $3, $3, $6;
 # Transposes an 8 x 8 f16 tile held in the MMA accumulator's arrangement (thread l: row
 # l // 4, columns 2 (l % 4) and + 1), warp-wide, into the same arrangement.
 MOVMATRIX_ASM = tl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
-
-# Diagnostics (``TRACE``): the global nanosecond timer and the SM of a program.
-GLOBALTIMER_ASM = tl.constexpr("mov.u64 $0, %globaltimer;")
-SMID_ASM = tl.constexpr("mov.u32 $0, %smid;")
-# Per-program trace record: int64 timestamps at entry, after the plan, at the tile loop's
-# start and end, after the result's store and after the merge; then the SM and the tiles.
-TRACE_FIELDS = ("entry", "planned", "loop", "looped", "stored", "merged", "sm", "tiles")
 
 HEAD_DIM = tl.constexpr(256)
 MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the products
@@ -555,15 +549,6 @@ def _store_labels(ptr, row_stride, o_lo, o_hi, row_scale, G: gl.constexpr,
                  mask=mask)
 
 
-@gluon.jit
-def _stamp(trace_ptr, slot, field: gl.constexpr, TRACE: gl.constexpr):
-    """``TRACE``: the global timer into field ``field`` of record ``slot``."""
-    if TRACE:
-        t = gl.inline_asm_elementwise(GLOBALTIMER_ASM, "=l,r", [slot], dtype=gl.int64,
-                                      is_pure=False, pack=1)
-        gl.store(trace_ptr + slot * 8 + field, t)
-
-
 @gluon.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
                               "max_chunks", "num_kv_heads"])
 def fragment_decode_kernel(
@@ -574,7 +559,7 @@ def fragment_decode_kernel(
     batch, num_blocks, capacity, chunk_budget, max_chunks, num_kv_heads,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     qk_scale,  # softmax scale * log2(e)
-    trace_ptr,  # int64 [Hkv * programs per head, 8] (TRACE_FIELDS) when TRACE
+    trace_ptr,  # int64 [Hkv * programs per head, 8] (decode_trace) when TRACE
     G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, B_PAD: gl.constexpr,
     MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr, MERGE_UNROLL: gl.constexpr,
     MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr, W: gl.constexpr,
@@ -596,19 +581,15 @@ def fragment_decode_kernel(
     pid = gl.program_id(0)
     h = gl.program_id(1)
     slot = h * gl.num_programs(0) + pid
-    _stamp(trace_ptr, slot, 0, TRACE)
+    stamp(trace_ptr, slot, 0, TRACE)
     PLAN: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
     num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
         lens_ptr, batch, capacity, chunk_budget, pid,
         gl.arange(0, B_PAD, layout=PLAN), BLOCK_N, MIN_PARTITION)
     if pid >= num_chunks:
         return
-    _stamp(trace_ptr, slot, 1, TRACE)
-    if TRACE:
-        sm = gl.inline_asm_elementwise(SMID_ASM, "=r,r", [pid], dtype=gl.int32, is_pure=False,
-                                       pack=1)
-        gl.store(trace_ptr + slot * 8 + 6, sm.to(gl.int64))
-        gl.store(trace_ptr + slot * 8 + 7, gl.cdiv(tok_hi - tok_lo, BLOCK_N).to(gl.int64))
+    stamp(trace_ptr, slot, 1, TRACE)
+    record_program(trace_ptr, slot, pid, gl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
 
     q_base = q_ptr + b * stride_qb + h * G * stride_qh
     if HALVES:
@@ -652,7 +633,7 @@ def fragment_decode_kernel(
                       rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
     if AHEAD:
         id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
-    _stamp(trace_ptr, slot, 2, TRACE)
+    stamp(trace_ptr, slot, 2, TRACE)
     for start in range(tok_lo, tok_hi, BLOCK_N):
         # The next tile's bytes are in flight while this one is computed.
         nxt = start + BLOCK_N
@@ -705,7 +686,7 @@ def fragment_decode_kernel(
                             acc_lo * alpha_o)
         kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
 
-    _stamp(trace_ptr, slot, 3, TRACE)
+    stamp(trace_ptr, slot, 3, TRACE)
     # The warps' partial states -> one (log-sum-exp weights), in RED: a thread holds
     # every warp's copy of its elements (so the sums stay in the thread), four labels
     # contiguous (16-byte stores of a partial).
@@ -726,7 +707,7 @@ def fragment_decode_kernel(
         inv = gl.where(l_sum > 0.0, 1.0 / gl.maximum(l_sum, 1.0), 0.0)
         _store_labels(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, o_lo, o_hi,
                       inv, G, HALVES, True)
-        _stamp(trace_ptr, slot, 4, TRACE)
+        stamp(trace_ptr, slot, 4, TRACE)
     else:
         # A partial is [G, 256] float32 in label order (each thread's four labels one
         # 16-byte store); the merge's output store maps labels to head_dim (_column).
@@ -735,14 +716,14 @@ def fragment_decode_kernel(
         _store_labels(head_acc + pid * G * D, D, o_lo, o_hi, l_sum * 0.0 + 1.0, G, HALVES,
                       False)
         store_stats(head_ml + pid * G * 2, m, l_sum, gl.arange(0, MAX_GROUP, layout=STATS), G)
-        _stamp(trace_ptr, slot, 4, TRACE)
+        stamp(trace_ptr, slot, 4, TRACE)
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, MERGE))
         finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
                      head_ml, group_counter_ptr + h * max_chunks,
                      seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
                      gl.arange(0, GP, layout=gl.SliceLayout(1, MERGE)), cols,
                      _column(cols, True), G, D, MERGE_UNROLL, MERGE_GROUP)
-    _stamp(trace_ptr, slot, 5, TRACE)
+    stamp(trace_ptr, slot, 5, TRACE)
 
 
 # The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this
@@ -773,8 +754,7 @@ def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
     and run-time arguments (the two kernels share them, the trace pointer last) and the
     Triton kernel's compile-time arguments (``paged_decode.launch_constants``), of which
     this kernel takes the plan's, the merge's, the table read's and ``TRACE`` (a
-    separately compiled variant whose programs record their ``TRACE_FIELDS``; records of
-    programs without work keep only their entry time)."""
+    separately compiled variant whose programs fill their ``decode_trace`` records)."""
     fragment_decode_kernel[grid](
         *args,
         **{k: constants[k] for k in SHARED_CONSTANTS},

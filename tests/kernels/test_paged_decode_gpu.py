@@ -286,8 +286,9 @@ def test_kernel_trace_records(kv_type):
     within one f16 ulp of the largest output), and each program's record agrees with the
     host mirror of the plan: its tile count, the order of its six timestamps, an SM in
     range; programs beyond the plan record only their entry."""
-    from pagedserve.kernels import paged_decode, quant_fragments
+    from pagedserve.kernels import paged_decode
     from pagedserve.kernels.decode_plan import default_config, plan_chunks
+    from pagedserve.kernels.decode_trace import TRACE_FIELDS
 
     lens, hkv, block_size = [3000, 0, 700, 129, 16], 4, 16
     ck, cv, table, _ = build_pool(kv_type, kv_type, lens, num_kv_heads=hkv, head_dim=256,
@@ -311,7 +312,7 @@ def test_kernel_trace_records(kv_type):
     _, chunks = plan_chunks(lens, capacity, 9, cfg.block_n, cfg.min_partition)
     per_head = trace.shape[0] // hkv
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    fields = {name: i for i, name in enumerate(quant_fragments.TRACE_FIELDS)}
+    fields = {name: i for i, name in enumerate(TRACE_FIELDS)}
     stamps = [fields[n] for n in ("entry", "planned", "loop", "looped", "stored", "merged")]
     for h in range(hkv):
         for pid in range(per_head):
