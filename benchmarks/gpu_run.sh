@@ -6,7 +6,7 @@
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode bench-model bench-engine bench-serve probe-decode
-#         trace-decode.
+#         trace-decode probe-pieces.
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/probe_decode.py with the
 # arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default"),
@@ -104,6 +104,9 @@ for spec in "$@"; do
                      run_stage "trace-decode-$i" "$limit" python3 benchmarks/trace_decode.py \
                        ${traces[$i]} --out "$OUT/trace-$i"
                    done ;;
+    # Random pieces against one run, memory only (benchmarks/probe_pieces.py); $PIECES_ARGS
+    # are its arguments (default: its own cases and block sizes).
+    probe-pieces)  run_stage "$stage" "$limit" python3 benchmarks/probe_pieces.py ${PIECES_ARGS:-} ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \

@@ -1,0 +1,220 @@
+"""Memory-system probe: one K/V head's rows read as randomly placed pieces, against one run.
+
+The decode kernel's paged f16 reads lose 3-6% to contiguous ones at short contexts, and
+the loss follows the size of a randomly placed piece (one K/V head's rows of one block:
+8 KB for 16 f16 rows), not the table lookups (docs/benchmarks/README.md, "Thirteenth
+session"). This probe asks the memory system alone, with no attention math: each program
+reads its token range of one K/V head from two pools (K and V) in 64-row tiles and xors
+the words into a checksum. Like the f16 decode launch it runs one program (here 8 warps,
+173 registers) per SM with two tiles of K and V in flight (the next tile's words are
+loaded before the current one is folded in). The paged sides address rows exactly as
+the decode kernel does (``[num_blocks, Hkv, block_size, 512 bytes]``, a table lookup
+per row); the contiguous side reads the same rows from ``[B, Hkv, ctx, 512 bytes]``::
+
+    program (c, h): sequence b = c // (ctx / P), tokens [lo, lo + P), K/V head h
+      paged:       row = (table[b, tok // bs] * Hkv + h) * bs + tok % bs
+      contiguous:  row = (b * Hkv + h) * ctx + tok
+      checksum ^= K[row, :] ^ V[row, :]            (int32 words, 128 per row)
+
+P splits each head's tokens into 32 chunks (the f16 launch's 33 programs per head, a
+power of 2 so that chunks divide the lengths). Every side holds the same rows, so every
+side's checksum must equal the contiguous one: a wrong address fails the run.
+
+    python benchmarks/probe_pieces.py [--cases 4096x2 16384x1 ...] \\
+        [--block-sizes 16 32 64] [--dry-run]
+
+Per case, timed side by side (``_common.time_sides``, graph replay, rotating copies
+that read >= 4x L2 per round): contiguous; paged over a shuffled pool for each block
+size; 16-token blocks with each sequence's blocks in order. Prints one row per case and
+writes ``probe_pieces.json`` to $OUT when set. ``--dry-run`` runs toy sizes on the CPU
+under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+HKV = 4
+WORDS = 128  # int32 words per row: 256 f16 values
+ROWS = 64  # rows per tile, as the f16 decode launch
+CHUNKS_PER_HEAD = 32
+
+
+@triton.jit
+def _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, tok, BS: tl.constexpr,
+                  WORDS: tl.constexpr, PAGED: tl.constexpr):
+    """Word offsets ``[ROWS, WORDS]`` of the tile's rows (tokens ``tok``)."""
+    if PAGED:
+        ids = tl.load(table_ptr + b * stride_tb + tok // BS)
+        row = (ids * num_kv_heads + h) * BS + tok % BS
+    else:
+        row = (b * num_kv_heads + h) * ctx + tok
+    return row.to(tl.int64)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+
+
+@triton.jit
+def _read_kernel(k_ptr, v_ptr, table_ptr, sums_ptr, ctx, part, stride_tb, num_kv_heads,
+                 BS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr,
+                 PAGED: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    per_seq = ctx // part
+    b = c // per_seq
+    lo = (c % per_seq) * part
+    r = tl.arange(0, ROWS)
+    acc = tl.zeros([ROWS, WORDS], tl.int32)
+    # The next tile's words are loaded before the current tile is folded in (a register
+    # double buffer: two tiles of K and V in flight per program, as the decode kernel's
+    # three-stage copies keep).
+    off = _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, lo + r, BS, WORDS, PAGED)
+    k = tl.load(k_ptr + off)
+    v = tl.load(v_ptr + off)
+    for start in range(lo + ROWS, lo + part, ROWS):
+        off = _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, start + r, BS, WORDS,
+                            PAGED)
+        k_next = tl.load(k_ptr + off)
+        v_next = tl.load(v_ptr + off)
+        acc ^= k ^ v
+        k, v = k_next, v_next
+    acc ^= k ^ v
+    tl.store(sums_ptr + h * tl.num_programs(0) + c,
+             tl.xor_sum(tl.xor_sum(acc, axis=1), axis=0))
+
+
+class Side:
+    """One layout's copy of a case: K and V pools, the table, the checksum slots."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor | None,
+                 block_size: int, n_seq: int, ctx: int, chunks: int) -> None:
+        self.k, self.v, self.table, self.block_size = k, v, table, block_size
+        self.ctx, self.part = ctx, n_seq * ctx // chunks
+        self.sums = torch.empty(chunks * HKV, dtype=torch.int32, device=k.device)
+        self.grid = (chunks, HKV)
+
+    def run(self) -> None:
+        paged = self.table is not None
+        table = self.table if paged else self.sums  # placeholder pointer, never read
+        _read_kernel[self.grid](self.k, self.v, table, self.sums, self.ctx, self.part,
+                                table.stride(0) if paged else 0, HKV, BS=self.block_size,
+                                ROWS=ROWS, WORDS=WORDS, PAGED=paged, num_warps=8,
+                                num_stages=3)
+
+    def checksum(self) -> int:
+        """The xor of every program's checksum: of every word of K and V read."""
+        return xor_all(self.sums)
+
+
+def xor_all(x: torch.Tensor) -> int:
+    """The xor of all elements of an int32 tensor."""
+    out = 0
+    for s in x.flatten().tolist():
+        out ^= s
+    return out
+
+
+def paged_copy(contig: torch.Tensor, block_size: int, in_order: bool,
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``contig`` ``[B, Hkv, ctx, W]`` as a pool ``[num_blocks, Hkv, bs, W]`` whose
+    blocks are shuffled (or, ``in_order``, each sequence's consecutive) and the block
+    table ``[B, ctx / bs]`` that reads it back in token order."""
+    B, H, ctx, W = contig.shape
+    nb = ctx // block_size
+    logical = contig.view(B, H, nb, block_size, W).permute(0, 2, 1, 3, 4).reshape(B * nb, H,
+                                                                                  block_size, W)
+    perm = (torch.arange(B * nb) if in_order else torch.randperm(B * nb, generator=gen))
+    perm = perm.to(contig.device)
+    pool = torch.empty_like(logical)
+    pool[perm] = logical
+    return pool, perm.view(B, nb).to(torch.int32)
+
+
+def run_case(n_seq: int, ctx: int, block_sizes: list[int], chunks: int, device: str,
+             method: str, l2_bytes: int, seed: int = 0) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (n_seq, HKV, ctx, WORDS)
+    live = 2 * n_seq * HKV * ctx * WORDS * 4
+    copies = max(1, math.ceil(4 * l2_bytes / live)) if device == "cuda" else 1
+    k, v = (torch.randint(-2**31, 2**31 - 1, shape, generator=gen, dtype=torch.int32,
+                          device=device) for _ in range(2))
+    variants = [("contiguous", None, False)]
+    variants += [(f"bs{bs} shuffled", bs, False) for bs in block_sizes]
+    variants.append((f"bs{block_sizes[0]} in order", block_sizes[0], True))
+    sides = {}
+    for name, bs, in_order in variants:
+        reps = []
+        for _ in range(copies):  # distinct allocations of the same rows
+            if bs is None:
+                reps.append(Side(k.clone(), v.clone(), None, 1, n_seq, ctx, chunks))
+            else:
+                pk, table = paged_copy(k, bs, in_order, torch.Generator().manual_seed(seed + 1))
+                pv, _ = paged_copy(v, bs, in_order, torch.Generator().manual_seed(seed + 1))
+                reps.append(Side(pk, pv, table, bs, n_seq, ctx, chunks))
+        sides[name] = reps
+    times = _common.time_sides({name: [s.run for s in reps] for name, reps in sides.items()},
+                               method, min_rounds=8, min_seconds=0.05)
+    want = sides["contiguous"][0].checksum()
+    for name, reps in sides.items():
+        got = reps[0].checksum()
+        if got != want:
+            raise AssertionError(f"{n_seq}x{ctx} {name}: checksum {got} != contiguous {want}")
+    return {"case": f"{ctx}x{n_seq}", "live_bytes": live, "copies": copies, "us": times}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", nargs="+",
+                    default=["4096x1", "4096x2", "4096x4", "16384x1", "16384x2", "65536x1",
+                             "131072x8"])
+    ap.add_argument("--block-sizes", nargs="+", type=int, default=[16, 32, 64])
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        device, method, chunks = "cpu", "eager", 2
+        cases = [(1, 128)]
+    elif torch.cuda.is_available():
+        device, method, chunks = "cuda", "graph", CHUNKS_PER_HEAD
+        cases = []
+        for spec in args.cases:
+            ctx, _, n = spec.partition("x")
+            cases.append((int(n or 1), int(ctx)))
+    else:
+        raise SystemExit("needs a CUDA device (or --dry-run under TRITON_INTERPRET=1)")
+    for n, ctx in cases:
+        if (n * ctx) % (chunks * ROWS) or ctx % (n * ctx // chunks) or any(
+                ctx % bs for bs in args.block_sizes):
+            raise SystemExit(f"case {ctx}x{n}: lengths must split into {chunks} chunks per "
+                             f"head of whole {ROWS}-row tiles and whole blocks")
+    meta = _common.run_meta()
+    l2 = meta["l2_bytes"]
+    rows = []
+    print(f"# {meta['gpu']} commit {meta['commit']} {meta['date']}; {chunks} programs per "
+          f"head, {ROWS}-row tiles; us (contiguous / paged per variant)", flush=True)
+    for n, ctx in cases:
+        row = run_case(n, ctx, args.block_sizes, chunks, device, method, l2)
+        rows.append(row)
+        base = row["us"]["contiguous"]
+        parts = [f"contig {base:8.1f} us ({row['live_bytes'] / base / 1e3:5.0f} GB/s)"]
+        parts += [f"{name} {us:8.1f} ({base / us:.3f})" for name, us in row["us"].items()
+                  if name != "contiguous"]
+        print(f"{row['case']:>10}  " + "  ".join(parts), flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "probe_pieces.json").write_text(json.dumps({"meta": meta, "rows": rows},
+                                                             indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
