@@ -13,7 +13,7 @@ per row); the contiguous side reads the same rows from ``[B, Hkv, ctx, 512 bytes
 
     program (c, h): sequence b = c // (ctx / P), tokens [lo, lo + P), K/V head h
       paged:       row = (table[b, tok // bs] * Hkv + h) * bs + tok % bs
-      contiguous:  row = (b * Hkv + h) * ctx + tok
+      contiguous:  row = (table[b, 0] * Hkv + h) * ctx + tok
       checksum ^= K[row, :] ^ V[row, :]            (int32 words, 128 per row)
 
 P splits each head's tokens into 32 chunks (the f16 launch's 33 programs per head, a
@@ -60,7 +60,10 @@ def _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, tok, BS: tl.con
         ids = tl.load(table_ptr + b * stride_tb + tok // BS)
         row = (ids * num_kv_heads + h) * BS + tok % BS
     else:
-        row = (b * num_kv_heads + h) * ctx + tok
+        # The sequence's slot from its one-column table, as the decode kernel's
+        # contiguous layout reads it (once per tile here; an L1 hit after the first).
+        slot = tl.load(table_ptr + b * stride_tb)
+        row = (slot * num_kv_heads + h) * ctx + tok
     return row.to(tl.int64)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
 
 
@@ -94,22 +97,23 @@ def _read_kernel(k_ptr, v_ptr, table_ptr, sums_ptr, ctx, part, stride_tb, num_kv
 
 
 class Side:
-    """One layout's copy of a case: K and V pools, the table, the checksum slots."""
+    """One layout's copy of a case: K and V pools, the table (``None``: contiguous, one
+    slot per sequence), the checksum slots."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor | None,
                  block_size: int, n_seq: int, ctx: int, chunks: int) -> None:
+        self.paged = table is not None
+        if table is None:
+            table = torch.arange(n_seq, dtype=torch.int32, device=k.device)[:, None]
         self.k, self.v, self.table, self.block_size = k, v, table, block_size
         self.ctx, self.part = ctx, n_seq * ctx // chunks
         self.sums = torch.empty(chunks * HKV, dtype=torch.int32, device=k.device)
         self.grid = (chunks, HKV)
 
     def run(self) -> None:
-        paged = self.table is not None
-        table = self.table if paged else self.sums  # placeholder pointer, never read
-        _read_kernel[self.grid](self.k, self.v, table, self.sums, self.ctx, self.part,
-                                table.stride(0) if paged else 0, HKV, BS=self.block_size,
-                                ROWS=ROWS, WORDS=WORDS, PAGED=paged, num_warps=8,
-                                num_stages=3)
+        _read_kernel[self.grid](self.k, self.v, self.table, self.sums, self.ctx, self.part,
+                                self.table.stride(0), HKV, BS=self.block_size, ROWS=ROWS,
+                                WORDS=WORDS, PAGED=self.paged, num_warps=8, num_stages=3)
 
     def checksum(self) -> int:
         """The xor of every program's checksum: of every word of K and V read."""
