@@ -21,7 +21,7 @@ power of 2 so that chunks divide the lengths). Every side holds the same rows, s
 side's checksum must equal the contiguous one: a wrong address fails the run.
 
     python benchmarks/probe_pieces.py [--cases 4096x2 16384x1 ...] \\
-        [--block-sizes 16 32 64] [--dry-run]
+        [--block-sizes 16 32 64] [--table-read row|block] [--dry-run]
 
 Per case, timed side by side (``_common.time_sides``, graph replay, rotating copies
 that read >= 4x L2 per round): contiguous; paged over a shuffled pool for each block
@@ -53,10 +53,20 @@ CHUNKS_PER_HEAD = 32
 
 
 @triton.jit
-def _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, tok, BS: tl.constexpr,
-                  WORDS: tl.constexpr, PAGED: tl.constexpr):
-    """Word offsets ``[ROWS, WORDS]`` of the tile's rows (tokens ``tok``)."""
-    if PAGED:
+def _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, start, BS: tl.constexpr,
+                  ROWS: tl.constexpr, WORDS: tl.constexpr, PAGED: tl.constexpr,
+                  BY_BLOCK: tl.constexpr):
+    """Word offsets ``[ROWS, WORDS]`` of the tile of tokens ``start + arange(ROWS)``
+    (``start`` a multiple of ``ROWS``). ``BY_BLOCK``: one table load per block, broadcast
+    to its rows (the decode kernel's ``table_read="block"``), else one per row."""
+    tok = start + tl.arange(0, ROWS)
+    if PAGED and BY_BLOCK:
+        NB: tl.constexpr = ROWS // BS
+        ids = tl.load(table_ptr + b * stride_tb + start // BS + tl.arange(0, NB))
+        base = tl.reshape(tl.broadcast_to(((ids * num_kv_heads + h) * BS)[:, None], (NB, BS)),
+                          (ROWS,))
+        row = base + tok % BS
+    elif PAGED:
         ids = tl.load(table_ptr + b * stride_tb + tok // BS)
         row = (ids * num_kv_heads + h) * BS + tok % BS
     else:
@@ -70,23 +80,23 @@ def _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, tok, BS: tl.con
 @triton.jit
 def _read_kernel(k_ptr, v_ptr, table_ptr, sums_ptr, ctx, part, stride_tb, num_kv_heads,
                  BS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr,
-                 PAGED: tl.constexpr):
+                 PAGED: tl.constexpr, BY_BLOCK: tl.constexpr):
     c = tl.program_id(0)
     h = tl.program_id(1)
     per_seq = ctx // part
     b = c // per_seq
     lo = (c % per_seq) * part
-    r = tl.arange(0, ROWS)
     acc = tl.zeros([ROWS, WORDS], tl.int32)
     # The next tile's words are loaded before the current tile is folded in (a register
     # double buffer: two tiles of K and V in flight per program, as the decode kernel's
     # three-stage copies keep).
-    off = _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, lo + r, BS, WORDS, PAGED)
+    off = _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, lo, BS, ROWS, WORDS,
+                        PAGED, BY_BLOCK)
     k = tl.load(k_ptr + off)
     v = tl.load(v_ptr + off)
     for start in range(lo + ROWS, lo + part, ROWS):
-        off = _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, start + r, BS, WORDS,
-                            PAGED)
+        off = _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, start, BS, ROWS,
+                            WORDS, PAGED, BY_BLOCK)
         k_next = tl.load(k_ptr + off)
         v_next = tl.load(v_ptr + off)
         acc ^= k ^ v
@@ -101,8 +111,9 @@ class Side:
     slot per sequence), the checksum slots."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor | None,
-                 block_size: int, n_seq: int, ctx: int, chunks: int) -> None:
-        self.paged = table is not None
+                 block_size: int, n_seq: int, ctx: int, chunks: int,
+                 by_block: bool = False) -> None:
+        self.paged, self.by_block = table is not None, by_block
         if table is None:
             table = torch.arange(n_seq, dtype=torch.int32, device=k.device)[:, None]
         self.k, self.v, self.table, self.block_size = k, v, table, block_size
@@ -113,7 +124,8 @@ class Side:
     def run(self) -> None:
         _read_kernel[self.grid](self.k, self.v, self.table, self.sums, self.ctx, self.part,
                                 self.table.stride(0), HKV, BS=self.block_size, ROWS=ROWS,
-                                WORDS=WORDS, PAGED=self.paged, num_warps=8, num_stages=3)
+                                WORDS=WORDS, PAGED=self.paged, BY_BLOCK=self.by_block,
+                                num_warps=8, num_stages=3)
 
     def checksum(self) -> int:
         """The xor of every program's checksum: of every word of K and V read."""
@@ -145,7 +157,7 @@ def paged_copy(contig: torch.Tensor, block_size: int, in_order: bool,
 
 
 def run_case(n_seq: int, ctx: int, block_sizes: list[int], chunks: int, device: str,
-             method: str, l2_bytes: int, seed: int = 0) -> dict:
+             method: str, l2_bytes: int, by_block: bool, seed: int = 0) -> dict:
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (n_seq, HKV, ctx, WORDS)
     live = 2 * n_seq * HKV * ctx * WORDS * 4
@@ -164,7 +176,7 @@ def run_case(n_seq: int, ctx: int, block_sizes: list[int], chunks: int, device: 
             else:
                 pk, table = paged_copy(k, bs, in_order, torch.Generator().manual_seed(seed + 1))
                 pv, _ = paged_copy(v, bs, in_order, torch.Generator().manual_seed(seed + 1))
-                reps.append(Side(pk, pv, table, bs, n_seq, ctx, chunks))
+                reps.append(Side(pk, pv, table, bs, n_seq, ctx, chunks, by_block))
         sides[name] = reps
     times = _common.time_sides({name: [s.run for s in reps] for name, reps in sides.items()},
                                method, min_rounds=8, min_seconds=0.05)
@@ -182,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                     default=["4096x1", "4096x2", "4096x4", "16384x1", "16384x2", "65536x1",
                              "131072x8"])
     ap.add_argument("--block-sizes", nargs="+", type=int, default=[16, 32, 64])
+    ap.add_argument("--table-read", choices=("row", "block"), default="row",
+                    help="paged sides: a table load per row, or one per block broadcast to "
+                         "its rows (the decode kernel's table_read)")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -204,9 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     l2 = meta["l2_bytes"]
     rows = []
     print(f"# {meta['gpu']} commit {meta['commit']} {meta['date']}; {chunks} programs per "
-          f"head, {ROWS}-row tiles; us (contiguous / paged per variant)", flush=True)
+          f"head, {ROWS}-row tiles, a table load per {args.table_read}; us (contiguous / "
+          "paged per variant)", flush=True)
     for n, ctx in cases:
-        row = run_case(n, ctx, args.block_sizes, chunks, device, method, l2)
+        row = run_case(n, ctx, args.block_sizes, chunks, device, method, l2,
+                       args.table_read == "block")
         rows.append(row)
         base = row["us"]["contiguous"]
         parts = [f"contig {base:8.1f} us ({row['live_bytes'] / base / 1e3:5.0f} GB/s)"]

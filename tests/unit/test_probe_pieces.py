@@ -24,9 +24,9 @@ def _xor_reduce(x: torch.Tensor) -> int:
     return int(x[0])
 
 
-@pytest.mark.parametrize("block_size,in_order", [(None, False), (16, False), (32, False),
-                                                 (16, True)])
-def test_reader_checksums_every_row_once(block_size, in_order):
+@pytest.mark.parametrize("block_size,in_order,by_block", [
+    (None, False, False), (16, False, False), (32, False, True), (16, True, True)])
+def test_reader_checksums_every_row_once(block_size, in_order, by_block):
     n_seq, ctx, chunks = 2, 64, 2  # one 64-row tile per program
     gen = torch.Generator().manual_seed(0)
     k, v = (torch.randint(-2**31, 2**31 - 1, (n_seq, pp.HKV, ctx, pp.WORDS), generator=gen,
@@ -36,7 +36,7 @@ def test_reader_checksums_every_row_once(block_size, in_order):
     else:
         pk, table = pp.paged_copy(k, block_size, in_order, torch.Generator().manual_seed(1))
         pv, _ = pp.paged_copy(v, block_size, in_order, torch.Generator().manual_seed(1))
-        side = pp.Side(pk, pv, table, block_size, n_seq, ctx, chunks)
+        side = pp.Side(pk, pv, table, block_size, n_seq, ctx, chunks, by_block)
         if not in_order:
             assert not torch.equal(table.flatten(), torch.arange(table.numel(),
                                                                  dtype=torch.int32))
