@@ -1,15 +1,17 @@
 """Memory-system probe: one K/V head's rows read as randomly placed pieces, against one run.
 
 The decode kernel's paged f16 reads lose 3-6% to contiguous ones at short contexts, and
-the loss follows the size of a randomly placed piece (one K/V head's rows of one block:
-8 KB for 16 f16 rows), not the table lookups (docs/benchmarks/README.md, "Thirteenth
-session"). This probe asks the memory system alone, with no attention math: each program
+the loss shrinks as a randomly placed piece grows (one K/V head's rows of one block: 8 KB
+for 16 f16 rows; docs/benchmarks/README.md, "Thirteenth session"). This probe asks what
+the memory system alone costs, with no attention math: each program
 reads its token range of one K/V head from two pools (K and V) in 64-row tiles and xors
 the words into a checksum. Like the f16 decode launch it runs one program (here 8 warps,
 173 registers) per SM with two tiles of K and V in flight (the next tile's words are
-loaded before the current one is folded in). The paged sides address rows exactly as
-the decode kernel does (``[num_blocks, Hkv, block_size, 512 bytes]``, a table lookup
-per row); the contiguous side reads the same rows from ``[B, Hkv, ctx, 512 bytes]``::
+loaded before the current one is folded in). The paged sides address rows as the
+decode kernel does (``[num_blocks, Hkv, block_size, 512 bytes]``, a table load per
+block broadcast to its rows, or one per row); the contiguous side reads the same rows
+from ``[B, Hkv, ctx, 512 bytes]`` through a one-column table, as the decode kernel's
+contiguous layout does::
 
     program (c, h): sequence b = c // (ctx / P), tokens [lo, lo + P), K/V head h
       paged:       row = (table[b, tok // bs] * Hkv + h) * bs + tok % bs
@@ -125,7 +127,7 @@ class Side:
         _read_kernel[self.grid](self.k, self.v, self.table, self.sums, self.ctx, self.part,
                                 self.table.stride(0), HKV, BS=self.block_size, ROWS=ROWS,
                                 WORDS=WORDS, PAGED=self.paged, BY_BLOCK=self.by_block,
-                                num_warps=8, num_stages=3)
+                                num_warps=8)
 
     def checksum(self) -> int:
         """The xor of every program's checksum: of every word of K and V read."""
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                     default=["4096x1", "4096x2", "4096x4", "16384x1", "16384x2", "65536x1",
                              "131072x8"])
     ap.add_argument("--block-sizes", nargs="+", type=int, default=[16, 32, 64])
-    ap.add_argument("--table-read", choices=("row", "block"), default="row",
+    ap.add_argument("--table-read", choices=("row", "block"), default="block",
                     help="paged sides: a table load per row, or one per block broadcast to "
                          "its rows (the decode kernel's table_read)")
     ap.add_argument("--dry-run", action="store_true")
