@@ -134,7 +134,7 @@ def _fill(cache: KVBlockStorage, gen: torch.Generator) -> None:
         cache.scales.uniform_(0.06, 0.18, generator=gen)
 
 
-def _placement(num_blocks: int, window: int, gen: torch.Generator) -> torch.Tensor:
+def placement(num_blocks: int, window: int, gen: torch.Generator) -> torch.Tensor:
     """Physical block of each logical block (``paged_inputs``' ``window``)."""
     noise = torch.randperm(num_blocks, generator=gen)
     if window == 0:
@@ -151,7 +151,7 @@ def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str,
     consecutive, in order). ``block_size``: tokens per block (a what-if too)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     need = [-(-n // block_size) for n in lens]
-    perm = _placement(sum(need), window, torch.Generator().manual_seed(seed))
+    perm = placement(sum(need), window, torch.Generator().manual_seed(seed))
     tables = torch.full((len(lens), max(need)), -1, dtype=torch.int32)
     start = 0
     for b, n in enumerate(need):

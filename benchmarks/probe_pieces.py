@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -47,6 +46,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
+import bench_attention as ba  # noqa: E402
+from probe_decode import parse_case  # noqa: E402
 
 HKV = 4
 WORDS = 128  # int32 words per row: 256 f16 values
@@ -142,20 +143,25 @@ def xor_all(x: torch.Tensor) -> int:
     return out
 
 
-def paged_copy(contig: torch.Tensor, block_size: int, in_order: bool,
-               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``contig`` ``[B, Hkv, ctx, W]`` as a pool ``[num_blocks, Hkv, bs, W]`` whose
-    blocks are shuffled (or, ``in_order``, each sequence's consecutive) and the block
-    table ``[B, ctx / bs]`` that reads it back in token order."""
-    B, H, ctx, W = contig.shape
+def block_placement(n_seq: int, ctx: int, block_size: int, in_order: bool,
+                    gen: torch.Generator) -> torch.Tensor:
+    """The block table ``[B, ctx / bs]`` (int32): the physical block of each sequence's
+    logical blocks, the whole pool shuffled or (``in_order``) each sequence's blocks
+    consecutive (``bench_attention.placement``)."""
     nb = ctx // block_size
-    logical = contig.view(B, H, nb, block_size, W).permute(0, 2, 1, 3, 4).reshape(B * nb, H,
-                                                                                  block_size, W)
-    perm = (torch.arange(B * nb) if in_order else torch.randperm(B * nb, generator=gen))
-    perm = perm.to(contig.device)
+    return ba.placement(n_seq * nb, 1 if in_order else 0, gen).view(n_seq, nb).to(torch.int32)
+
+
+def paged_copy(contig: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``contig`` ``[B, Hkv, ctx, W]`` as the pool ``[num_blocks, Hkv, bs, W]`` that
+    ``table`` (``block_placement``) reads back in token order."""
+    B, H, ctx, W = contig.shape
+    nb = table.shape[1]
+    bs = ctx // nb
+    logical = contig.view(B, H, nb, bs, W).permute(0, 2, 1, 3, 4).reshape(B * nb, H, bs, W)
     pool = torch.empty_like(logical)
-    pool[perm] = logical
-    return pool, perm.view(B, nb).to(torch.int32)
+    pool[table.flatten().to(device=contig.device, dtype=torch.long)] = logical
+    return pool
 
 
 def run_case(n_seq: int, ctx: int, block_sizes: list[int], chunks: int, device: str,
@@ -163,7 +169,7 @@ def run_case(n_seq: int, ctx: int, block_sizes: list[int], chunks: int, device: 
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (n_seq, HKV, ctx, WORDS)
     live = 2 * n_seq * HKV * ctx * WORDS * 4
-    copies = max(1, math.ceil(4 * l2_bytes / live)) if device == "cuda" else 1
+    copies = ba.copies_for(live, l2_bytes, ba.FULL) if device == "cuda" else 1
     k, v = (torch.randint(-2**31, 2**31 - 1, shape, generator=gen, dtype=torch.int32,
                           device=device) for _ in range(2))
     variants = [("contiguous", None, False)]
@@ -176,9 +182,10 @@ def run_case(n_seq: int, ctx: int, block_sizes: list[int], chunks: int, device: 
             if bs is None:
                 reps.append(Side(k.clone(), v.clone(), None, 1, n_seq, ctx, chunks))
             else:
-                pk, table = paged_copy(k, bs, in_order, torch.Generator().manual_seed(seed + 1))
-                pv, _ = paged_copy(v, bs, in_order, torch.Generator().manual_seed(seed + 1))
-                reps.append(Side(pk, pv, table, bs, n_seq, ctx, chunks, by_block))
+                table = block_placement(n_seq, ctx, bs, in_order,
+                                        torch.Generator().manual_seed(seed + 1)).to(device)
+                reps.append(Side(paged_copy(k, table), paged_copy(v, table), table, bs, n_seq,
+                                 ctx, chunks, by_block))
         sides[name] = reps
     times = _common.time_sides({name: [s.run for s in reps] for name, reps in sides.items()},
                                method, min_rounds=8, min_seconds=0.05)
@@ -208,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
         device, method, chunks = "cuda", "graph", CHUNKS_PER_HEAD
         cases = []
         for spec in args.cases:
-            ctx, _, n = spec.partition("x")
-            cases.append((int(n or 1), int(ctx)))
+            lens = parse_case(spec, ())
+            if len(set(lens)) != 1:
+                raise SystemExit(f"case {spec!r}: want uniform lengths, LENxN")
+            cases.append((len(lens), lens[0]))
     else:
         raise SystemExit("needs a CUDA device (or --dry-run under TRITON_INTERPRET=1)")
     for n, ctx in cases:

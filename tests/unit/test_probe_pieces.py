@@ -34,9 +34,10 @@ def test_reader_checksums_every_row_once(block_size, in_order, by_block):
     if block_size is None:
         side = pp.Side(k, v, None, 1, n_seq, ctx, chunks)
     else:
-        pk, table = pp.paged_copy(k, block_size, in_order, torch.Generator().manual_seed(1))
-        pv, _ = pp.paged_copy(v, block_size, in_order, torch.Generator().manual_seed(1))
-        side = pp.Side(pk, pv, table, block_size, n_seq, ctx, chunks, by_block)
+        table = pp.block_placement(n_seq, ctx, block_size, in_order,
+                                   torch.Generator().manual_seed(1))
+        side = pp.Side(pp.paged_copy(k, table), pp.paged_copy(v, table), table, block_size,
+                       n_seq, ctx, chunks, by_block)
         if not in_order:
             assert not torch.equal(table.flatten(), torch.arange(table.numel(),
                                                                  dtype=torch.int32))
