@@ -34,13 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from pagedserve.kernels import quant_fragments  # noqa: E402
+from pagedserve.kernels import float_fragments, quant_fragments  # noqa: E402
 from pagedserve.kernels.decode_plan import DecodeConfig  # noqa: E402
 from pagedserve.kernels.paged_decode import _paged_decode_kernel, launch_constants  # noqa: E402
 
 HQ, HKV, D, BS = 24, 4, 256, 16
 POINTER_TYPES = {"f16": "*fp16", "bf16": "*bf16", "q8_0": "*i8", "q4_0": "*u8"}
-DEFAULTS = ["f16:f16:group:128:4:2", "q8_0:q8_0:fragment:64:4:1:block",
+DEFAULTS = ["f16:f16:fragment:64:4:2:block", "q8_0:q8_0:fragment:64:4:1:block",
             "q4_0:q4_0:fragment:128:4:1:block", "q4_0:q4_0:packed:128:4:1"]
 
 
@@ -48,10 +48,15 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
     """The compiled kernel for one launch configuration (Qwen3.5 attention shape; the
     paged or the contiguous layout's tile addressing), with the compile-time arguments
     the library's launcher would pass (``paged_decode.launch_constants``; for
-    ``fragment``, the Gluon kernel's subset and layouts, as ``quant_fragments.launch``)."""
+    ``fragment``, the Gluon kernel's subset and layouts, as ``quant_fragments.launch`` and
+    ``float_fragments.launch``)."""
     const = launch_constants(cfg, k_type, v_type, HQ // HKV, D, BS, paged=paged,
                              max_batch=8, native=True, trace=os.environ.get("TRACE") == "1")
-    if cfg.quant_dot == "fragment":
+    if cfg.quant_dot == "fragment" and k_type == v_type == "f16":
+        kernel, source = float_fragments.float_fragment_kernel, GluonASTSource
+        const = {k: const[k] for k in float_fragments.SHARED_CONSTANTS}
+        const.update(float_fragments.kernel_constants(cfg.num_warps, cfg.num_stages))
+    elif cfg.quant_dot == "fragment":
         kernel, source = quant_fragments.fragment_decode_kernel, GluonASTSource
         const = {k: const[k] for k in quant_fragments.SHARED_CONSTANTS}
         const.update(quant_fragments.kernel_constants(k_type, cfg.num_warps,

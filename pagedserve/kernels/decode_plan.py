@@ -95,11 +95,14 @@ class DecodeConfig:
             scores (K) and folded into p (V). ``"element"``: dequantize each element to
             f16 (one multiply) and run one full-width dot. ``"packed"``: the same values
             as ``element``, from 16-byte row loads, two per instruction (f16x2 PTX) on a
-            GPU (``kv_tiles``). ``"fragment"``: K and V both q4_0 or both q8_0, a Gluon
-            kernel that dequantizes into the tensor cores' operand registers
-            (``quant_fragments``; each warp takes ``block_n / num_warps`` tokens of a
-            tile, 16 or 32); other types, shapes and the interpreter fall back to
-            ``packed``.
+            GPU (``kv_tiles``). ``"fragment"``: a Gluon kernel whose warps each take
+            ``block_n / num_warps`` tokens of a tile (16 or 32) with their own softmax:
+            for K and V both q4_0 or both q8_0 it dequantizes into the tensor cores'
+            operand registers (``quant_fragments``), for f16 K and V it copies the rows
+            into a ring of ``num_stages`` shared-memory stages with block ids read ahead
+            (``float_fragments``, 16 tokens per warp). Other types and shapes and the
+            interpreter fall back to the Triton kernel: ``packed`` for quantized types,
+            the Triton f16/bf16 launch (``triton_float_config``) for float ones.
         table_read: how a paged tile finds its rows' blocks. ``"row"``: one block-table
             load per row; ``"block"``: one per K/V block, broadcast to its rows (fewer
             loads and address computations; used when ``block_n`` is a multiple of the
@@ -192,7 +195,18 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
       a 168-register cap 114.3, two stages 95.8. One table load per block, not one tile
       ahead (fewer registers held across the loop): paged / contiguous 0.968-1.006 at
       five points where the per-row, one-ahead read gave 0.954-0.960 (probe at 6a8cdfc).
-    - f16/bf16, one program per SM, from side-by-side probes on the H200 (589b854,
+    - f16 K and V, both layouts, every size: ``fragment`` (the Gluon kernel,
+      ``float_fragments``), 4 warps of 16 tokens, a ring of two stages (128 KB of shared
+      memory), one program per SM. Side by side on the H200 against the Triton launches
+      below (probe at e88da92's working tree, ``logs/probes/e88da92_f16_ring_*.log``):
+      paged 2 x 4K 17.2 us against 18.3, one 16K sequence 26.6 against 27.4, ragged
+      185.7 against 192.3; contiguous 2 x 4K 16.7 against 17.1, ragged 187.5 against
+      196.7, 8 x 128K 933.0 against 932.4. Three stages were slower at the short points
+      (paged 8 x 4K 41.0 against 40.1 us, 2 x 16K 42.8 against 42.1), and two warps per
+      program at two or three programs per SM slower everywhere (paged 2 x 4K 19.1-19.3
+      against 17.1 us).
+    - Other f16/bf16 (``triton_float_config``; also where the Gluon kernel does not
+      apply), one program per SM, from side-by-side probes on the H200 (589b854,
       e523808; ``docs/benchmarks/logs/probes``):
 
       - paged, every size: 64-row tiles in three stages, one table load per 16-row
@@ -211,6 +225,13 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
     """
     if formats.spec(k_type).quantized or formats.spec(v_type).quantized:
         return _quantized_config(k_type, v_type)
+    if k_type == v_type == "f16":
+        return _F16_RING
+    return triton_float_config(tokens, paged)
+
+
+def triton_float_config(tokens: int, paged: bool) -> DecodeConfig:
+    """The Triton kernel's f16/bf16 launch by layout and size (``default_config``)."""
     if paged:
         return _FLOAT_PAGED_64
     if tokens < CONTIGUOUS_TILE_TOKENS:
@@ -220,6 +241,8 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
 
 # The float launches ``default_config`` picks between (built once: it runs per layer per
 # decode step when no config is given).
+_F16_RING = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=128,
+                         quant_dot="fragment", table_read="block")
 _FLOAT_128 = DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128)
 _FLOAT_PAGED_64 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128,
                                table_read="block")

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels import guards, quant_fragments
+from pagedserve.kernels import float_fragments, guards, quant_fragments
 from pagedserve.kernels.decode_merge import MERGE_UNROLL, NEG_BIG, finish_split, store_stats
 from pagedserve.kernels.decode_plan import (
     MERGE_GROUP,
@@ -45,6 +45,7 @@ from pagedserve.kernels.decode_plan import (
     default_config,
     default_occupancy,
     locate_chunk,
+    triton_float_config,
 )
 from pagedserve.kernels.decode_trace import record_program, stamp
 from pagedserve.kernels.kv_tiles import (
@@ -357,13 +358,23 @@ def paged_decode_attention(
     if B == 0:
         return out
 
-    if cfg.quant_dot == "fragment" and not quant_fragments.supports(q, cache_k, cache_v):
-        # The Gluon kernel's shapes only, and no Gluon in the interpreter: the same
-        # values from the Triton kernel's 16-byte-vector dequantization, with its own
-        # table read (``default_config``'s for q4_0 in packed mode).
-        cfg = dataclasses.replace(cfg, quant_dot="packed", table_ahead=False)
+    paged = max_blocks > 1
+    kernel = "triton"
+    if cfg.quant_dot == "fragment":
+        # The Gluon kernels' shapes only, and no Gluon in the interpreter; elsewhere the
+        # Triton kernel: for quantized types the same values from its 16-byte-vector
+        # dequantization with its own table read (``default_config``'s for q4_0 in packed
+        # mode), for f16 its own f16 launch.
+        if float_fragments.supports(q, cache_k, cache_v, cfg, paged=paged):
+            kernel = "float_fragments"
+        elif quant_fragments.supports(q, cache_k, cache_v):
+            kernel = "quant_fragments"
+        elif formats.spec(cache_k.kv_type).quantized or formats.spec(cache_v.kv_type).quantized:
+            cfg = dataclasses.replace(cfg, quant_dot="packed", table_ahead=False)
+        else:
+            cfg = triton_float_config(B * capacity, paged)
     constants = launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
-                                 paged=max_blocks > 1, max_batch=workspace.max_batch,
+                                 paged=paged, max_batch=workspace.max_batch,
                                  native=q.is_cuda, trace=trace is not None)
     ks = cache_k.scales if cache_k.scales is not None else cache_k.data
     vs = cache_v.scales if cache_v.scales is not None else cache_v.data
@@ -383,7 +394,10 @@ def paged_decode_attention(
         raise ValueError(
             f"trace must be int64 [{grid[0] * grid[1]}, 8] on {q.device}, got "
             f"{trace.dtype} {list(trace.shape)} on {trace.device}")
-    if cfg.quant_dot == "fragment":
+    if kernel == "float_fragments":
+        float_fragments.launch(grid, args, constants, cfg.num_warps, cfg.num_stages,
+                               cfg.maxnreg)
+    elif kernel == "quant_fragments":
         quant_fragments.launch(grid, args, constants, cache_k.kv_type, cfg.num_warps,
                                cfg.block_n // cfg.num_warps, cfg.maxnreg)
     elif trace is not None and not q.is_cuda:

@@ -146,11 +146,12 @@ def test_triton_many_partials_merge_in_several_trips():
 
 @needs_triton
 @pytest.mark.parametrize("k_type,v_type,d", [("q4_0", "q4_0", 64), ("q4_0", "q4_0", 256),
-                                             ("q8_0", "q8_0", 256), ("q8_0", "q4_0", 64)])
+                                             ("q8_0", "q8_0", 256), ("q8_0", "q4_0", 64),
+                                             ("f16", "f16", 256), ("f16", "bf16", 64)])
 def test_triton_fragment_mode_falls_back_off_gpu(k_type, v_type, d):
-    """``fragment`` is a Gluon kernel for q4_0 or q8_0 K and V at head_dim 256 on a GPU;
-    the interpreter (and other types or shapes) run the packed Triton path, still
-    exact."""
+    """``fragment`` is a Gluon kernel for q4_0, q8_0 or f16 K and V at head_dim 256 on a
+    GPU; the interpreter (and other types or shapes) run the Triton kernel (the packed
+    path for quantized types), still exact."""
     cfg = DecodeConfig(block_n=32, num_warps=1, min_partition=32, quant_dot="fragment")
     out, ref = run(k_type, v_type, [3, 45, 70], d=d, group=3, config=cfg)
     assert rel_error(out, ref) <= bound(k_type, v_type)
@@ -166,10 +167,12 @@ def test_triton_default_config(kv_type):
 @pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("bf16", "f16"), ("q8_0", "f16"),
                                            ("q4_0", "q4_0")])
 def test_default_config_by_layout_and_size(k_type, v_type):
-    """Float K and V: paged takes 64-row tiles in three stages with one table load per
-    block at every size; contiguous takes 64-row tiles (one table load per row: it has
-    one block) below CONTIGUOUS_TILE_TOKENS and 128-row tiles in two stages from there.
-    Quantized types keep one launch for every case."""
+    """f16 K and V: the Gluon ring (``fragment``, 64-row tiles, two stages) for both
+    layouts at every size. Other float K and V, the Triton launches
+    (``triton_float_config``): paged takes 64-row tiles in three stages with one table
+    load per block at every size; contiguous takes 64-row tiles (one table load per row:
+    it has one block) below CONTIGUOUS_TILE_TOKENS and 128-row tiles in two stages from
+    there. Quantized types keep one launch for every case."""
     def tiles(tokens, paged):
         c = default_config(k_type, v_type, tokens, paged=paged)
         return c.block_n, c.num_stages, c.table_read
@@ -179,6 +182,11 @@ def test_default_config_by_layout_and_size(k_type, v_type):
     if "q" in k_type + v_type:
         assert len({tiles(n, paged) for n, paged in cases}) == 1
         return
+    if k_type == v_type == "f16":
+        assert {default_config(k_type, v_type, n, paged=p) for n, p in cases} == {
+            DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=128,
+                         quant_dot="fragment", table_read="block")}
+        return
     assert [tiles(n, True) for n in sizes] == [(64, 3, "block")] * 4
     assert [tiles(n, False) for n in sizes] == [(64, 3, "row")] * 3 + [(128, 2, "row")]
 
@@ -186,8 +194,9 @@ def test_default_config_by_layout_and_size(k_type, v_type):
 @needs_triton
 @pytest.mark.parametrize("lens,cols", [([150, 33], 16), ([150], 1)])
 def test_triton_default_config_by_size(lens, cols):
-    """The f16 launches ``default_config`` selects by layout run exactly: paged (64-row
-    tiles, one table load per block) and contiguous (one column: 64-row tiles)."""
+    """f16 with the library's launch runs exactly off the GPU, where the Gluon ring has
+    no interpreter: the Triton launch of ``triton_float_config`` for each layout, paged
+    (64-row tiles, one table load per block) and contiguous (one column: 64-row tiles)."""
     block_size = 16 if cols > 1 else 160
     out, ref = run("f16", "f16", lens, config=None, chunks_per_head=None, table_cols=cols,
                    block_size=block_size)

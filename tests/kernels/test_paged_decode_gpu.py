@@ -24,13 +24,20 @@ COMBOS = [*itertools.product(TYPES, TYPES), ("bf16", "bf16"), ("bf16", "q4_0")]
 EDGE_LENS = [0, 1, 15, 16, 17, 31, 32, 33, 1000, 4097, 20000]
 
 
-# The Gluon kernel for q4_0 or q8_0 K and V (kernels/quant_fragments.py): 32 tokens per
-# warp for q4_0, 16 for q8_0 (the library's defaults).
+# The Gluon kernels (the library's defaults): for q4_0 or q8_0 K and V
+# (kernels/quant_fragments.py) 32 tokens per warp for q4_0, 16 for q8_0; for f16 K and V
+# (kernels/float_fragments.py) 16 tokens per warp and a ring of two stages.
 FRAGMENT = DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
                         quant_dot="fragment")
 FRAGMENT_Q8 = DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
                            quant_dot="fragment")
-FRAGMENT_CONFIGS = {"q4_0": FRAGMENT, "q8_0": FRAGMENT_Q8}
+FRAGMENT_F16 = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=128,
+                            quant_dot="fragment", table_read="block")
+FRAGMENT_CONFIGS = {"q4_0": FRAGMENT, "q8_0": FRAGMENT_Q8, "f16": FRAGMENT_F16}
+FRAGMENT_TYPES = list(FRAGMENT_CONFIGS)
+# The Triton kernel's paged f16 launch (``decode_plan.triton_float_config``).
+TRITON_F16 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128,
+                          table_read="block")
 
 
 def check(k_type, v_type, lens, *, hkv=4, group=6, d=256, config=None, ws_kwargs=None,
@@ -102,10 +109,38 @@ def test_ragged_many_sequences():
     check("q4_0", "q8_0", lens)
 
 
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_f16_default_runs_the_gluon_ring(monkeypatch, paged):
+    """The library's f16 launch runs ``float_fragments`` on a GPU, not a fallback, in
+    both layouts (the exactness tests above would pass on the fallback too)."""
+    from pagedserve.kernels import float_fragments
+
+    layouts = []
+    launch = float_fragments.launch
+    monkeypatch.setattr(float_fragments, "launch", lambda grid, args, constants, *rest: (
+        layouts.append(constants["PAGED"]), launch(grid, args, constants, *rest)))
+    lens = [5000, 17, 0]
+    if paged:
+        check("f16", "f16", lens)
+    else:
+        ck, cv, _, _ = build_pool("f16", "f16", [5000] * 3, num_kv_heads=4, head_dim=256,
+                                  block_size=5000, extra_blocks=0, device="cuda")
+        table = torch.tensor([[2], [0], [1]], dtype=torch.int32)
+        q = torch.randn(3, 24, 256).half()
+        out = ops.paged_decode_attention(q.cuda(), ck, cv, table.cuda(),
+                                         torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                         0.0625)
+        torch.cuda.synchronize()
+        ref = decode_oracle(q, ck, cv, table.tolist(), lens, 0.0625)
+        assert rel_error(out, ref) <= bound("f16", "f16")
+    assert layouts == [paged]
+
+
 @pytest.mark.parametrize("k_type,v_type,config", [
-    ("f16", "f16", None), ("q4_0", "q4_0", None),
+    ("f16", "f16", None), ("f16", "f16", TRITON_F16), ("q4_0", "q4_0", None),
     ("q4_0", "q4_0", FRAGMENT), ("q8_0", "q8_0", FRAGMENT_Q8),
-], ids=["f16", "q4_0", "fragment-q4_0", "fragment-q8_0"])
+    ("f16", "f16", dataclasses.replace(FRAGMENT_F16, num_stages=3)),
+], ids=["f16", "triton-f16", "q4_0", "fragment-q4_0", "fragment-q8_0", "fragment-f16-s3"])
 def test_contiguous_layout(k_type, v_type, config):
     lens = [4096, 1, 0, 2500]
     ck, cv, _, _ = build_pool(k_type, v_type, [4096] * 4, num_kv_heads=4, head_dim=256,
@@ -185,7 +220,7 @@ def test_cuda_graph_capture_and_replay():
         assert ws.counters_clear()
 
 
-@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("kv_type", FRAGMENT_TYPES)
 @pytest.mark.parametrize("hkv,group", [(4, 6), (8, 1), (4, 2), (2, 8)])
 def test_fragment_kernel_gqa(hkv, group, kv_type):
     check(kv_type, kv_type, EDGE_LENS, hkv=hkv, group=group, config=FRAGMENT_CONFIGS[kv_type])
@@ -202,24 +237,33 @@ def test_fragment_kernel_gqa(hkv, group, kv_type):
     ("q8_0", FRAGMENT_Q8),
     ("q8_0", DecodeConfig(block_n=32, num_warps=2, num_stages=1, min_partition=64,
                           quant_dot="fragment")),
-], ids=["q4-w4", "q4-w2", "q4-w8", "q4-w4-t16", "q8-w4", "q8-w2"])
+    ("f16", FRAGMENT_F16),
+    ("f16", dataclasses.replace(FRAGMENT_F16, num_stages=3)),
+    ("f16", DecodeConfig(block_n=32, num_warps=2, num_stages=4, min_partition=64,
+                         quant_dot="fragment")),
+    ("f16", DecodeConfig(block_n=128, num_warps=8, num_stages=1, min_partition=128,
+                         quant_dot="fragment")),
+], ids=["q4-w4", "q4-w2", "q4-w8", "q4-w4-t16", "q8-w4", "q8-w2", "f16-w4-s2", "f16-w4-s3",
+        "f16-w2-s4", "f16-w8-s1"])
 def test_fragment_kernel_many_partitions(kv_type, config):
     check(kv_type, kv_type, EDGE_LENS, config=config, ws_kwargs=dict(chunks_per_head=1024))
 
 
-@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("kv_type", FRAGMENT_TYPES)
 @pytest.mark.parametrize("table_ahead", [True, False], ids=["ahead", "just-in-time"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 48])
 def test_fragment_kernel_block_sizes(block_size, table_ahead, kv_type):
     """Rows from two block ids per warp (16 with 32 tokens per warp: a warp's tokens span
     two blocks; 32, 64: one, at an offset in it), and from one id per row (8, 48: not a
-    power of 2 >= 16), with many partitions so that chunks start mid-block."""
+    power of 2 >= 16; the f16 ring then falls back to the Triton kernel), with many
+    partitions so that chunks start mid-block. (The f16 ring reads ids ahead either
+    way.)"""
     cfg = dataclasses.replace(FRAGMENT_CONFIGS[kv_type], table_ahead=table_ahead)
     check(kv_type, kv_type, EDGE_LENS, config=cfg, block_size=block_size,
           ws_kwargs=dict(chunks_per_head=64))
 
 
-@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("kv_type", FRAGMENT_TYPES)
 def test_fragment_kernel_ragged_and_bf16_queries(kv_type):
     lens = [131072] + [8192] * 7
     ck, cv, table, tables = build_pool(kv_type, kv_type, lens, num_kv_heads=4, head_dim=256,
@@ -233,7 +277,7 @@ def test_fragment_kernel_ragged_and_bf16_queries(kv_type):
 
 
 @pytest.mark.parametrize("k_type,v_type,config", [
-    ("f16", "f16", None),  # the library's paged f16 launch for 8K+ tokens (masked loads)
+    ("f16", "f16", TRITON_F16),  # the Triton kernel's paged f16 launch (masked loads)
     ("f16", "f16", DecodeConfig(block_n=128, num_stages=2, min_partition=128)),
     ("q4_0", "q8_0", DecodeConfig(block_n=64, quant_dot="packed", table_read="block")),
 ], ids=["f16-default", "f16-row", "packed-clamped"])
@@ -258,7 +302,7 @@ def test_triton_kernel_masks_invalid_block_ids(k_type, v_type, config):
         assert rel_error(out[b:b + 1], ref) <= bound(k_type, v_type)
 
 
-@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("kv_type", FRAGMENT_TYPES)
 def test_fragment_kernel_masks_invalid_block_ids(kv_type):
     """A table entry outside the pool reads nothing: its tokens drop out of the softmax
     exactly as if the sequence ended before them (validate=False, the hot path)."""
@@ -279,25 +323,26 @@ def test_fragment_kernel_masks_invalid_block_ids(kv_type):
         assert rel_error(out[b:b + 1], ref) <= bound(kv_type, kv_type)
 
 
-@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0", "f16"])
+@pytest.mark.parametrize("kv_type", ["q4_0", "q8_0", "f16", "triton-f16"])
 def test_kernel_trace_records(kv_type):
-    """``trace=`` (benchmarks/trace_decode.py; the Gluon kernel for q4_0 and q8_0, the
-    Triton kernel for f16) changes the output by rounding at most (a separate compile;
-    within one f16 ulp of the largest output), and each program's record agrees with the
+    """``trace=`` (benchmarks/trace_decode.py; the Gluon kernels for q4_0, q8_0 and f16,
+    the Triton kernel's f16 launch) changes the output by rounding at most (a separate
+    compile; within one f16 ulp of the largest output), and each program's record agrees
+    with the
     host mirror of the plan: its tile count, the order of its six timestamps, an SM in
     range; programs beyond the plan record only their entry."""
     from pagedserve.kernels import paged_decode
-    from pagedserve.kernels.decode_plan import default_config, plan_chunks
+    from pagedserve.kernels.decode_plan import plan_chunks
     from pagedserve.kernels.decode_trace import TRACE_FIELDS
 
     lens, hkv, block_size = [3000, 0, 700, 129, 16], 4, 16
+    cfg = FRAGMENT_CONFIGS.get(kv_type, TRITON_F16)
+    kv_type = kv_type.removeprefix("triton-")
     ck, cv, table, _ = build_pool(kv_type, kv_type, lens, num_kv_heads=hkv, head_dim=256,
                                   block_size=block_size, device="cuda")
     q = torch.randn(len(lens), 24, 256, generator=torch.Generator().manual_seed(5)).half().cuda()
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     ws = DecodeWorkspace(len(lens), 24, hkv, 256, "cuda", chunks_per_head=9)
-    cfg = FRAGMENT_CONFIGS.get(kv_type) or default_config(
-        kv_type, kv_type, len(lens) * table.shape[1] * block_size, paged=True)
     plain = ops.paged_decode_attention(q, ck, cv, table, seq_lens, 0.0625, workspace=ws,
                                        config=cfg)
     trace = torch.zeros(math.prod(paged_decode.decode_grid(ws, len(lens))), 8,

@@ -1,0 +1,288 @@
+"""Gluon paged decode for f16 K and V: a ``cp.async`` ring whose block ids are read ahead.
+
+Why a second f16 kernel. The Triton kernel (``paged_decode``) leaves the copy schedule to
+Triton's software pipeliner, which re-reads a tile's block ids from the table right
+before that tile's copies, so every paged tile issues its copies only after a table load
+and the address arithmetic behind it, late in the iteration. With the ids computed
+instead of loaded (blocks in order, probe at e88da92) the same Triton loop read the short
+f16 points at 0.988-1.007 of the contiguous layout, against 0.956-0.987 with the table.
+Here the schedule is explicit:
+
+    prologue      ids of tiles 0 .. S-2 -> copies of those tiles (one commit group each)
+    tile i        copies of tile i + S - 1 (ids already in registers), commit
+                  ids of tile i + S   (table load, needed only by the next iteration)
+                  wait until tile i's group landed; ids of tile i (for the mask; the
+                  line is in L1 since tile i's copies read it)
+                  S^T = K_i . q^T         K_i from the ring (ldmatrix)
+                  P^T = online softmax of S^T over this warp's tokens
+                  O^T += V_i^T . P^T      V_i^T from the ring (ldmatrix.trans)
+
+Work split as in ``quant_fragments``: program ``(c, h)`` takes chunk ``c`` of the plan
+(``decode_plan``) for K/V head ``h``; each of its W warps owns T = 16 tokens of every
+``16 W``-token tile (one 16-token block of the pool), copies exactly those rows and keeps
+its own online softmax, so no data crosses warps in the loop; the warps' states merge
+once at the end (``quant_fragments._warps_combined``). With K as the A operand the 8
+query heads fill the n of the products (``S^T = K . Q^T``, ``O^T = V^T . P^T``), as in
+``quant_fragments``; the labels there are head_dim itself.
+
+The ring: ``[S, W, 16, 256]`` f16 for K and for V, 64 KB per stage at 4 warps, rows
+swizzled in 16-byte units so that ``ldmatrix`` reads them without bank conflicts.
+Rows past the chunk's end, or in a block outside the pool, are not copied (the copy's
+mask: no global read) and their scores are masked to -inf.
+
+Shape: head_dim 256, f16 K and V, at most 8 query heads per K/V head, paged blocks of 16
+tokens or a power of 2 above (each warp's 16 tokens lie in one block), on a GPU; else the
+Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from pagedserve.kernels.decode_merge import NEG_BIG, finish_split, store_stats
+from pagedserve.kernels.decode_plan import locate_chunk
+from pagedserve.kernels.decode_trace import record_program, stamp
+from pagedserve.kernels.quant_fragments import (
+    HEAD_DIM,
+    MAX_GROUP,
+    _load_q,
+    _scores_to_b_operand,
+    _store_labels,
+    _tile_rows,
+    _warp_block_ids,
+    _warps_combined,
+)
+
+TOKENS_PER_WARP = 16
+
+
+@functools.cache
+def float_layouts(num_warps: int) -> dict:
+    """The kernel's layouts (compile-time arguments) for ``num_warps`` warps."""
+    w = num_warps
+    return dict(
+        MMA=gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[w, 1, 1],
+                                      instr_shape=[1, 16, 8]),
+        # One warp copies one 512-byte row per instruction, 16 bytes per lane.
+        COPY=gl.BlockedLayout([1, 1, 8], [1, 1, 32], [w, 1, 1], [2, 1, 0]),
+        RING=gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[2, 1, 0]),
+        MERGE=gl.BlockedLayout([1, 4], [1, 32], [w, 1], [1, 0]),
+        Q_PERM=tuple(range(10)),  # labels are head_dim itself
+    )
+
+
+@gluon.jit
+def _issue_copies(k_slot, v_slot, kd_ptr, vd_ptr, table_row, id0, start, tok_hi, num_blocks,
+                  num_kv_heads, h, rows_per_block, W: gl.constexpr, BS: gl.constexpr,
+                  PAGED: gl.constexpr, COPY: gl.constexpr):
+    """``cp.async`` of the K and V rows of the tile at ``start`` into one ring stage, one
+    commit group; rows not live are not read (and their slots hold stale data)."""
+    T: gl.constexpr = 16
+    ROWS: gl.constexpr = gl.SliceLayout(2, COPY)
+    row, live = _tile_rows(table_row, id0, id0, start, tok_hi, num_blocks, num_kv_heads, h,
+                           rows_per_block, W, T, BS, PAGED, PAGED, ROWS)
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY)))
+    offs = gl.where(live, row, 0).to(gl.int64)[:, :, None] * HEAD_DIM + d[None, None, :]
+    mask = live[:, :, None] & (d < HEAD_DIM)[None, None, :]
+    async_copy.async_copy_global_to_shared(k_slot, kd_ptr + offs, mask=mask)
+    async_copy.async_copy_global_to_shared(v_slot, vd_ptr + offs, mask=mask)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _tile_ids(table_row, start, tok_hi, W: gl.constexpr, BS: gl.constexpr,
+              PAGED: gl.constexpr, block0, ROWS: gl.constexpr):
+    """Each warp's block id for the tile at ``start`` (``[W]`` in the warp slice of the
+    ``[W, T]`` layout ``ROWS``, -1 past ``tok_hi``), or the contiguous layout's one
+    block."""
+    if PAGED:
+        return _warp_block_ids(table_row, start, tok_hi, W, 16, BS, ROWS)[0]
+    else:
+        return block0
+
+
+@gluon.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
+                              "max_chunks", "num_kv_heads"])
+def float_fragment_kernel(
+    q_ptr, out_ptr,  # [B, Hq, D]
+    kd_ptr, ks_ptr, vd_ptr, vs_ptr,  # K and V rows (the scale pointers are unused)
+    table_ptr, lens_ptr,  # int32 [B, max_blocks], int32 [B]
+    part_acc_ptr, part_ml_ptr, group_counter_ptr, seq_counter_ptr,  # workspace
+    batch, num_blocks, capacity, chunk_budget, max_chunks, num_kv_heads,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
+    qk_scale,  # softmax scale * log2(e)
+    trace_ptr,  # int64 [Hkv * programs per head, 8] (decode_trace) when TRACE
+    G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, B_PAD: gl.constexpr,
+    MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr, MERGE_UNROLL: gl.constexpr,
+    MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr, TRACE: gl.constexpr,
+    W: gl.constexpr, STAGES: gl.constexpr,
+    MMA: gl.constexpr, COPY: gl.constexpr, RING: gl.constexpr, MERGE: gl.constexpr,
+    Q_PERM: gl.constexpr,
+):
+    T: gl.constexpr = 16
+    BLOCK_N: gl.constexpr = W * T
+    D: gl.constexpr = HEAD_DIM
+    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8] per-head state
+    TOKENS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, T], S^T's m
+    ROWS: gl.constexpr = gl.SliceLayout(2, COPY)  # [W, T], the copies' rows
+    pid = gl.program_id(0)
+    h = gl.program_id(1)
+    slot = h * gl.num_programs(0) + pid
+    stamp(trace_ptr, slot, 0, TRACE)
+    PLAN: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
+        lens_ptr, batch, capacity, chunk_budget, pid,
+        gl.arange(0, B_PAD, layout=PLAN), BLOCK_N, MIN_PARTITION)
+    if pid >= num_chunks:
+        return
+    stamp(trace_ptr, slot, 1, TRACE)
+    record_program(trace_ptr, slot, pid, gl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
+
+    q = _load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, W, Q_PERM, False,
+                B_OP)  # q^T [W, D, 8]
+    acc = gl.zeros([W, D, MAX_GROUP], gl.float32, MMA)  # O^T
+    m_i = gl.full([W, MAX_GROUP], NEG_BIG, gl.float32, HEADS)
+    l_i = gl.zeros([W, MAX_GROUP], gl.float32, HEADS)
+
+    table_row = table_ptr + b * stride_tb
+    if PAGED:
+        rows_per_block = BS
+        block0 = 0
+    else:
+        rows_per_block = capacity  # one block per sequence, padded to the longest
+        block0 = gl.load(table_row)
+    k_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, D], RING)
+    v_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, D], RING)
+    for j in gl.static_range(STAGES - 1):
+        ids_j = _tile_ids(table_row, tok_lo + j * BLOCK_N, tok_hi, W, BS, PAGED, block0, ROWS)
+        _issue_copies(k_ring.index(j), v_ring.index(j), kd_ptr, vd_ptr, table_row, ids_j,
+                      tok_lo + j * BLOCK_N, tok_hi, num_blocks, num_kv_heads, h,
+                      rows_per_block, W, BS, PAGED, COPY)
+    # Block ids run ahead of their use: the copies' S - 1 tiles, the mask's one tile.
+    ids_next = _tile_ids(table_row, tok_lo + (STAGES - 1) * BLOCK_N, tok_hi, W, BS, PAGED,
+                         block0, ROWS)
+    ids_mask = _tile_ids(table_row, tok_lo, tok_hi, W, BS, PAGED, block0, TOKENS)
+    stamp(trace_ptr, slot, 2, TRACE)
+    num_tiles = gl.cdiv(tok_hi - tok_lo, BLOCK_N)
+    for i in range(num_tiles):
+        # Copies of tile i + S - 1 into the stage that tile i - 1 was read from.
+        ahead = tok_lo + (i + STAGES - 1) * BLOCK_N
+        stage_ahead = (i + STAGES - 1) % STAGES
+        _issue_copies(k_ring.index(stage_ahead), v_ring.index(stage_ahead), kd_ptr, vd_ptr,
+                      table_row, ids_next, ahead, tok_hi, num_blocks, num_kv_heads, h,
+                      rows_per_block, W, BS, PAGED, COPY)
+        ids_next = _tile_ids(table_row, ahead + BLOCK_N, tok_hi, W, BS, PAGED, block0, ROWS)
+        start = tok_lo + i * BLOCK_N
+        live = _tile_rows(table_row, ids_mask, ids_mask, start, tok_hi, num_blocks,
+                          num_kv_heads, h, rows_per_block, W, T, BS, PAGED, PAGED, TOKENS)[1]
+        ids_mask = _tile_ids(table_row, start + BLOCK_N, tok_hi, W, BS, PAGED, block0, TOKENS)
+        async_copy.wait_group(STAGES - 1)
+        stage = i % STAGES
+
+        # S^T = K . Q^T
+        k = k_ring.index(stage).load(A_OP)  # [W, T, D]
+        st = mma_v2(k, q, gl.zeros([W, T, MAX_GROUP], gl.float32, MMA))
+        st = gl.where(live[:, :, None], st * qk_scale, float("-inf"))  # [W, T, 8]
+        m_new = gl.maximum(m_i, gl.max(st, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(st - m_new[:, None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p16 = _scores_to_b_operand(p.to(gl.float16), B_OP)
+
+        # O^T += V^T . P^T
+        vt = v_ring.index(stage).permute([0, 2, 1]).load(A_OP)  # [W, D, T]
+        acc = mma_v2(vt, p16, acc * alpha[:, None, :])
+    async_copy.wait_group(0)
+
+    stamp(trace_ptr, slot, 3, TRACE)
+    RED: gl.constexpr = gl.BlockedLayout([W, 1, 4], [1, 1, 32], [1, W, 1], [2, 1, 0])
+    STATS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, RED))  # [8 heads]
+    m_w = gl.convert_layout(m_i, gl.SliceLayout(2, RED))  # [W, 8]
+    l_w = gl.convert_layout(l_i, gl.SliceLayout(2, RED))
+    m = gl.max(m_w, axis=0)  # [8]
+    wgt = gl.exp2(m_w - m[None, :])
+    l_sum = gl.sum(l_w * wgt, axis=0)
+    o = _warps_combined(acc, wgt, RED)  # [8 heads, D]
+    if seq_chunks == 1:
+        # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
+        inv = gl.where(l_sum > 0.0, 1.0 / gl.maximum(l_sum, 1.0), 0.0)
+        _store_labels(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, o, o, inv, G,
+                      False, False)
+        stamp(trace_ptr, slot, 4, TRACE)
+    else:
+        head_acc = part_acc_ptr + h * max_chunks * G * D
+        head_ml = part_ml_ptr + h * max_chunks * G * 2
+        _store_labels(head_acc + pid * G * D, D, o, o, l_sum * 0.0 + 1.0, G, False, False)
+        store_stats(head_ml + pid * G * 2, m, l_sum, gl.arange(0, MAX_GROUP, layout=STATS), G)
+        stamp(trace_ptr, slot, 4, TRACE)
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, MERGE))
+        finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
+                     head_ml, group_counter_ptr + h * max_chunks,
+                     seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
+                     gl.arange(0, GP, layout=gl.SliceLayout(1, MERGE)), cols, cols, G, D,
+                     MERGE_UNROLL, MERGE_GROUP)
+    stamp(trace_ptr, slot, 5, TRACE)
+
+
+# The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this
+# kernel takes too.
+SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
+                    "MERGE_GROUP", "TABLE_AHEAD", "TRACE")
+
+
+def ring_bytes(num_warps: int, stages: int) -> int:
+    """Shared memory of the K and V rings."""
+    return 2 * stages * num_warps * TOKENS_PER_WARP * HEAD_DIM * 2
+
+
+@functools.cache
+def _shared_limit(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def supports(q, cache_k, cache_v, cfg, paged: bool) -> bool:
+    """Whether this kernel runs a launch of ``cfg`` (``DecodeConfig``): on a GPU, for the
+    shapes ``supports_shape`` accepts."""
+    return q.is_cuda and supports_shape(
+        cache_k.kv_type, cache_v.kv_type, q.shape[-1], q.shape[1] // cache_k.num_kv_heads,
+        cache_k.block_size, cfg.block_n, cfg.num_warps, cfg.num_stages, paged,
+        _shared_limit(q.device.index if q.device.index is not None
+                      else torch.cuda.current_device()))
+
+
+def supports_shape(k_type: str, v_type: str, head_dim: int, group: int, block_size: int,
+                   block_n: int, num_warps: int, stages: int, paged: bool,
+                   shared_limit: int) -> bool:
+    """f16 K and V, head_dim 256, at most 8 query heads per K/V head, 16 tokens per warp,
+    rings that fit ``shared_limit`` bytes, and (paged) blocks of a power of 2 >= 16
+    tokens, so that each warp's tokens lie in one block."""
+    return (k_type == v_type == "f16" and head_dim == HEAD_DIM and group <= MAX_GROUP
+            and block_n == TOKENS_PER_WARP * num_warps
+            and ring_bytes(num_warps, stages) <= shared_limit
+            and (not paged or (block_size >= TOKENS_PER_WARP
+                               and block_size & (block_size - 1) == 0)))
+
+
+@functools.cache
+def kernel_constants(num_warps: int, stages: int) -> dict:
+    """This kernel's own compile-time arguments (cached; callers must not modify it)."""
+    return dict(W=num_warps, STAGES=stages, **float_layouts(num_warps))
+
+
+def launch(grid: tuple[int, int], args: tuple, constants: dict, num_warps: int, stages: int,
+           maxnreg: int | None) -> None:
+    """One launch over checked arguments, as ``quant_fragments.launch``."""
+    float_fragment_kernel[grid](
+        *args,
+        **{k: constants[k] for k in SHARED_CONSTANTS},
+        **kernel_constants(num_warps, stages),
+        num_warps=num_warps, maxnreg=maxnreg,
+    )

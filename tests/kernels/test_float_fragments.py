@@ -1,0 +1,125 @@
+"""The Gluon f16 kernel (``kernels/float_fragments.py``) on the host: which launches it takes,
+that the launcher binds its signature, and its sm_90 code compiled offline. Its values are
+checked against the float64 oracle on a GPU only (``test_paged_decode_gpu.py``,
+``fragment-f16``): Gluon has no interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.kernels import float_fragments as ff
+from pagedserve.kernels.decode_plan import DecodeConfig, default_config
+
+H200_SHARED = 232448  # bytes of shared memory a block may opt into on sm_90
+
+
+def shape_ok(**changes) -> bool:
+    args = dict(k_type="f16", v_type="f16", head_dim=256, group=6, block_size=16, block_n=64,
+                num_warps=4, stages=2, paged=True, shared_limit=H200_SHARED)
+    return ff.supports_shape(**{**args, **changes})
+
+
+def test_the_library_launch_is_supported():
+    cfg = default_config("f16", "f16", 1 << 20)
+    assert cfg.quant_dot == "fragment"
+    assert shape_ok(block_n=cfg.block_n, num_warps=cfg.num_warps, stages=cfg.num_stages)
+    assert ff.ring_bytes(cfg.num_warps, cfg.num_stages) == 128 * 1024
+
+
+@pytest.mark.parametrize("changes", [
+    dict(k_type="bf16", v_type="bf16"), dict(v_type="q8_0"), dict(head_dim=128),
+    dict(group=16), dict(block_size=8), dict(block_size=48), dict(block_n=128),
+    dict(num_warps=8, block_n=128, stages=2),  # 256 KB of rings
+], ids=["bf16", "mixed", "d128", "gqa16", "bs8", "bs48", "32-per-warp", "too-much-shared"])
+def test_other_shapes_are_not_supported(changes):
+    assert not shape_ok(**changes)
+
+
+def test_contiguous_layout_takes_any_block_size():
+    assert shape_ok(block_size=4096, paged=False) and shape_ok(block_size=4000, paged=False)
+
+
+def test_cpu_tensors_are_not_supported():
+    from pagedserve.kv.formats import KVBlockStorage
+
+    ck = KVBlockStorage.allocate("f16", 4, 16, 4, 256)
+    q = torch.zeros(1, 24, 256, dtype=torch.float16)
+    assert not ff.supports(q, ck, ck, default_config("f16", "f16"), paged=True)
+
+
+def test_launcher_binds_every_kernel_argument(monkeypatch):
+    """On the CPU, with the kernel replaced by a recorder: each run-time argument once, in
+    order, and every compile-time one by name; the ring's depth is ``num_stages``."""
+    from pagedserve.kernels import paged_decode
+    from pagedserve.kv.formats import KVBlockStorage
+
+    arg_names = ff.float_fragment_kernel.arg_names
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                seen.update(grid=grid, args=args, kwargs=kwargs)
+            return call
+
+    monkeypatch.setattr(ff, "float_fragment_kernel", Recorder())
+    monkeypatch.setattr(ff, "supports", lambda q, ck, cv, cfg, paged: True)
+    ck = KVBlockStorage.allocate("f16", 8, 16, 2, 256)
+    cv = KVBlockStorage.allocate("f16", 8, 16, 2, 256)
+    q = torch.zeros(3, 12, 256, dtype=torch.float16)
+    table = torch.zeros(3, 2, dtype=torch.int32)
+    lens = torch.tensor([5, 0, 20], dtype=torch.int32)
+    cfg = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128,
+                       quant_dot="fragment")
+    paged_decode.paged_decode_attention(q, ck, cv, table, lens, 0.0625, config=cfg)
+    n = len(seen["args"])
+    assert n == arg_names.index("G")  # the run-time arguments, then the constexprs
+    assert seen["args"][0] is q and seen["args"][2] is ck.data and seen["args"][4] is cv.data
+    assert seen["args"][n - 2] == 0.0625 * 1.4426950408889634
+    assert set(seen["kwargs"]) - {"num_warps", "maxnreg"} == set(arg_names[n:])
+    assert seen["kwargs"]["STAGES"] == 3 and seen["kwargs"]["W"] == 4
+    assert seen["kwargs"]["PAGED"] and seen["grid"][1] == 2
+
+
+def _compile_for_sm90(paged: bool) -> dict:
+    """Loop statistics of the library's f16 launch compiled offline for an H100/H200
+    target by ``benchmarks/decode_sass.py`` (Triton's bundled ptxas; no GPU), in a
+    subprocess without ``TRITON_INTERPRET``."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [sys.executable, str(root / "benchmarks" / "decode_sass.py"),
+            "f16:f16:fragment:64:4:2:block"]
+    if not paged:
+        args.insert(2, "--contiguous")
+    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    return {
+        "spill": int(re.search(r"(\d+) B spilled", lines[0]).group(1)),
+        "mma": int(re.search(r"\((\d+) MMAs\)", lines[0]).group(1)),
+        "memory_ops": ast.literal_eval(lines[2].split("memory ", 1)[1]),
+    }
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_kernel_compiles_for_sm90_as_designed(paged):
+    """The tile loop as the module describes it: 16 K and 16 V rows per thread copied as
+    16-byte ``cp.async`` (no payload through registers), read back with ``ldmatrix``
+    (V transposed), 32 MMAs per warp and 16 tokens (16 for ``K . Q^T``, 16 for
+    ``V^T . P^T``), no spills; the only global loads in the loop are the paged layout's two
+    table reads a tile ahead (none for the contiguous layout)."""
+    stats = _compile_for_sm90(paged)
+    mem = stats["memory_ops"]
+    assert stats["spill"] == 0 and stats["mma"] == 32
+    assert mem["LDGSTS.E.BYPASS.128"] == 32
+    assert mem["LDSM.16.M88.4"] == 16 and mem["LDSM.16.MT88.4"] == 16
+    assert mem.get("LDG.E", 0) == (2 if paged else 0)
+    assert not any(op.startswith("LDG.E.128") for op in mem)
