@@ -2,10 +2,10 @@
 
 The benchmark's per-call time of a short case is far above its bytes' share of the
 copy bandwidth (one 4K q4_0 sequence: about 22 us for 4.7 MB). This launches the
-library's kernel for the type (the Gluon ``fragment`` kernel for q4_0 and q8_0, the
-Triton kernel for f16) once with ``trace=``, so that every program records the global
-timer at six points (``decode_trace.TRACE_FIELDS``), and prints, per case, the
-phases over all programs (relative to the first program's entry)::
+library's kernel for the type (the Gluon ``fragment`` kernels: ``quant_fragments`` for
+q4_0 and q8_0, ``float_fragments`` for f16) once with ``trace=``, so that every program
+records the global timer at six points (``decode_trace.TRACE_FIELDS``), and prints, per
+case, the phases over all programs (relative to the first program's entry)::
 
     entry -> planned -> loop -> looped -> stored -> merged
      plan     prologue   tiles   epilogue  count and merge

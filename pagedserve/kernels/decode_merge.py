@@ -4,10 +4,11 @@ A chunk of a split sequence writes its unnormalized output, running max and sum 
 workspace and counts itself in its merge group (``decode_plan``, "Merging"); the last
 chunk of a group merges it, the last group merged writes the output.
 
-Both decode kernels call these functions: the Triton one (``paged_decode``) and the
-Gluon one (``quant_fragments``). Gluon's tensors carry a layout, so the callers pass the
-index vectors (``rows = arange(0, GP)``, ``cols = arange(0, D)``, laid out as the
-slices of one 2-D layout) and everything here derives its shapes from them.
+Every decode kernel calls these functions: the Triton one (``paged_decode``) and the
+Gluon ones (``quant_fragments``, ``float_fragments``). Gluon's tensors carry a layout, so
+the callers pass the index vectors (``rows = arange(0, GP)``, ``cols = arange(0, D)``,
+laid out as the slices of one 2-D layout) and everything here derives its shapes from
+them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Per-program trace records of the decode kernels (``trace=``: diagnostics only).
 
-A traced launch is a separately compiled variant (``TRACE``) of either decode kernel,
-the Triton one (``paged_decode``) or the Gluon one (``quant_fragments``); both call the
-functions here, so their records read alike (``benchmarks/trace_decode.py``). Program
+A traced launch is a separately compiled variant (``TRACE``) of any decode kernel, the
+Triton one (``paged_decode``) or a Gluon one (``quant_fragments``, ``float_fragments``);
+all call the functions here, so their records read alike (``benchmarks/trace_decode.py``). Program
 ``slot`` (``h * programs per head + pid``) owns row ``slot`` of an int64 ``[programs, 8]``
 buffer::
 

@@ -33,6 +33,17 @@ mask: no global read) and their scores are masked to -inf.
 Shape: head_dim 256, f16 K and V, at most 8 query heads per K/V head, paged blocks of 16
 tokens or a power of 2 above (each warp's 16 tokens lie in one block), on a GPU; else the
 Triton kernel.
+
+Measured on the H200 (docs/benchmarks/attention.md at c4eacf3; probes in
+docs/benchmarks/logs/probes/e88da92_f16_ring_*, c4eacf3_f16_ring_placement.log), graph
+replay: paged 2 x 4K 17.2 us against 18.1 for the Triton kernel's launch, one 16K
+sequence 26.4 against 27.4, ragged 128K + 7 x 8K 190.0 against 196.2 (e922d37's run);
+paged / contiguous with this kernel on both layouts 0.960-0.968 at five points of 32K
+tokens or fewer and 0.974-1.006 elsewhere, against 0.939-0.963 at six points before.
+What is left of the gap is the placement: with each sequence's blocks in order the short
+points read 0.977-0.988, with 32-token blocks 0.985-1.003. sm_90 loop
+(``benchmarks/decode_sass.py``): 559 instructions paged, 540 contiguous, 225 registers,
+no spills.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """Triton paged decode attention: one query token per sequence over paged (or contiguous) K/V.
 
+The entry point for every decode kernel: on a GPU the library's launches for q4_0, q8_0
+and f16 K and V run Gluon kernels (``quant_fragments``, ``float_fragments``;
+``quant_dot="fragment"``), and this module's Triton kernel runs everything else, and
+those launches wherever the Gluon kernels do not apply.
+
 One launch does everything. Program ``(c, h)`` takes chunk ``c`` of the partition plan
 (``decode_plan``: sizes, balance, the two-level merge) for K/V head ``h``. It loads the
 G = Hq/Hkv query heads of that K/V head as the rows of its dots, so each K/V row is read
