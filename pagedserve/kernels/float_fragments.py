@@ -21,9 +21,9 @@ Work split as in ``quant_fragments``: program ``(c, h)`` takes chunk ``c`` of th
 (``decode_plan``) for K/V head ``h``; each of its W warps owns T = 16 tokens of every
 ``16 W``-token tile (one 16-token block of the pool), copies exactly those rows and keeps
 its own online softmax, so no data crosses warps in the loop; the warps' states merge
-once at the end (``quant_fragments._warps_combined``). With K as the A operand the 8
-query heads fill the n of the products (``S^T = K . Q^T``, ``O^T = V^T . P^T``), as in
-``quant_fragments``; the labels there are head_dim itself.
+once at the end. With K as the A operand the 8 query heads fill the n of the products
+(``S^T = K . Q^T``, ``O^T = V^T . P^T``), as in ``quant_fragments``; the labels here are
+head_dim itself. The pieces the two kernels share are ``fragment_warps``'.
 
 The ring: ``[S, W, 16, 256]`` f16 for K and for V, 64 KB per stage at 4 warps, rows
 swizzled in 16-byte units so that ``ldmatrix`` reads them without bank conflicts.
@@ -55,18 +55,18 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from pagedserve.kernels.decode_merge import NEG_BIG, finish_split, store_stats
-from pagedserve.kernels.decode_plan import locate_chunk
 from pagedserve.kernels.decode_trace import record_program, stamp
-from pagedserve.kernels.quant_fragments import (
+from pagedserve.kernels.fragment_warps import (
     HEAD_DIM,
     MAX_GROUP,
-    _load_q,
-    _scores_to_b_operand,
-    _store_labels,
-    _tile_rows,
-    _warp_block_ids,
-    _warps_combined,
+    finish_program,
+    initial_state,
+    load_q_operand,
+    locate_program,
+    scores_to_b_operand,
+    softmax_step,
+    tile_rows,
+    warp_block_ids,
 )
 
 TOKENS_PER_WARP = 16
@@ -95,8 +95,8 @@ def _issue_copies(k_slot, v_slot, kd_ptr, vd_ptr, table_row, id0, start, tok_hi,
     commit group; rows not live are not read (and their slots hold stale data)."""
     T: gl.constexpr = 16
     ROWS: gl.constexpr = gl.SliceLayout(2, COPY)
-    row, live = _tile_rows(table_row, id0, id0, start, tok_hi, num_blocks, num_kv_heads, h,
-                           rows_per_block, W, T, BS, PAGED, PAGED, ROWS)
+    row, live = tile_rows(table_row, id0, id0, start, tok_hi, num_blocks, num_kv_heads, h,
+                          rows_per_block, W, T, BS, PAGED, PAGED, ROWS)
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY)))
     offs = gl.where(live, row, 0).to(gl.int64)[:, :, None] * HEAD_DIM + d[None, None, :]
     mask = live[:, :, None] & (d < HEAD_DIM)[None, None, :]
@@ -112,7 +112,7 @@ def _tile_ids(table_row, start, tok_hi, W: gl.constexpr, BS: gl.constexpr,
     ``[W, T]`` layout ``ROWS``, -1 past ``tok_hi``), or the contiguous layout's one
     block."""
     if PAGED:
-        return _warp_block_ids(table_row, start, tok_hi, W, 16, BS, ROWS)[0]
+        return warp_block_ids(table_row, start, tok_hi, W, 16, BS, ROWS)[0]
     else:
         return block0
 
@@ -143,24 +143,18 @@ def float_fragment_kernel(
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8] per-head state
     TOKENS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, T], S^T's m
     ROWS: gl.constexpr = gl.SliceLayout(2, COPY)  # [W, T], the copies' rows
-    pid = gl.program_id(0)
-    h = gl.program_id(1)
-    slot = h * gl.num_programs(0) + pid
-    stamp(trace_ptr, slot, 0, TRACE)
-    PLAN: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
-    num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
-        lens_ptr, batch, capacity, chunk_budget, pid,
-        gl.arange(0, B_PAD, layout=PLAN), BLOCK_N, MIN_PARTITION)
+    pid, h, slot, num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_program(
+        lens_ptr, batch, capacity, chunk_budget, trace_ptr, W, BLOCK_N, B_PAD, MIN_PARTITION,
+        TRACE)
     if pid >= num_chunks:
         return
     stamp(trace_ptr, slot, 1, TRACE)
     record_program(trace_ptr, slot, pid, gl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
 
-    q = _load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, W, Q_PERM, False,
-                B_OP)  # q^T [W, D, 8]
+    q = load_q_operand(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, W, Q_PERM,
+                       False, B_OP)  # q^T [W, D, 8]
     acc = gl.zeros([W, D, MAX_GROUP], gl.float32, MMA)  # O^T
-    m_i = gl.full([W, MAX_GROUP], NEG_BIG, gl.float32, HEADS)
-    l_i = gl.zeros([W, MAX_GROUP], gl.float32, HEADS)
+    m_i, l_i = initial_state(W, HEADS)
 
     table_row = table_ptr + b * stride_tb
     if PAGED:
@@ -191,8 +185,8 @@ def float_fragment_kernel(
                       rows_per_block, W, BS, PAGED, COPY)
         ids_next = _tile_ids(table_row, ahead + BLOCK_N, tok_hi, W, BS, PAGED, block0, ROWS)
         start = tok_lo + i * BLOCK_N
-        live = _tile_rows(table_row, ids_mask, ids_mask, start, tok_hi, num_blocks,
-                          num_kv_heads, h, rows_per_block, W, T, BS, PAGED, PAGED, TOKENS)[1]
+        live = tile_rows(table_row, ids_mask, ids_mask, start, tok_hi, num_blocks,
+                         num_kv_heads, h, rows_per_block, W, T, BS, PAGED, PAGED, TOKENS)[1]
         ids_mask = _tile_ids(table_row, start + BLOCK_N, tok_hi, W, BS, PAGED, block0, TOKENS)
         async_copy.wait_group(STAGES - 1)
         stage = i % STAGES
@@ -200,47 +194,18 @@ def float_fragment_kernel(
         # S^T = K . Q^T
         k = k_ring.index(stage).load(A_OP)  # [W, T, D]
         st = mma_v2(k, q, gl.zeros([W, T, MAX_GROUP], gl.float32, MMA))
-        st = gl.where(live[:, :, None], st * qk_scale, float("-inf"))  # [W, T, 8]
-        m_new = gl.maximum(m_i, gl.max(st, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(st - m_new[:, None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p16 = _scores_to_b_operand(p.to(gl.float16), B_OP)
+        p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
+        p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
 
         # O^T += V^T . P^T
         vt = v_ring.index(stage).permute([0, 2, 1]).load(A_OP)  # [W, D, T]
         acc = mma_v2(vt, p16, acc * alpha[:, None, :])
     async_copy.wait_group(0)
 
-    stamp(trace_ptr, slot, 3, TRACE)
-    RED: gl.constexpr = gl.BlockedLayout([W, 1, 4], [1, 1, 32], [1, W, 1], [2, 1, 0])
-    STATS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, RED))  # [8 heads]
-    m_w = gl.convert_layout(m_i, gl.SliceLayout(2, RED))  # [W, 8]
-    l_w = gl.convert_layout(l_i, gl.SliceLayout(2, RED))
-    m = gl.max(m_w, axis=0)  # [8]
-    wgt = gl.exp2(m_w - m[None, :])
-    l_sum = gl.sum(l_w * wgt, axis=0)
-    o = _warps_combined(acc, wgt, RED)  # [8 heads, D]
-    if seq_chunks == 1:
-        # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
-        inv = gl.where(l_sum > 0.0, 1.0 / gl.maximum(l_sum, 1.0), 0.0)
-        _store_labels(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, o, o, inv, G,
-                      False, False)
-        stamp(trace_ptr, slot, 4, TRACE)
-    else:
-        head_acc = part_acc_ptr + h * max_chunks * G * D
-        head_ml = part_ml_ptr + h * max_chunks * G * 2
-        _store_labels(head_acc + pid * G * D, D, o, o, l_sum * 0.0 + 1.0, G, False, False)
-        store_stats(head_ml + pid * G * 2, m, l_sum, gl.arange(0, MAX_GROUP, layout=STATS), G)
-        stamp(trace_ptr, slot, 4, TRACE)
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, MERGE))
-        finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
-                     head_ml, group_counter_ptr + h * max_chunks,
-                     seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
-                     gl.arange(0, GP, layout=gl.SliceLayout(1, MERGE)), cols, cols, G, D,
-                     MERGE_UNROLL, MERGE_GROUP)
-    stamp(trace_ptr, slot, 5, TRACE)
+    finish_program(acc, acc, m_i, l_i, out_ptr, stride_ob, stride_oh, part_acc_ptr, part_ml_ptr,
+                   group_counter_ptr, seq_counter_ptr, max_chunks, num_kv_heads, pid, h, b,
+                   first, seq_chunks, trace_ptr, slot, G, GP, False, False, MERGE,
+                   MERGE_UNROLL, MERGE_GROUP, TRACE)
 
 
 # The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this

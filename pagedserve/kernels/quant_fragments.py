@@ -69,12 +69,13 @@ q8_0 launch: 1681); no shared-memory traffic. 254-255 registers, so two programs
 warps) per SM: the accumulators of ``O^T`` (64 registers), the next tile's words (64)
 and the current tile's fragments are most of them.
 
-End of a program: the warps' states combine after one layout conversion that gives each
-thread every warp's copy of its elements (``_warps_combined``; ``gl.sum`` over the warp
-axis of the MMA layout lowered to 11 barrier rounds through shared memory, and cost 5-7
-us per program); a split chunk stores its partial ``[G, 256]`` in label order as 16-byte
-vectors (the merge is elementwise, so any order serves; ``_column`` maps labels to
-head_dim for the output), and the merge takes a whole group of partials per trip. With
+End of a program (``fragment_warps.finish_program``, shared with ``float_fragments``):
+the warps' states combine after one layout conversion that gives each thread every
+warp's copy of its elements (``gl.sum`` over the warp axis of the MMA layout lowered to
+11 barrier rounds through shared memory, and cost 5-7 us per program); a split chunk
+stores its partial ``[G, 256]`` in label order as 16-byte vectors (the merge is
+elementwise, so any order serves; ``fragment_warps.label_column`` maps labels to head_dim
+for the output), and the merge takes a whole group of partials per trip. With
 ``trace=`` every program records the global timer at six points (``decode_trace``;
 ``benchmarks/trace_decode.py``), a separately compiled variant.
 """
@@ -89,9 +90,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from pagedserve.kernels.decode_merge import NEG_BIG, finish_split, store_stats
-from pagedserve.kernels.decode_plan import locate_chunk
 from pagedserve.kernels.decode_trace import record_program, stamp
+from pagedserve.kernels.fragment_warps import (
+    HEAD_DIM,
+    MAX_GROUP,
+    finish_program,
+    initial_state,
+    load_q_operand,
+    locate_program,
+    relabel,
+    scores_to_b_operand,
+    softmax_step,
+    tile_rows,
+    warp_block_ids,
+)
 from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM, Q8_PAIRS_ASM, q4_dequant_asm
 
 # V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
@@ -134,14 +146,6 @@ mul.f16x2 $2, $2, $6;
 mul.f16x2 $3, $3, $6;
 }
 """)
-
-# Transposes an 8 x 8 f16 tile held in the MMA accumulator's arrangement (thread l: row
-# l // 4, columns 2 (l % 4) and + 1), warp-wide, into the same arrangement.
-MOVMATRIX_ASM = tl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
-
-HEAD_DIM = tl.constexpr(256)
-MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the products
-
 
 @dataclass(frozen=True)
 class Geometry:
@@ -274,133 +278,9 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
 
 
 @gluon.jit
-def _arange3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
-    """``arange(0, n)`` along ``dim`` of a rank-3 ``layout``, expanded to rank 3."""
-    if dim == 0:
-        return gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))[:, None, None]
-    elif dim == 1:
-        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))[None, :, None]
-    else:
-        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
-
-
-@gluon.jit
-def _relabel(x, PERM: gl.constexpr, shape: gl.constexpr):
-    """``[A, B, 8 groups, GB bytes]`` -> the label order: the byte index's bits permuted
-    with ``PERM`` (``K_PERM``, ``Q_PERM``), reshaped to ``shape``. It only renames which
-    register or lane holds which index: no data moves."""
-    n: gl.constexpr = len(PERM.value) - 2
-    return gl.reshape(gl.permute(gl.reshape(x, [x.shape[0], x.shape[1]] + [2] * n), PERM.value),
-                      shape)
-
-
-@gluon.jit
-def _load_q(q_base, row_stride, G: gl.constexpr, W: gl.constexpr, Q_PERM: gl.constexpr,
-            HALVES: gl.constexpr, layout: gl.constexpr):
-    """q of the G heads as the ``B`` operand of ``S^T = K . Q^T``: f16 ``[W, NL, 8]``
-    (heads >= G zero), the same in every warp; for q4_0 twice, lo and hi labels. Loaded
-    in 16-byte vectors and relabelled (``k_label_to_byte``); one conversion into the
-    operand layout."""
-    QL: gl.constexpr = gl.BlockedLayout([1, 1, 32], [1, 4, 8], [W, 1, 1], [2, 1, 0])
-    warp = _arange3(W, 0, QL)
-    head = _arange3(MAX_GROUP, 1, QL)
-    d = _arange3(HEAD_DIM, 2, QL)
-    q = gl.load(q_base + (warp * 0 + head * row_stride + d), mask=(warp * 0 + head + d * 0) < G,
-                other=0.0).to(gl.float32).to(gl.float16)  # [W, 8, 256]
-    if HALVES:
-        # d = 32 g + 16 half + j -> lo / hi halves of [W, 8, g, j], then bytes -> labels.
-        lo, hi = gl.split(gl.permute(gl.reshape(q, [W, MAX_GROUP, 8, 2, 16]), [0, 1, 2, 4, 3]))
-        lo = gl.permute(_relabel(lo, Q_PERM, [W, MAX_GROUP, 128]), [0, 2, 1])
-        hi = gl.permute(_relabel(hi, Q_PERM, [W, MAX_GROUP, 128]), [0, 2, 1])
-        return gl.convert_layout(lo, layout), gl.convert_layout(hi, layout)
-    else:
-        q = gl.permute(_relabel(q, Q_PERM, [W, MAX_GROUP, HEAD_DIM]), [0, 2, 1])
-        return gl.convert_layout(q, layout)
-
-
-@gluon.jit
-def _scores_to_b_operand(p, layout: gl.constexpr):
-    """``P^T`` f16 ``[W, T tokens, 8 heads]`` in the accumulator layout of ``S^T`` ->
-    the same values in the B operand ``layout`` of ``O^T += V^T . P^T``: one ``movmatrix``
-    per 8 x 8 tile. After it, the register that held (token t, head h) holds (token
-    8 (t // 8) + h, head t % 8): swapping those index bits back is a relabel."""
-    W: gl.constexpr = p.shape[0]
-    T: gl.constexpr = p.shape[1]
-    y = gl.inline_asm_elementwise(MOVMATRIX_ASM, "=r,r", [p], dtype=gl.float16, is_pure=True,
-                                  pack=2)
-    z = gl.reshape(gl.permute(gl.reshape(y, [W, T // 8, 8, MAX_GROUP]), [0, 1, 3, 2]),
-                   [W, T, MAX_GROUP])
-    return gl.convert_layout(z, layout, assert_trivial=True)
-
-
-@gluon.jit
-def _warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
-                    BS: gl.constexpr, layout: gl.constexpr):
-    """The one or two block ids of each warp's T tokens of the tile at ``start``: int32
-    ``[W]`` twice, in ``layout``'s warp slice; -1 past ``tok_hi``. A warp's tokens start
-    at a multiple of T (chunks start at multiples of the tile) and ``BS`` is a power of
-    2 >= 16 (``WARP_IDS``), so they lie in one block or two: two loads per thread (one
-    address per warp each), not one per token."""
-    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))
-    first = start + w * T  # [W]
-    blk = first // BS
-    id0 = gl.load(table_row + blk, mask=first < tok_hi, other=-1)
-    if BS < T:
-        id1 = gl.load(table_row + blk + 1, mask=first + BS < tok_hi, other=-1)
-    else:
-        id1 = id0
-    return id0, id1
-
-
-@gluon.jit
-def _tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
-               rows_per_block, W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr,
-               PAGED: gl.constexpr, WARP_IDS: gl.constexpr, layout: gl.constexpr):
-    """``(row, live)`` of each row of the tile at ``start`` (warp w takes tokens
-    ``start + T w ..``), int32 and bool ``[W, T]`` in ``layout``: the row's index in the
-    pool's ``[num_blocks * Hkv * rows_per_block]`` rows, and whether it holds a token of a
-    block in the pool (``row`` is meaningless where not).
-
-    ``id0``, ``id1``: ``_warp_block_ids`` (``WARP_IDS``), or the contiguous layout's one
-    block (``PAGED=False``). From warp-uniform block bases a row is a base plus a
-    constant per register: the token's offset within its warp (``t``) is a register or
-    lane index, so whether it is in the warp's first or second block is known per
-    register. Otherwise (block sizes below 16 or not powers of 2) each row reads its own
-    block id."""
-    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))[:, None]
-    t = gl.arange(0, T, layout=gl.SliceLayout(0, layout))[None, :]
-    first = start + w * T  # [W, 1]
-    live = t < tok_hi - first
-    if not PAGED:
-        ok = (id0 >= 0) & (id0 < num_blocks)
-        row = (id0 * num_kv_heads + h) * rows_per_block + first + t
-    elif WARP_IDS:
-        warp: gl.constexpr = gl.SliceLayout(1, layout)
-        id0 = gl.convert_layout(id0, warp, assert_trivial=True)[:, None]
-        id1 = gl.convert_layout(id1, warp, assert_trivial=True)[:, None]
-        base0 = (id0 * num_kv_heads + h) * BS
-        ok0 = (id0 >= 0) & (id0 < num_blocks)
-        if BS < T:
-            second = t >= BS
-            base1 = (id1 * num_kv_heads + h) * BS
-            ok1 = (id1 >= 0) & (id1 < num_blocks)
-            row = gl.where(second, base1, base0) + (t % BS)
-            ok = gl.where(second, ok1, ok0)
-        else:
-            row = base0 + first % BS + t
-            ok = ok0
-    else:
-        tok = first + t
-        ids = gl.load(table_row + tok // BS, mask=live, other=-1)
-        ok = (ids >= 0) & (ids < num_blocks)
-        row = (ids * num_kv_heads + h) * BS + tok % BS
-    return row, live & ok
-
-
-@gluon.jit
 def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, layout: gl.constexpr):
     """Payload as int32 words ``[W, T, 8, WPG]`` (``WPG = GB / 4`` per group) and group
-    scales ``[W, T, 8]`` (f16) of the rows ``rows`` where ``live`` (``_tile_rows``, in
+    scales ``[W, T, 8]`` (f16) of the rows ``rows`` where ``live`` (``tile_rows``, in
     ``layout``'s token slice), in ``layout``; rows not live read row 0 with scale 0.
     Words, not bytes, wait in registers for the next tile: a byte would take a
     register."""
@@ -438,8 +318,8 @@ def _k_fragments(x, sc, K_PERM: gl.constexpr, HALVES: gl.constexpr, layout: gl.c
     T: gl.constexpr = x.shape[1]
     NL: gl.constexpr = 8 * x.shape[3]  # one label per byte (per nibble half for q4_0)
     sc = gl.broadcast(sc[:, :, :, None], x)[0]
-    x = gl.convert_layout(_relabel(x, K_PERM, [W, NL, T]), layout, assert_trivial=True)
-    sc = gl.convert_layout(_relabel(sc, K_PERM, [W, NL, T]), layout, assert_trivial=True)
+    x = gl.convert_layout(relabel(x, K_PERM, [W, NL, T]), layout, assert_trivial=True)
+    sc = gl.convert_layout(relabel(sc, K_PERM, [W, NL, T]), layout, assert_trivial=True)
     if HALVES:
         return gl.inline_asm_elementwise(
             Q4_HALVES_ASM, "=r,=r,=r,=r,r,r,r", [x, sc],
@@ -507,48 +387,6 @@ def _pair_fragments(x, sc, PERM: gl.constexpr, HALVES: gl.constexpr, PAIR: gl.co
         return gl.convert_layout(_pair_relabel(gl.join(v0, v1), PERM, 8 * GB), layout)
 
 
-@gluon.jit
-def _column(label, TO_D: gl.constexpr):
-    """The column of output label ``label`` (0..255: lo labels, then q4_0's hi labels):
-    itself (a partial keeps label order) or, ``TO_D``, its head_dim index
-    ``32 (label % 8) + label // 8`` (``v_label_to_byte``; a hi label ``128 + r`` is
-    ``d(r) + 16``)."""
-    if TO_D:
-        return (label % 8) * 32 + label // 8
-    else:
-        return label
-
-
-@gluon.jit
-def _warps_combined(acc, wgt, layout: gl.constexpr):
-    """``sum_w wgt[w, head] * acc[w, label, head]``: the warps' ``O^T`` ``[W, NL, 8]``
-    (MMA layout) -> ``[8 heads, NL labels]`` in ``SliceLayout(0, layout)``. Transposed
-    (a relabel) and converted so that each thread holds every warp's copy of its
-    elements, the sum stays in the thread (a reduction over warps would go through shared
-    memory in rounds, each behind a barrier)."""
-    x = gl.convert_layout(gl.permute(acc, [0, 2, 1]), layout)  # [W, 8, NL]
-    return gl.sum(x * wgt[:, :, None], axis=0)
-
-
-@gluon.jit
-def _store_labels(ptr, row_stride, o_lo, o_hi, row_scale, G: gl.constexpr,
-                  HALVES: gl.constexpr, TO_D: gl.constexpr):
-    """Write ``o * row_scale[head]`` (``[8 heads, NL labels]``; for q4_0 (``HALVES``)
-    ``o_hi`` holds labels ``NL + r``) to ``ptr + head * row_stride + _column(label)``
-    for heads < G, in ``ptr``'s dtype."""
-    layout: gl.constexpr = o_lo.type.layout
-    NL: gl.constexpr = o_lo.shape[1]
-    head = gl.arange(0, MAX_GROUP, layout=gl.SliceLayout(1, layout))[:, None]
-    r = gl.arange(0, NL, layout=gl.SliceLayout(0, layout))[None, :]
-    mask = (head + r * 0) < G
-    scale = gl.convert_layout(row_scale, gl.SliceLayout(1, layout))[:, None]
-    base = ptr + head * row_stride
-    gl.store(base + _column(r, TO_D), (o_lo * scale).to(ptr.dtype.element_ty), mask=mask)
-    if HALVES:
-        gl.store(base + _column(r + NL, TO_D), (o_hi * scale).to(ptr.dtype.element_ty),
-                 mask=mask)
-
-
 @gluon.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
                               "max_chunks", "num_kv_heads"])
 def fragment_decode_kernel(
@@ -571,21 +409,15 @@ def fragment_decode_kernel(
     TRACE: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = W * T
-    D: gl.constexpr = HEAD_DIM
     NL: gl.constexpr = 8 * GB  # labels per product: one per byte (per nibble half)
     WPG: gl.constexpr = GB // 4
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8] per-head state, as S^T's n
     TOKENS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, T], as S^T's m
-    pid = gl.program_id(0)
-    h = gl.program_id(1)
-    slot = h * gl.num_programs(0) + pid
-    stamp(trace_ptr, slot, 0, TRACE)
-    PLAN: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
-    num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
-        lens_ptr, batch, capacity, chunk_budget, pid,
-        gl.arange(0, B_PAD, layout=PLAN), BLOCK_N, MIN_PARTITION)
+    pid, h, slot, num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_program(
+        lens_ptr, batch, capacity, chunk_budget, trace_ptr, W, BLOCK_N, B_PAD, MIN_PARTITION,
+        TRACE)
     if pid >= num_chunks:
         return
     stamp(trace_ptr, slot, 1, TRACE)
@@ -593,13 +425,12 @@ def fragment_decode_kernel(
 
     q_base = q_ptr + b * stride_qb + h * G * stride_qh
     if HALVES:
-        q_lo, q_hi = _load_q(q_base, stride_qh, G, W, Q_PERM, True, B_OP)
+        q_lo, q_hi = load_q_operand(q_base, stride_qh, G, W, Q_PERM, True, B_OP)
         acc_hi = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)
     else:
-        q_lo = _load_q(q_base, stride_qh, G, W, Q_PERM, False, B_OP)
+        q_lo = load_q_operand(q_base, stride_qh, G, W, Q_PERM, False, B_OP)
     acc_lo = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
-    m_i = gl.full([W, MAX_GROUP], NEG_BIG, gl.float32, HEADS)
-    l_i = gl.zeros([W, MAX_GROUP], gl.float32, HEADS)
+    m_i, l_i = initial_state(W, HEADS)
 
     table_row = table_ptr + b * stride_tb
     if PAGED:
@@ -619,36 +450,36 @@ def fragment_decode_kernel(
     # payload loads.
     AHEAD: gl.constexpr = TABLE_AHEAD and WARP_IDS
     if WARP_IDS:
-        id0, id1 = _warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT)
+        id0, id1 = warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT)
     else:
         id0 = block0
         id1 = block0
-    rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                            rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+    rows, live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                           rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
     kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
-    rows, live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                            rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+    rows, live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                           rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
     vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
-    live = _tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                      rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+    live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                     rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
     if AHEAD:
-        id0, id1 = _warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
+        id0, id1 = warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
     stamp(trace_ptr, slot, 2, TRACE)
     for start in range(tok_lo, tok_hi, BLOCK_N):
         # The next tile's bytes are in flight while this one is computed.
         nxt = start + BLOCK_N
         if AHEAD:
             nid0, nid1 = id0, id1
-            id0, id1 = _warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT)
+            id0, id1 = warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT)
         elif WARP_IDS:
-            nid0, nid1 = _warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT)
+            nid0, nid1 = warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT)
         else:
             nid0, nid1 = id0, id1
-        rows, live_k = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+        rows, live_k = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                 h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
         kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
-        rows, live_v = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+        rows, live_v = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                 h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
         vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
 
         # S^T = K . Q^T: K dequantized where its bytes were loaded (the B arrangement),
@@ -664,16 +495,11 @@ def fragment_decode_kernel(
         else:
             st = mma_v2(_as_a_operand(_k_fragments(kb, kscale, K_PERM, False, B_OP), A_OP),
                         q_lo, zeros)
-        st = gl.where(live[:, :, None], st * qk_scale, float("-inf"))  # [W, T, 8]
-        m_new = gl.maximum(m_i, gl.max(st, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(st - m_new[:, None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
         alpha_o = alpha[:, None, :]
-        p16 = _scores_to_b_operand(p.to(gl.float16), B_OP)
-        live = _tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
-                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+        p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
+        live = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
+                         rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
 
         # O^T += V^T . P^T
         vb = gl.convert_layout(_bytes(vx), V_LOAD, assert_trivial=True)
@@ -686,44 +512,12 @@ def fragment_decode_kernel(
                             acc_lo * alpha_o)
         kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
 
-    stamp(trace_ptr, slot, 3, TRACE)
-    # The warps' partial states -> one (log-sum-exp weights), in RED: a thread holds
-    # every warp's copy of its elements (so the sums stay in the thread), four labels
-    # contiguous (16-byte stores of a partial).
-    RED: gl.constexpr = gl.BlockedLayout([W, 1, 4], [1, 1, 32], [1, W, 1], [2, 1, 0])
-    STATS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, RED))  # [8 heads]
-    m_w = gl.convert_layout(m_i, gl.SliceLayout(2, RED))  # [W, 8]
-    l_w = gl.convert_layout(l_i, gl.SliceLayout(2, RED))
-    m = gl.max(m_w, axis=0)  # [8]
-    wgt = gl.exp2(m_w - m[None, :])
-    l_sum = gl.sum(l_w * wgt, axis=0)
-    o_lo = _warps_combined(acc_lo, wgt, RED)  # [8 heads, NL labels]
-    if HALVES:
-        o_hi = _warps_combined(acc_hi, wgt, RED)
-    else:
-        o_hi = o_lo
-    if seq_chunks == 1:
-        # Zero length -> zeros, never NaN; l >= 1 whenever any row was live.
-        inv = gl.where(l_sum > 0.0, 1.0 / gl.maximum(l_sum, 1.0), 0.0)
-        _store_labels(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, o_lo, o_hi,
-                      inv, G, HALVES, True)
-        stamp(trace_ptr, slot, 4, TRACE)
-    else:
-        # A partial is [G, 256] float32 in label order (each thread's four labels one
-        # 16-byte store); the merge's output store maps labels to head_dim (_column).
-        head_acc = part_acc_ptr + h * max_chunks * G * D
-        head_ml = part_ml_ptr + h * max_chunks * G * 2
-        _store_labels(head_acc + pid * G * D, D, o_lo, o_hi, l_sum * 0.0 + 1.0, G, HALVES,
-                      False)
-        store_stats(head_ml + pid * G * 2, m, l_sum, gl.arange(0, MAX_GROUP, layout=STATS), G)
-        stamp(trace_ptr, slot, 4, TRACE)
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, MERGE))
-        finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
-                     head_ml, group_counter_ptr + h * max_chunks,
-                     seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
-                     gl.arange(0, GP, layout=gl.SliceLayout(1, MERGE)), cols,
-                     _column(cols, True), G, D, MERGE_UNROLL, MERGE_GROUP)
-    stamp(trace_ptr, slot, 5, TRACE)
+    if not HALVES:
+        acc_hi = acc_lo
+    finish_program(acc_lo, acc_hi, m_i, l_i, out_ptr, stride_ob, stride_oh, part_acc_ptr,
+                   part_ml_ptr, group_counter_ptr, seq_counter_ptr, max_chunks, num_kv_heads,
+                   pid, h, b, first, seq_chunks, trace_ptr, slot, G, GP, HALVES, True, MERGE,
+                   MERGE_UNROLL, MERGE_GROUP, TRACE)
 
 
 # The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this

@@ -6,15 +6,9 @@ checked against the float64 oracle on a GPU only (``test_paged_decode_gpu.py``,
 
 from __future__ import annotations
 
-import ast
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from gluon_checks import LaunchRecorder, assert_binds_signature, compile_for_sm90
 
 from pagedserve.kernels import float_fragments as ff
 from pagedserve.kernels.decode_plan import DecodeConfig, default_config
@@ -63,15 +57,9 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     from pagedserve.kv.formats import KVBlockStorage
 
     arg_names = ff.float_fragment_kernel.arg_names
-    seen = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def call(*args, **kwargs):
-                seen.update(grid=grid, args=args, kwargs=kwargs)
-            return call
-
-    monkeypatch.setattr(ff, "float_fragment_kernel", Recorder())
+    recorder = LaunchRecorder()
+    seen = recorder.seen
+    monkeypatch.setattr(ff, "float_fragment_kernel", recorder)
     monkeypatch.setattr(ff, "supports", lambda q, ck, cv, cfg, paged: True)
     ck = KVBlockStorage.allocate("f16", 8, 16, 2, 256)
     cv = KVBlockStorage.allocate("f16", 8, 16, 2, 256)
@@ -81,32 +69,10 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     cfg = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128,
                        quant_dot="fragment")
     paged_decode.paged_decode_attention(q, ck, cv, table, lens, 0.0625, config=cfg)
-    n = len(seen["args"])
-    assert n == arg_names.index("G")  # the run-time arguments, then the constexprs
+    assert_binds_signature(seen, arg_names, 0.0625)
     assert seen["args"][0] is q and seen["args"][2] is ck.data and seen["args"][4] is cv.data
-    assert seen["args"][n - 2] == 0.0625 * 1.4426950408889634
-    assert set(seen["kwargs"]) - {"num_warps", "maxnreg"} == set(arg_names[n:])
     assert seen["kwargs"]["STAGES"] == 3 and seen["kwargs"]["W"] == 4
     assert seen["kwargs"]["PAGED"] and seen["grid"][1] == 2
-
-
-def _compile_for_sm90(paged: bool) -> dict:
-    """Loop statistics of the library's f16 launch compiled offline for an H100/H200
-    target by ``benchmarks/decode_sass.py`` (Triton's bundled ptxas; no GPU), in a
-    subprocess without ``TRITON_INTERPRET``."""
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, str(root / "benchmarks" / "decode_sass.py"),
-            "f16:f16:fragment:64:4:2:block"]
-    if not paged:
-        args.insert(2, "--contiguous")
-    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
-    lines = out.splitlines()
-    return {
-        "spill": int(re.search(r"(\d+) B spilled", lines[0]).group(1)),
-        "mma": int(re.search(r"\((\d+) MMAs\)", lines[0]).group(1)),
-        "memory_ops": ast.literal_eval(lines[2].split("memory ", 1)[1]),
-    }
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
@@ -116,7 +82,7 @@ def test_kernel_compiles_for_sm90_as_designed(paged):
     (V transposed), 32 MMAs per warp and 16 tokens (16 for ``K . Q^T``, 16 for
     ``V^T . P^T``), no spills; the only global loads in the loop are the paged layout's two
     table reads a tile ahead (none for the contiguous layout)."""
-    stats = _compile_for_sm90(paged)
+    stats = compile_for_sm90("f16:f16:fragment:64:4:2:block", paged)
     mem = stats["memory_ops"]
     assert stats["spill"] == 0 and stats["mma"] == 32
     assert mem["LDGSTS.E.BYPASS.128"] == 32

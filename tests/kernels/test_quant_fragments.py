@@ -12,17 +12,12 @@ checks its layout premises.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import math
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from gluon_checks import LaunchRecorder, assert_binds_signature, compile_for_sm90
 
 from pagedserve.kernels import quant_fragments as qf
 
@@ -118,24 +113,6 @@ def test_v_rows_map_to_one_group_per_lane_group(geo):
         assert groups == {g}
 
 
-def _compile_for_sm90(spec: str, paged: bool) -> dict:
-    """Loop statistics of the kernel compiled offline for an H100/H200 target by
-    ``benchmarks/decode_sass.py`` (Triton's bundled ptxas; no GPU), at the library's q4_0
-    launch. A subprocess without ``TRITON_INTERPRET``: under the interpreter, Triton
-    functions cannot be compiled into a Gluon kernel."""
-    root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, str(root / "benchmarks" / "decode_sass.py"), spec]
-    if not paged:
-        args.insert(2, "--contiguous")
-    out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout
-    lines = out.splitlines()
-    return {
-        "mma": int(re.search(r"\((\d+) MMAs\)", lines[0]).group(1)),
-        "memory_ops": ast.literal_eval(lines[2].split("memory ", 1)[1]),
-    }
-
-
 @pytest.mark.parametrize("spec,mma", [("q4_0:q4_0:fragment:128:4:1:block", 64),
                                       ("q8_0:q8_0:fragment:64:4:1:block", 32)],
                          ids=["q4_0", "q8_0"])
@@ -150,7 +127,7 @@ def test_kernel_compiles_for_sm90_with_its_layout_premises(spec, mma, paged):
     q8_0 values) without
     shared memory. (A wrong lane of ``V_PAIR`` fails this test; a wrong register
     order within a thread does not, and costs only byte shuffles.)"""
-    stats = _compile_for_sm90(spec, paged)
+    stats = compile_for_sm90(spec, paged)
     assert stats["mma"] == mma
     assert not any(op.startswith(("LDS", "STS", "LDSM", "STSM")) for op in stats["memory_ops"])
 
@@ -164,15 +141,9 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     from pagedserve.kv.formats import KVBlockStorage
 
     arg_names = qf.fragment_decode_kernel.arg_names
-    seen = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            def call(*args, **kwargs):
-                seen.update(grid=grid, args=args, kwargs=kwargs)
-            return call
-
-    monkeypatch.setattr(qf, "fragment_decode_kernel", Recorder())
+    recorder = LaunchRecorder()
+    seen = recorder.seen
+    monkeypatch.setattr(qf, "fragment_decode_kernel", recorder)
     monkeypatch.setattr(qf, "supports", lambda q, ck, cv: True)
     ck = KVBlockStorage.allocate("q4_0", 8, 16, 2, 256)
     cv = KVBlockStorage.allocate("q4_0", 8, 16, 2, 256)
@@ -182,10 +153,8 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     ops.paged_decode_attention(q, ck, cv, table, lens, 0.0625, backend="triton",
                                config=DecodeConfig(block_n=128, num_warps=4,
                                                    min_partition=128, quant_dot="fragment"))
-    n = len(seen["args"])
-    assert n == arg_names.index("G")  # the run-time arguments, then the constexprs
-    assert seen["args"][0] is q and seen["args"][n - 2] == 0.0625 * 1.4426950408889634
-    assert set(seen["kwargs"]) - {"num_warps", "maxnreg"} == set(arg_names[n:])
+    n = assert_binds_signature(seen, arg_names, 0.0625)
+    assert seen["args"][0] is q
     # Untraced, the trace pointer is a placeholder (the output) and TRACE is off.
     out = seen["args"][1]
     assert seen["args"][n - 1] is out and seen["kwargs"]["TRACE"] is False
