@@ -8,11 +8,12 @@ instead of loaded (blocks in order, probe at e88da92) the same Triton loop read 
 f16 points at 0.988-1.007 of the contiguous layout, against 0.956-0.987 with the table.
 Here the schedule is explicit:
 
-    prologue      ids of tiles 0 .. S-2 -> copies of those tiles (one commit group each)
-    tile i        copies of tile i + S - 1 (ids already in registers), commit
-                  ids of tile i + S   (table load, needed only by the next iteration)
-                  wait until tile i's group landed; ids of tile i (for the mask; the
-                  line is in L1 since tile i's copies read it)
+    prologue      ids of tiles 0 .. S-2 -> copies of those tiles (one commit group each);
+                  ids of tile S - 1 (its copies) and of tile 0 (its mask)
+    tile i        copies of tile i + S - 1 from ids in registers, commit
+                  table loads used only by the next iteration: the ids of tile i + S
+                  (its copies) and of tile i + 1 (its mask)
+                  wait until tile i's group landed
                   S^T = K_i . q^T         K_i from the ring (ldmatrix)
                   P^T = online softmax of S^T over this warp's tokens
                   O^T += V_i^T . P^T      V_i^T from the ring (ldmatrix.trans)
@@ -25,10 +26,18 @@ once at the end. With K as the A operand the 8 query heads fill the n of the pro
 (``S^T = K . Q^T``, ``O^T = V^T . P^T``), as in ``quant_fragments``; the labels here are
 head_dim itself. The pieces the two kernels share are ``fragment_warps``'.
 
-The ring: ``[S, W, 16, 256]`` f16 for K and for V, 64 KB per stage at 4 warps, rows
-swizzled in 16-byte units so that ``ldmatrix`` reads them without bank conflicts.
-Rows past the chunk's end, or in a block outside the pool, are not copied (the copy's
-mask: no global read) and their scores are masked to -inf.
+The ring, one for K and one for V (f16, 64 KB per stage at 4 warps)::
+
+    ring[s][w][t][d]    s = j % S for tile j; warp w's 16 rows: token 16 w + t of the
+                        tile, i.e. row t of pool block table[(tile start) / 16 + w];
+                        d in 16-byte units XOR-swizzled by t % 8, so that ldmatrix's
+                        eight rows of one column hit eight different bank groups
+
+Each warp writes (``cp.async``, one 512-byte row per instruction) and reads
+(``ldmatrix``) only its own ``ring[s][w]``.
+Rows past the chunk's end, or in a block outside the pool, are not read: their masked
+copies (``cp.async`` with a source size of 0) write zeros, and their scores are masked to
+-inf.
 
 Shape: head_dim 256, f16 K and V, at most 8 query heads per K/V head, paged blocks of 16
 tokens or a power of 2 above (each warp's 16 tokens lie in one block), on a GPU; else the
@@ -92,8 +101,8 @@ def _issue_copies(k_slot, v_slot, kd_ptr, vd_ptr, table_row, id0, start, tok_hi,
                   num_kv_heads, h, rows_per_block, W: gl.constexpr, BS: gl.constexpr,
                   PAGED: gl.constexpr, COPY: gl.constexpr):
     """``cp.async`` of the K and V rows of the tile at ``start`` into one ring stage, one
-    commit group; rows not live are not read (and their slots hold stale data)."""
-    T: gl.constexpr = 16
+    commit group; rows not live are not read (their slots are zero-filled)."""
+    T: gl.constexpr = 16  # TOKENS_PER_WARP
     ROWS: gl.constexpr = gl.SliceLayout(2, COPY)
     row, live = tile_rows(table_row, id0, id0, start, tok_hi, num_blocks, num_kv_heads, h,
                           rows_per_block, W, T, BS, PAGED, PAGED, ROWS)
@@ -135,7 +144,7 @@ def float_fragment_kernel(
     MMA: gl.constexpr, COPY: gl.constexpr, RING: gl.constexpr, MERGE: gl.constexpr,
     Q_PERM: gl.constexpr,
 ):
-    T: gl.constexpr = 16
+    T: gl.constexpr = 16  # TOKENS_PER_WARP
     BLOCK_N: gl.constexpr = W * T
     D: gl.constexpr = HEAD_DIM
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
