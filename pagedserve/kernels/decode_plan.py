@@ -272,11 +272,11 @@ def default_occupancy(k_type: str, v_type: str) -> float:
     leaves a second wave.
 
     q8_0 or q4_0 K and V (the Gluon kernel): two (255 registers). Other q8_0: three (168
-    registers x 128 threads). Other q4_0: two (255 registers). f16: one (three
-    stages of 64-row K and V tiles take 141 KB of shared memory, two of 128-row tiles
-    143 KB, per Nsight Compute): at
-    2 x 4K the plan for two programs per SM made two waves, 30.8 us against 24.2 us at
-    one (side-by-side probe on the H200, 2026-11-29).
+    registers x 128 threads). Other q4_0: two (255 registers). f16 and bf16: one (the
+    Gluon f16 ring takes 128 KB of shared memory; the Triton launches' three stages of
+    64-row K and V tiles 141 KB, two of 128-row tiles 143 KB, per Nsight Compute): at
+    2 x 4K the Triton launch's plan for two programs per SM made two waves, 30.8 us
+    against 24.2 us at one (side-by-side probe on the H200, 2026-11-29).
     """
     if k_type == v_type == "q8_0":
         return DEFAULT_OCCUPANCY
