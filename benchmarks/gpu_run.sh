@@ -84,7 +84,7 @@ for spec in "$@"; do
                      IFS=: read -r kv lens layout <<< "$case"
                      run_stage "ncu-$kv-${lens//,/_}-${layout:-paged}" "$limit" ncu \
                        --clock-control none \
-                       --kernel-name regex:decode_kernel --launch-skip 2 --launch-count 1 \
+                       --kernel-name "regex:decode_kernel|float_fragment_kernel" --launch-skip 2 --launch-count 1 \
                        --section SpeedOfLight --section Occupancy --section LaunchStats \
                        --section WarpStateStats --section SchedulerStats \
                        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
