@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from pagedserve.kernels import float_fragments, quant_fragments  # noqa: E402
+from pagedserve.kernels import float_fragments, fragment_warps, quant_fragments  # noqa: E402
 from pagedserve.kernels.decode_plan import DecodeConfig  # noqa: E402
 from pagedserve.kernels.paged_decode import _paged_decode_kernel, launch_constants  # noqa: E402
 
@@ -54,11 +54,11 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
                              max_batch=8, native=True, trace=os.environ.get("TRACE") == "1")
     if cfg.quant_dot == "fragment" and k_type == v_type == "f16":
         kernel, source = float_fragments.float_fragment_kernel, GluonASTSource
-        const = {k: const[k] for k in float_fragments.SHARED_CONSTANTS}
+        const = {k: const[k] for k in fragment_warps.SHARED_CONSTANTS}
         const.update(float_fragments.kernel_constants(cfg.num_warps, cfg.num_stages))
     elif cfg.quant_dot == "fragment":
         kernel, source = quant_fragments.fragment_decode_kernel, GluonASTSource
-        const = {k: const[k] for k in quant_fragments.SHARED_CONSTANTS}
+        const = {k: const[k] for k in fragment_warps.SHARED_CONSTANTS}
         const.update(quant_fragments.kernel_constants(k_type, cfg.num_warps,
                                                       cfg.block_n // cfg.num_warps))
     else:

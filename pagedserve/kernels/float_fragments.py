@@ -68,11 +68,13 @@ from pagedserve.kernels.decode_trace import record_program, stamp
 from pagedserve.kernels.fragment_warps import (
     HEAD_DIM,
     MAX_GROUP,
+    SHARED_CONSTANTS,
     finish_program,
     initial_state,
     load_q_operand,
     locate_program,
     scores_to_b_operand,
+    sequence_table,
     softmax_step,
     tile_rows,
     warp_block_ids,
@@ -165,13 +167,8 @@ def float_fragment_kernel(
     acc = gl.zeros([W, D, MAX_GROUP], gl.float32, MMA)  # O^T
     m_i, l_i = initial_state(W, HEADS)
 
-    table_row = table_ptr + b * stride_tb
-    if PAGED:
-        rows_per_block = BS
-        block0 = 0
-    else:
-        rows_per_block = capacity  # one block per sequence, padded to the longest
-        block0 = gl.load(table_row)
+    table_row, rows_per_block, block0 = sequence_table(table_ptr, b, stride_tb, capacity, BS,
+                                                       PAGED)
     k_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, D], RING)
     v_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, D], RING)
     for j in gl.static_range(STAGES - 1):
@@ -215,12 +212,6 @@ def float_fragment_kernel(
                    group_counter_ptr, seq_counter_ptr, max_chunks, num_kv_heads, pid, h, b,
                    first, seq_chunks, trace_ptr, slot, G, GP, False, False, MERGE,
                    MERGE_UNROLL, MERGE_GROUP, TRACE)
-
-
-# The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this
-# kernel takes too.
-SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
-                    "MERGE_GROUP", "TABLE_AHEAD", "TRACE")
 
 
 def ring_bytes(num_warps: int, stages: int) -> int:

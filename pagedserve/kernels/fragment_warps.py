@@ -33,6 +33,11 @@ MOVMATRIX_ASM = tl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 HEAD_DIM = tl.constexpr(256)
 MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the products
 
+# The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that the
+# Gluon kernels take too: the plan's, the merge's, the table read's and ``TRACE``.
+SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
+                    "MERGE_GROUP", "TABLE_AHEAD", "TRACE")
+
 
 @gluon.jit
 def _arange3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
@@ -216,6 +221,21 @@ def locate_program(lens_ptr, batch, capacity, chunk_budget, trace_ptr, W: gl.con
         lens_ptr, batch, capacity, chunk_budget, pid,
         gl.arange(0, B_PAD, layout=PLAN), BLOCK_N, MIN_PARTITION)
     return pid, h, slot, num_chunks, b, seq_chunks, first, tok_lo, tok_hi
+
+
+@gluon.jit
+def sequence_table(table_ptr, b, stride_tb, capacity, BS: gl.constexpr, PAGED: gl.constexpr):
+    """``(table_row, rows_per_block, block0)`` of sequence ``b``: its block-table row, the
+    rows of one pool block (``BS``, or ``capacity`` for the contiguous layout's one block
+    per sequence, padded to the longest) and, contiguous, that block's id (else 0)."""
+    table_row = table_ptr + b * stride_tb
+    if PAGED:
+        rows_per_block = BS
+        block0 = 0
+    else:
+        rows_per_block = capacity
+        block0 = gl.load(table_row)
+    return table_row, rows_per_block, block0
 
 
 @gluon.jit

@@ -94,12 +94,14 @@ from pagedserve.kernels.decode_trace import record_program, stamp
 from pagedserve.kernels.fragment_warps import (
     HEAD_DIM,
     MAX_GROUP,
+    SHARED_CONSTANTS,
     finish_program,
     initial_state,
     load_q_operand,
     locate_program,
     relabel,
     scores_to_b_operand,
+    sequence_table,
     softmax_step,
     tile_rows,
     warp_block_ids,
@@ -432,13 +434,8 @@ def fragment_decode_kernel(
     acc_lo = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
     m_i, l_i = initial_state(W, HEADS)
 
-    table_row = table_ptr + b * stride_tb
-    if PAGED:
-        rows_per_block = BS
-        block0 = 0
-    else:
-        rows_per_block = capacity  # one block per sequence, padded to the longest
-        block0 = gl.load(table_row)
+    table_row, rows_per_block, block0 = sequence_table(table_ptr, b, stride_tb, capacity, BS,
+                                                       PAGED)
     # K's and V's token slices, and the scores' (the softmax mask), each compute their
     # rows: converting one set between layouts would go through shared memory, behind a
     # barrier of all warps, every tile.
@@ -518,12 +515,6 @@ def fragment_decode_kernel(
                    part_ml_ptr, group_counter_ptr, seq_counter_ptr, max_chunks, num_kv_heads,
                    pid, h, b, first, seq_chunks, trace_ptr, slot, G, GP, HALVES, True, MERGE,
                    MERGE_UNROLL, MERGE_GROUP, TRACE)
-
-
-# The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that this
-# kernel takes too: the plan's, the merge's and the table read's.
-SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
-                    "MERGE_GROUP", "TABLE_AHEAD", "TRACE")
 
 
 def supports(q, cache_k, cache_v) -> bool:
