@@ -110,7 +110,7 @@ def _issue_copies(k_slot, v_slot, kd_ptr, vd_ptr, table_row, id0, start, tok_hi,
                           rows_per_block, W, T, BS, PAGED, PAGED, ROWS)
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY)))
     offs = gl.where(live, row, 0).to(gl.int64)[:, :, None] * HEAD_DIM + d[None, None, :]
-    mask = live[:, :, None] & (d < HEAD_DIM)[None, None, :]
+    mask = live[:, :, None]  # broadcast along d by the copy
     async_copy.async_copy_global_to_shared(k_slot, kd_ptr + offs, mask=mask)
     async_copy.async_copy_global_to_shared(v_slot, vd_ptr + offs, mask=mask)
     async_copy.commit_group()
@@ -226,8 +226,11 @@ def _shared_limit(device_index: int) -> int:
 
 def supports(q, cache_k, cache_v, cfg, paged: bool) -> bool:
     """Whether this kernel runs a launch of ``cfg`` (``DecodeConfig``): on a GPU, for the
-    shapes ``supports_shape`` accepts."""
-    return q.is_cuda and supports_shape(
+    shapes ``supports_shape`` accepts. Runs per decode call: other K/V types return
+    before the device's shared-memory limit is looked up."""
+    if not (q.is_cuda and cache_k.kv_type == cache_v.kv_type == "f16"):
+        return False
+    return supports_shape(
         cache_k.kv_type, cache_v.kv_type, q.shape[-1], q.shape[1] // cache_k.num_kv_heads,
         cache_k.block_size, cfg.block_n, cfg.num_warps, cfg.num_stages, paged,
         _shared_limit(q.device.index if q.device.index is not None

@@ -123,17 +123,24 @@ def test_f16_default_runs_the_gluon_ring(monkeypatch, paged):
     if paged:
         check("f16", "f16", lens)
     else:
-        ck, cv, _, _ = build_pool("f16", "f16", [5000] * 3, num_kv_heads=4, head_dim=256,
-                                  block_size=5000, extra_blocks=0, device="cuda")
-        table = torch.tensor([[2], [0], [1]], dtype=torch.int32)
-        q = torch.randn(3, 24, 256).half()
-        out = ops.paged_decode_attention(q.cuda(), ck, cv, table.cuda(),
-                                         torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                         0.0625)
-        torch.cuda.synchronize()
-        ref = decode_oracle(q, ck, cv, table.tolist(), lens, 0.0625)
-        assert rel_error(out, ref) <= bound("f16", "f16")
+        check_contiguous("f16", "f16", lens, [2, 0, 1])
     assert layouts == [paged]
+
+
+def check_contiguous(k_type, v_type, lens, order, config=None):
+    """The contiguous layout (one block per sequence, padded to the longest), the pool's
+    blocks assigned to the sequences in ``order``, against the oracle."""
+    pad = max(lens)
+    ck, cv, _, _ = build_pool(k_type, v_type, [pad] * len(lens), num_kv_heads=4,
+                              head_dim=256, block_size=pad, extra_blocks=0, device="cuda")
+    table = torch.tensor([[i] for i in order], dtype=torch.int32)
+    q = torch.randn(len(lens), 24, 256).half()
+    out = ops.paged_decode_attention(q.cuda(), ck, cv, table.cuda(),
+                                     torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                                     0.0625, config=config)
+    torch.cuda.synchronize()
+    ref = decode_oracle(q, ck, cv, table.tolist(), lens, 0.0625)
+    assert rel_error(out, ref) <= bound(k_type, v_type)
 
 
 @pytest.mark.parametrize("k_type,v_type,config", [
@@ -142,17 +149,7 @@ def test_f16_default_runs_the_gluon_ring(monkeypatch, paged):
     ("f16", "f16", dataclasses.replace(FRAGMENT_F16, num_stages=3)),
 ], ids=["f16", "triton-f16", "q4_0", "fragment-q4_0", "fragment-q8_0", "fragment-f16-s3"])
 def test_contiguous_layout(k_type, v_type, config):
-    lens = [4096, 1, 0, 2500]
-    ck, cv, _, _ = build_pool(k_type, v_type, [4096] * 4, num_kv_heads=4, head_dim=256,
-                              block_size=4096, extra_blocks=0, device="cuda")
-    table = torch.tensor([[3], [1], [0], [2]], dtype=torch.int32)
-    q = torch.randn(4, 24, 256).half()
-    out = ops.paged_decode_attention(q.cuda(), ck, cv, table.cuda(),
-                                     torch.tensor(lens, dtype=torch.int32, device="cuda"),
-                                     0.0625, config=config)
-    torch.cuda.synchronize()
-    ref = decode_oracle(q, ck, cv, table.tolist(), lens, 0.0625)
-    assert rel_error(out, ref) <= bound(k_type, v_type)
+    check_contiguous(k_type, v_type, [4096, 1, 0, 2500], [3, 1, 0, 2], config)
 
 
 def test_write_then_read_on_gpu():
