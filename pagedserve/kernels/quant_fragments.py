@@ -300,6 +300,20 @@ def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, layout: gl.co
 
 
 @gluon.jit
+def issue_above(never, ptr):
+    """A point the loads written before it are issued above, in the compiled loop.
+
+    ptxas schedules within basic blocks and, for the tile loop's loads of the next
+    tile, picks a late slot; a branch ends the block, so loads written above it are
+    issued above it. ``never`` is a run-time condition that is always false (the caller
+    passes ``num_blocks < 0``, which the host's checks rule out) and the branch's body a
+    store, which the compiler cannot drop or turn into a select: it keeps the branch,
+    and never runs."""
+    if never:
+        gl.store(ptr, 0.0)
+
+
+@gluon.jit
 def _bytes(words):
     """int32 words ``[W, T, 8, n]`` -> their bytes ``[W, T, 8, 4 n]`` (uint8), little
     endian; each word's bytes become the thread's next four registers."""
@@ -446,6 +460,11 @@ def fragment_decode_kernel(
     # rows they address, so that the table lookup's latency is not in front of the
     # payload loads.
     AHEAD: gl.constexpr = TABLE_AHEAD and WARP_IDS
+    # q8_0: the next tile's K loads go out before this tile's math (``issue_above``);
+    # left to ptxas they sink, with V's, to about 65% of the loop, and the K words then
+    # arrive late for the next tile's first products. (q4_0's registers do not allow it:
+    # measured slower, with spills.)
+    K_FIRST: gl.constexpr = not HALVES
     if WARP_IDS:
         id0, id1 = warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT)
     else:
@@ -475,6 +494,8 @@ def fragment_decode_kernel(
         rows, live_k = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
         kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
+        if K_FIRST:
+            issue_above(num_blocks < 0, part_ml_ptr)
         rows, live_v = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
                                  h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
         vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
