@@ -123,15 +123,25 @@ def loop_stats(kernel) -> dict:
                  if any("HMMA" in text for a, text in code if loop[1] <= a <= loop[2])]
     size, lo, hi = max(mma_loops or loops)
     ops, mem = collections.Counter(), collections.Counter()
+    # Where the 16-byte global loads are issued: how many come before the second half of
+    # the loop's MMAs (the O^T products, after S^T's), i.e. early in the iteration.
+    loads_early = 0
     for addr, text in code:
         if lo <= addr <= hi:
             ops[re.match(r"(@!?U?P\w+\s+)?([A-Z0-9_]+)", text).group(2)] += 1
             m = re.search(r"\b((?:LDG|LDGSTS|STS|LDS|STSM|LDSM)\S*)", text)
             if m:
                 mem[m.group(1)] += 1
+            if m and m.group(1) == "LDG.E.128" and 2 * ops["HMMA"] <= size_mma(code, lo, hi):
+                loads_early += 1
     return {"registers": int(regs), "spill_bytes": int(stack), "loop_instructions": size,
             "mma": ops["HMMA"], "top_ops": ops.most_common(8),
-            "memory_ops": dict(mem.most_common(6))}
+            "memory_ops": dict(mem.most_common(6)), "loads_before_pv": loads_early}
+
+
+def size_mma(code: list[tuple[int, str]], lo: int, hi: int) -> int:
+    """MMA instructions between addresses ``lo`` and ``hi``."""
+    return sum(1 for a, text in code if lo <= a <= hi and "HMMA" in text)
 
 
 def main(argv: list[str]) -> int:
@@ -157,6 +167,7 @@ def main(argv: list[str]) -> int:
               "values/thread")
         print(f"    ops {st['top_ops']}")
         print(f"    memory {st['memory_ops']}")
+        print(f"    16-byte global loads before the O^T MMAs: {st['loads_before_pv']}")
     return 0
 
 

@@ -69,6 +69,17 @@ q8_0 launch: 1681); no shared-memory traffic. 254-255 registers, so two programs
 warps) per SM: the accumulators of ``O^T`` (64 registers), the next tile's words (64)
 and the current tile's fragments are most of them.
 
+Where the next tile's loads go out is ptxas's choice: written at the top of the loop, it
+issues them at about 65% (q8_0) or 80% (q4_0) of the loop, after the current tile's S^T
+products, so the K words have little of a tile to arrive in. For q8_0 ``issue_above``
+(a block boundary after the K loads) keeps K's eight 16-byte loads per thread ahead of
+the O^T products (``K_FIRST``; checked by tests/kernels/test_quant_fragments.py): paged
+q8_0 1-1.5% faster at the large points, paged / contiguous 0.979-1.005 at every point
+against 0.963-0.990 (attention.md at 45c1639; probes in
+docs/benchmarks/logs/probes/45c1639_q8_0_k_first_ab.log). For q4_0 the same boundary
+cost spills and 9-12% on the paged side (397ce0a_quant_load_order_*), so its loads
+stay where ptxas puts them.
+
 End of a program (``fragment_warps.finish_program``, shared with ``float_fragments``):
 the warps' states combine after one layout conversion that gives each thread every
 warp's copy of its elements (``gl.sum`` over the warp axis of the MMA layout lowered to
@@ -460,7 +471,7 @@ def fragment_decode_kernel(
     # rows they address, so that the table lookup's latency is not in front of the
     # payload loads.
     AHEAD: gl.constexpr = TABLE_AHEAD and WARP_IDS
-    # q8_0: the next tile's K loads go out before this tile's math (``issue_above``);
+    # q8_0: the next tile's K loads go out before this tile's O^T products (``issue_above``);
     # left to ptxas they sink, with V's, to about 65% of the loop, and the K words then
     # arrive late for the next tile's first products. (q4_0's registers do not allow it:
     # measured slower, with spills.)

@@ -132,6 +132,18 @@ def test_kernel_compiles_for_sm90_with_its_layout_premises(spec, mma, paged):
     assert not any(op.startswith(("LDS", "STS", "LDSM", "STSM")) for op in stats["memory_ops"])
 
 
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_q8_0_issues_the_next_k_tile_before_the_pv_products(paged):
+    """``K_FIRST``: in the compiled q8_0 loop the next tile's K loads (8 16-byte loads per
+    thread: 16 rows of 256 bytes over 32 lanes) go out before this tile's ``O^T``
+    products; without ``issue_above`` ptxas put all 16 payload loads after them
+    (0 here), and paged q8_0 was 1-1.5% slower on the H200
+    (docs/benchmarks/logs/probes/45c1639_q8_0_k_first_ab.log)."""
+    stats = compile_for_sm90("q8_0:q8_0:fragment:64:4:1:block", paged)
+    assert stats["spill"] == 0
+    assert stats["loads_before_pv"] == 8
+
+
 def test_launcher_binds_every_kernel_argument(monkeypatch):
     """The Gluon kernel runs only on a GPU; on the CPU, check that the launcher's
     arguments (shared with the Triton kernel) bind the kernel's signature exactly: each
