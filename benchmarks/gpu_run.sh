@@ -80,7 +80,13 @@ for spec in "$@"; do
     # sequence (the latency-bound corner where SDPA is faster).
     # $NCU_CASES: TYPE:LENS[:LAYOUT] each (LENS ragged or comma-separated; LAYOUT paged or
     # contiguous), default the ragged case of each type and one 4K f16 sequence.
-    ncu-decode)    for case in ${NCU_CASES:-q4_0:ragged q8_0:ragged f16:ragged f16:4096}; do
+    # Stall reasons: warps stalled per issued instruction, by reason.
+    ncu-decode)    NCU_STALLS=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' \
+                     long_scoreboard short_scoreboard math_pipe_throttle mio_throttle wait \
+                     not_selected selected barrier lg_throttle dispatch_stall no_instruction \
+                     branch_resolving membar misc tex_throttle drain)
+                   NCU_STALLS=${NCU_STALLS%,}
+                   for case in ${NCU_CASES:-q4_0:ragged q8_0:ragged f16:ragged f16:4096}; do
                      IFS=: read -r kv lens layout <<< "$case"
                      run_stage "ncu-$kv-${lens//,/_}-${layout:-paged}" "$limit" ncu \
                        --clock-control none \
@@ -88,7 +94,7 @@ for spec in "$@"; do
                        --section SpeedOfLight --section Occupancy --section LaunchStats \
                        --section WarpStateStats --section SchedulerStats \
                        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-                       --metrics dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum \
+                       --metrics "dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,$NCU_STALLS" \
                        python3 benchmarks/ncu_decode.py --kv-type "$kv" --lens "$lens" \
                        --layout "${layout:-paged}"
                    done ;;

@@ -23,7 +23,11 @@ power of 2 so that chunks divide the lengths). Every side holds the same rows, s
 side's checksum must equal the contiguous one: a wrong address fails the run.
 
     python benchmarks/probe_pieces.py [--cases 4096x2 16384x1 ...] \\
-        [--block-sizes 16 32 64] [--table-read row|block] [--dry-run]
+        [--block-sizes 16 32 64] [--table-read row|block] [--all-heads] [--dry-run]
+
+``--all-heads`` adds two sides whose programs read all four K/V heads of 16 tokens per
+tile (as many programs, each over a quarter of the tokens): paged, a tile is then one
+16-token block's 32 KB run of the pool, read at once; contiguous, four 8 KB runs.
 
 Per case, timed side by side (``_common.time_sides``, graph replay, rotating copies
 that read >= 4x L2 per round): contiguous; paged over a shuffled pool for each block
@@ -58,10 +62,23 @@ CHUNKS_PER_HEAD = 32
 @triton.jit
 def _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, start, BS: tl.constexpr,
                   ROWS: tl.constexpr, WORDS: tl.constexpr, PAGED: tl.constexpr,
-                  BY_BLOCK: tl.constexpr):
+                  BY_BLOCK: tl.constexpr, HEADS: tl.constexpr):
     """Word offsets ``[ROWS, WORDS]`` of the tile of tokens ``start + arange(ROWS)``
     (``start`` a multiple of ``ROWS``). ``BY_BLOCK``: one table load per block, broadcast
     to its rows (the decode kernel's ``table_read="block"``), else one per row."""
+    if HEADS > 1:
+        # All K/V heads of ROWS / HEADS tokens (in one block): a paged tile is one run of
+        # the pool, a contiguous tile HEADS runs.
+        r = tl.arange(0, ROWS)
+        head = r // (ROWS // HEADS)
+        tok = start + r % (ROWS // HEADS)
+        if PAGED:
+            ids = tl.load(table_ptr + b * stride_tb + start // BS)
+            row = (ids * num_kv_heads + head) * BS + tok % BS
+        else:
+            slot = tl.load(table_ptr + b * stride_tb)
+            row = (slot * num_kv_heads + head) * ctx + tok
+        return row.to(tl.int64)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
     tok = start + tl.arange(0, ROWS)
     if PAGED and BY_BLOCK:
         NB: tl.constexpr = ROWS // BS
@@ -83,7 +100,8 @@ def _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, start, BS: tl.c
 @triton.jit
 def _read_kernel(k_ptr, v_ptr, table_ptr, sums_ptr, ctx, part, stride_tb, num_kv_heads,
                  BS: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr,
-                 PAGED: tl.constexpr, BY_BLOCK: tl.constexpr):
+                 PAGED: tl.constexpr, BY_BLOCK: tl.constexpr, HEADS: tl.constexpr):
+    TOKENS: tl.constexpr = ROWS // HEADS
     c = tl.program_id(0)
     h = tl.program_id(1)
     per_seq = ctx // part
@@ -94,12 +112,12 @@ def _read_kernel(k_ptr, v_ptr, table_ptr, sums_ptr, ctx, part, stride_tb, num_kv
     # double buffer: two tiles of K and V in flight per program, as the decode kernel's
     # three-stage copies keep).
     off = _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, lo, BS, ROWS, WORDS,
-                        PAGED, BY_BLOCK)
+                        PAGED, BY_BLOCK, HEADS)
     k = tl.load(k_ptr + off)
     v = tl.load(v_ptr + off)
-    for start in range(lo + ROWS, lo + part, ROWS):
+    for start in range(lo + TOKENS, lo + part, TOKENS):
         off = _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, start, BS, ROWS,
-                            WORDS, PAGED, BY_BLOCK)
+                            WORDS, PAGED, BY_BLOCK, HEADS)
         k_next = tl.load(k_ptr + off)
         v_next = tl.load(v_ptr + off)
         acc ^= k ^ v
@@ -115,20 +133,22 @@ class Side:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor | None,
                  block_size: int, n_seq: int, ctx: int, chunks: int,
-                 by_block: bool = False) -> None:
-        self.paged, self.by_block = table is not None, by_block
+                 by_block: bool = False, heads: int = 1) -> None:
+        self.paged, self.by_block, self.heads = table is not None, by_block, heads
         if table is None:
             table = torch.arange(n_seq, dtype=torch.int32, device=k.device)[:, None]
         self.k, self.v, self.table, self.block_size = k, v, table, block_size
-        self.ctx, self.part = ctx, n_seq * ctx // chunks
+        # heads > 1: one program per token range for ``heads`` K/V heads, as many
+        # programs as one per head (so each range is ``heads`` times shorter).
+        self.ctx, self.part = ctx, n_seq * ctx // (chunks * heads)
         self.sums = torch.empty(chunks * HKV, dtype=torch.int32, device=k.device)
-        self.grid = (chunks, HKV)
+        self.grid = (chunks * heads, HKV // heads)
 
     def run(self) -> None:
         _read_kernel[self.grid](self.k, self.v, self.table, self.sums, self.ctx, self.part,
                                 self.table.stride(0), HKV, BS=self.block_size, ROWS=ROWS,
                                 WORDS=WORDS, PAGED=self.paged, BY_BLOCK=self.by_block,
-                                num_warps=8)
+                                HEADS=self.heads, num_warps=8)
 
     def checksum(self) -> int:
         """The xor of every program's checksum: of every word of K and V read."""
@@ -165,27 +185,32 @@ def paged_copy(contig: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
 
 
 def run_case(n_seq: int, ctx: int, block_sizes: list[int], chunks: int, device: str,
-             method: str, l2_bytes: int, by_block: bool, seed: int = 0) -> dict:
+             method: str, l2_bytes: int, by_block: bool, all_heads: bool = False,
+             seed: int = 0) -> dict:
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (n_seq, HKV, ctx, WORDS)
     live = 2 * n_seq * HKV * ctx * WORDS * 4
     copies = ba.copies_for(live, l2_bytes, ba.FULL) if device == "cuda" else 1
     k, v = (torch.randint(-2**31, 2**31 - 1, shape, generator=gen, dtype=torch.int32,
                           device=device) for _ in range(2))
-    variants = [("contiguous", None, False)]
-    variants += [(f"bs{bs} shuffled", bs, False) for bs in block_sizes]
-    variants.append((f"bs{block_sizes[0]} in order", block_sizes[0], True))
+    variants = [("contiguous", None, False, 1)]
+    variants += [(f"bs{bs} shuffled", bs, False, 1) for bs in block_sizes]
+    variants.append((f"bs{block_sizes[0]} in order", block_sizes[0], True, 1))
+    if all_heads:
+        variants += [("contiguous all heads", None, False, HKV),
+                     ("bs16 shuffled all heads", 16, False, HKV)]
     sides = {}
-    for name, bs, in_order in variants:
+    for name, bs, in_order, heads in variants:
         reps = []
         for _ in range(copies):  # distinct allocations of the same rows
             if bs is None:
-                reps.append(Side(k.clone(), v.clone(), None, 1, n_seq, ctx, chunks))
+                reps.append(Side(k.clone(), v.clone(), None, 1, n_seq, ctx, chunks,
+                                 heads=heads))
             else:
                 table = block_placement(n_seq, ctx, bs, in_order,
                                         torch.Generator().manual_seed(seed + 1)).to(device)
                 reps.append(Side(paged_copy(k, table), paged_copy(v, table), table, bs, n_seq,
-                                 ctx, chunks, by_block))
+                                 ctx, chunks, by_block, heads))
         sides[name] = reps
     times = _common.time_sides({name: [s.run for s in reps] for name, reps in sides.items()},
                                method, min_rounds=8, min_seconds=0.05)
@@ -206,11 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-read", choices=("row", "block"), default="block",
                     help="paged sides: a table load per row, or one per block broadcast to "
                          "its rows (the decode kernel's table_read)")
+    ap.add_argument("--all-heads", action="store_true",
+                    help="also read all K/V heads of 16 tokens per tile (one 16-token "
+                         "block's run of the pool when paged), contiguous and shuffled")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if args.dry_run:
         device, method, chunks = "cpu", "eager", 2
-        cases = [(1, 128)]
+        cases = [(1, 256)]
     elif torch.cuda.is_available():
         device, method, chunks = "cuda", "graph", CHUNKS_PER_HEAD
         cases = []
@@ -234,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
           "paged per variant)", flush=True)
     for n, ctx in cases:
         row = run_case(n, ctx, args.block_sizes, chunks, device, method, l2,
-                       args.table_read == "block")
+                       args.table_read == "block", args.all_heads)
         rows.append(row)
         base = row["us"]["contiguous"]
         parts = [f"contig {base:8.1f} us ({row['live_bytes'] / base / 1e3:5.0f} GB/s)"]
