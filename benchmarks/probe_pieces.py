@@ -65,22 +65,20 @@ def _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, start, BS: tl.c
                   BY_BLOCK: tl.constexpr, HEADS: tl.constexpr):
     """Word offsets ``[ROWS, WORDS]`` of the tile of tokens ``start + arange(ROWS)``
     (``start`` a multiple of ``ROWS``). ``BY_BLOCK``: one table load per block, broadcast
-    to its rows (the decode kernel's ``table_read="block"``), else one per row."""
+    to its rows (the decode kernel's ``table_read="block"``), else one per row.
+    ``HEADS > 1``: the tile is all ``HEADS`` K/V heads of ``ROWS / HEADS`` tokens from
+    ``start`` (in one block): paged, one run of the pool; contiguous, ``HEADS`` runs."""
     if HEADS > 1:
-        # All K/V heads of ROWS / HEADS tokens (in one block): a paged tile is one run of
-        # the pool, a contiguous tile HEADS runs.
         r = tl.arange(0, ROWS)
         head = r // (ROWS // HEADS)
         tok = start + r % (ROWS // HEADS)
-        if PAGED:
-            ids = tl.load(table_ptr + b * stride_tb + start // BS)
-            row = (ids * num_kv_heads + head) * BS + tok % BS
-        else:
-            slot = tl.load(table_ptr + b * stride_tb)
-            row = (slot * num_kv_heads + head) * ctx + tok
-        return row.to(tl.int64)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
-    tok = start + tl.arange(0, ROWS)
-    if PAGED and BY_BLOCK:
+    else:
+        head = h
+        tok = start + tl.arange(0, ROWS)
+    if PAGED and HEADS > 1:
+        ids = tl.load(table_ptr + b * stride_tb + start // BS)
+        row = (ids * num_kv_heads + head) * BS + tok % BS
+    elif PAGED and BY_BLOCK:
         NB: tl.constexpr = ROWS // BS
         ids = tl.load(table_ptr + b * stride_tb + start // BS + tl.arange(0, NB))
         base = tl.reshape(tl.broadcast_to(((ids * num_kv_heads + h) * BS)[:, None], (NB, BS)),
@@ -93,7 +91,7 @@ def _tile_offsets(table_ptr, b, h, ctx, stride_tb, num_kv_heads, start, BS: tl.c
         # The sequence's slot from its one-column table, as the decode kernel's
         # contiguous layout reads it (once per tile here; an L1 hit after the first).
         slot = tl.load(table_ptr + b * stride_tb)
-        row = (slot * num_kv_heads + h) * ctx + tok
+        row = (slot * num_kv_heads + head) * ctx + tok
     return row.to(tl.int64)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
 
 
