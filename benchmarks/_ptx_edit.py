@@ -3,7 +3,11 @@
 ``probe_decode --ptx-warp-barriers``: the f16 ring's tile loop (``float_fragments``) with
 its CTA barriers turned into warp barriers. Each warp copies and reads only its own ring
 slots, so a warp barrier orders what the loop needs; Gluon's barrier analysis puts two
-CTA barriers in every tile, which hold the four warps together.
+CTA barriers in every tile, which hold the four warps together. The q4_0 / q8_0 kernel
+(``quant_fragments``) is routed the same way: its register design has no barrier in the
+loop (nothing changes), the shared-memory ring of
+docs/benchmarks/logs/probes/03d82e1_quant_ring.patch has two, and its warps too copy and
+read only their own rows.
 
 ``probe_decode --ptx-loop-barrier``: the q4_0 / q8_0 kernel (``quant_fragments``), which
 has no barrier in its loop, with a CTA barrier at the head of each tile (the warps of a
@@ -78,8 +82,9 @@ def _edited_launcher(kernel, edit):
     return run
 
 
-def install_ring_warp_barriers() -> None:
-    """Route ``float_fragments.launch`` through ``tile_loop_barriers_to_warp``."""
+def install_warp_barriers() -> None:
+    """Route ``float_fragments.launch`` and ``quant_fragments.launch`` through
+    ``tile_loop_barriers_to_warp``."""
     run = _edited_launcher(float_fragments.float_fragment_kernel, tile_loop_barriers_to_warp)
 
     def launch(grid, args, constants, num_warps, stages, maxnreg):
@@ -88,15 +93,22 @@ def install_ring_warp_barriers() -> None:
         run(grid, args, kwargs, num_warps, maxnreg)
 
     float_fragments.launch = launch
+    _route_quant(tile_loop_barriers_to_warp)
 
 
 def install_quant_loop_barrier() -> None:
     """Route ``quant_fragments.launch`` through ``tile_loop_head_barrier``."""
-    run = _edited_launcher(quant_fragments.fragment_decode_kernel, tile_loop_head_barrier)
+    _route_quant(tile_loop_head_barrier)
 
-    def launch(grid, args, constants, kv_type, num_warps, tokens_per_warp, maxnreg):
+
+def _route_quant(edit) -> None:
+    run = _edited_launcher(quant_fragments.fragment_decode_kernel, edit)
+
+    def launch(grid, args, constants, kv_type, num_warps, tokens_per_warp, maxnreg,
+               *stages):  # the ring patch adds the stage count
         kwargs = {k: constants[k] for k in quant_fragments.SHARED_CONSTANTS}
-        kwargs.update(quant_fragments.kernel_constants(kv_type, num_warps, tokens_per_warp))
+        kwargs.update(quant_fragments.kernel_constants(kv_type, num_warps, tokens_per_warp,
+                                                       *stages))
         run(grid, args, kwargs, num_warps, maxnreg)
 
     quant_fragments.launch = launch

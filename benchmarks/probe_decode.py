@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="time the contiguous side with the library's launch whatever the "
                          "paged launch (a paged-only what-if against the benchmark's baseline)")
     ap.add_argument("--ptx-warp-barriers", action="store_true",
-                    help="the f16 ring's loop with warp barriers instead of CTA barriers "
-                         "(benchmarks/_ptx_edit.py; a what-if)")
+                    help="the Gluon kernels' loops with warp barriers instead of CTA "
+                         "barriers (benchmarks/_ptx_edit.py; a what-if)")
     ap.add_argument("--ptx-loop-barrier", action="store_true",
                     help="the q4_0/q8_0 Gluon kernel with a CTA barrier at each tile "
                          "(benchmarks/_ptx_edit.py; a what-if)")
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ptx_warp_barriers or args.ptx_loop_barrier:
         import _ptx_edit
         if args.ptx_warp_barriers:
-            _ptx_edit.install_ring_warp_barriers()
+            _ptx_edit.install_warp_barriers()
         if args.ptx_loop_barrier:
             _ptx_edit.install_quant_loop_barrier()
     launches = [parse_launch(s, args.kv_type) for s in args.launch]
