@@ -50,3 +50,26 @@ def test_reader_checksums_every_row_once(block_size, in_order, by_block):
         for h in range(pp.HKV):
             rows = k[b, h, lo:lo + part] ^ v[b, h, lo:lo + part]
             assert int(side.sums[h * chunks + c]) == _xor_reduce(rows)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_all_heads_reader_checksums_every_row_once(paged):
+    """``--all-heads``: program c reads tokens [c P, c P + P) of every K/V head (P a
+    quarter of the one-head chunk), 16 tokens per tile."""
+    n_seq, ctx, chunks = 2, 64, 2
+    gen = torch.Generator().manual_seed(2)
+    k, v = (torch.randint(-2**31, 2**31 - 1, (n_seq, pp.HKV, ctx, pp.WORDS), generator=gen,
+                          dtype=torch.int32) for _ in range(2))
+    if paged:
+        table = pp.block_placement(n_seq, ctx, 16, False, torch.Generator().manual_seed(3))
+        side = pp.Side(pp.paged_copy(k, table), pp.paged_copy(v, table), table, 16, n_seq,
+                       ctx, chunks, heads=pp.HKV)
+    else:
+        side = pp.Side(k, v, None, 1, n_seq, ctx, chunks, heads=pp.HKV)
+    side.run()
+    assert side.checksum() == _xor_reduce(k ^ v)
+    part = n_seq * ctx // (chunks * pp.HKV)
+    for c in range(chunks * pp.HKV):
+        b, lo = divmod(c * part, ctx)
+        rows = k[b, :, lo:lo + part] ^ v[b, :, lo:lo + part]
+        assert int(side.sums[c]) == _xor_reduce(rows)
