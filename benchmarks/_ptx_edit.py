@@ -62,53 +62,40 @@ def tile_loop_head_barrier(ptx: str) -> tuple[str, str]:
     return "\n".join(lines) + "\n", "a CTA barrier at the tile loop's head"
 
 
-def _edited_launcher(kernel, edit):
-    """``run(grid, args, kwargs, num_warps, maxnreg)``: ``kernel`` launched from its PTX
-    as ``edit`` leaves it, one edited file per compiled variant."""
-    out_dir = tempfile.mkdtemp(prefix="ptx_edit_")
-    paths: dict = {}
+class _EditedKernel:
+    """Stands in for a Gluon kernel object: ``kernel[grid](*args, **kwargs)`` compiles
+    each variant once as usual, edits its PTX with ``edit``, and from then on launches
+    it from the edited PTX. The library's ``launch`` functions look their kernel up in
+    their module at call time, so replacing the module attribute routes them here with
+    their own arguments."""
 
-    def run(grid, args, kwargs, num_warps, maxnreg):
-        key = (tuple(sorted((k, repr(v)) for k, v in kwargs.items())), num_warps, maxnreg)
-        if key not in paths:
-            compiled = kernel[grid](*args, **kwargs, num_warps=num_warps, maxnreg=maxnreg)
-            ptx, what = edit(compiled.asm["ptx"])
-            paths[key] = os.path.join(out_dir, f"variant_{len(paths)}.ptx")
-            Path(paths[key]).write_text(ptx)
-            print(f"ptx-edit: {what} ({paths[key]})", flush=True)
-        kernel[grid](*args, **kwargs, num_warps=num_warps, maxnreg=maxnreg,
-                     ir_override=paths[key])
+    def __init__(self, kernel, edit) -> None:
+        self.kernel, self.edit = kernel, edit
+        self.out_dir = tempfile.mkdtemp(prefix="ptx_edit_")
+        self.paths: dict = {}
 
-    return run
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+            if key not in self.paths:
+                compiled = self.kernel[grid](*args, **kwargs)
+                ptx, what = self.edit(compiled.asm["ptx"])
+                self.paths[key] = os.path.join(self.out_dir, f"variant_{len(self.paths)}.ptx")
+                Path(self.paths[key]).write_text(ptx)
+                print(f"ptx-edit: {what} ({self.paths[key]})", flush=True)
+            self.kernel[grid](*args, **kwargs, ir_override=self.paths[key])
+        return call
 
 
 def install_warp_barriers() -> None:
-    """Route ``float_fragments.launch`` and ``quant_fragments.launch`` through
-    ``tile_loop_barriers_to_warp``."""
-    run = _edited_launcher(float_fragments.float_fragment_kernel, tile_loop_barriers_to_warp)
-
-    def launch(grid, args, constants, num_warps, stages, maxnreg):
-        kwargs = {k: constants[k] for k in float_fragments.SHARED_CONSTANTS}
-        kwargs.update(float_fragments.kernel_constants(num_warps, stages))
-        run(grid, args, kwargs, num_warps, maxnreg)
-
-    float_fragments.launch = launch
-    _route_quant(tile_loop_barriers_to_warp)
+    """Both Gluon kernels through ``tile_loop_barriers_to_warp``."""
+    float_fragments.float_fragment_kernel = _EditedKernel(
+        float_fragments.float_fragment_kernel, tile_loop_barriers_to_warp)
+    quant_fragments.fragment_decode_kernel = _EditedKernel(
+        quant_fragments.fragment_decode_kernel, tile_loop_barriers_to_warp)
 
 
 def install_quant_loop_barrier() -> None:
-    """Route ``quant_fragments.launch`` through ``tile_loop_head_barrier``."""
-    _route_quant(tile_loop_head_barrier)
-
-
-def _route_quant(edit) -> None:
-    run = _edited_launcher(quant_fragments.fragment_decode_kernel, edit)
-
-    def launch(grid, args, constants, kv_type, num_warps, tokens_per_warp, maxnreg,
-               *stages):  # the ring patch adds the stage count
-        kwargs = {k: constants[k] for k in quant_fragments.SHARED_CONSTANTS}
-        kwargs.update(quant_fragments.kernel_constants(kv_type, num_warps, tokens_per_warp,
-                                                       *stages))
-        run(grid, args, kwargs, num_warps, maxnreg)
-
-    quant_fragments.launch = launch
+    """The q4_0 / q8_0 kernel through ``tile_loop_head_barrier``."""
+    quant_fragments.fragment_decode_kernel = _EditedKernel(
+        quant_fragments.fragment_decode_kernel, tile_loop_head_barrier)

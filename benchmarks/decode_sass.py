@@ -125,6 +125,7 @@ def loop_stats(kernel) -> dict:
     ops, mem = collections.Counter(), collections.Counter()
     # Where the 16-byte global loads are issued: how many come before the second half of
     # the loop's MMAs (the O^T products, after S^T's), i.e. early in the iteration.
+    mma_total = sum(1 for a, text in code if lo <= a <= hi and "HMMA" in text)
     loads_early = 0
     for addr, text in code:
         if lo <= addr <= hi:
@@ -132,16 +133,11 @@ def loop_stats(kernel) -> dict:
             m = re.search(r"\b((?:LDG|LDGSTS|STS|LDS|STSM|LDSM)\S*)", text)
             if m:
                 mem[m.group(1)] += 1
-            if m and m.group(1) == "LDG.E.128" and 2 * ops["HMMA"] <= size_mma(code, lo, hi):
+            if m and m.group(1) == "LDG.E.128" and 2 * ops["HMMA"] <= mma_total:
                 loads_early += 1
     return {"registers": int(regs), "spill_bytes": int(stack), "loop_instructions": size,
             "mma": ops["HMMA"], "top_ops": ops.most_common(8),
             "memory_ops": dict(mem.most_common(6)), "loads_before_pv": loads_early}
-
-
-def size_mma(code: list[tuple[int, str]], lo: int, hi: int) -> int:
-    """MMA instructions between addresses ``lo`` and ``hi``."""
-    return sum(1 for a, text in code if lo <= a <= hi and "HMMA" in text)
 
 
 def main(argv: list[str]) -> int:
