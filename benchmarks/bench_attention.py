@@ -169,10 +169,11 @@ def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str,
 def contiguous_of(src: Inputs, pad_len: int) -> Inputs:
     """The same values, one block of ``pad_len`` rows per sequence (the padded layout)."""
     B, device = src.tables.shape[0], src.q.device
+    bs = src.k.block_size
+    pad_len = -(-pad_len // bs) * bs  # whole blocks (only what-if block sizes round up)
     caches = []
     for cache in (src.k, src.v):
         c = KVBlockStorage.allocate(cache.kv_type, B, pad_len, HKV, D, device=device)
-        bs = cache.block_size
         for b in range(B):
             n = -(-src.lens_list[b] // bs)
             ids = src.tables[b, :n].long()

@@ -40,8 +40,8 @@ from pagedserve.kernels.paged_decode import _paged_decode_kernel, launch_constan
 
 HQ, HKV, D, BS = 24, 4, 256, 16
 POINTER_TYPES = {"f16": "*fp16", "bf16": "*bf16", "q8_0": "*i8", "q4_0": "*u8"}
-DEFAULTS = ["f16:f16:fragment:64:4:2:block", "q8_0:q8_0:fragment:64:4:1:block",
-            "q4_0:q4_0:fragment:128:4:1:block", "q4_0:q4_0:packed:128:4:1"]
+DEFAULTS = ["f16:f16:fragment:64:4:2:block", "q8_0:q8_0:fragment:64:4:2:block",
+            "q4_0:q4_0:fragment:128:4:2:block", "q4_0:q4_0:packed:128:4:1"]
 
 
 def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = True):
@@ -60,7 +60,8 @@ def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = Tr
         kernel, source = quant_fragments.fragment_decode_kernel, GluonASTSource
         const = {k: const[k] for k in fragment_warps.SHARED_CONSTANTS}
         const.update(quant_fragments.kernel_constants(k_type, cfg.num_warps,
-                                                      cfg.block_n // cfg.num_warps))
+                                                      cfg.block_n // cfg.num_warps,
+                                                      cfg.num_stages))
     else:
         kernel, source = _paged_decode_kernel, ASTSource
     names = kernel.arg_names
@@ -106,11 +107,16 @@ def loop_stats(kernel) -> dict:
     """Registers, spills, and the main loop's instruction mix of a compiled kernel."""
     cubin = kernel.asm["cubin"]
     regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(cubin, "-res-usage")).groups()
-    code = []
-    for line in _cuobjdump(cubin, "-sass").splitlines():
+    code, stall = [], {}
+    lines = _cuobjdump(cubin, "-sass").splitlines()
+    for i, line in enumerate(lines):
         m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?);", line)
         if m:
             code.append((int(m.group(1), 16), m.group(2)))
+            # sm_70+: the second 64-bit word of an instruction holds its control bits, the
+            # stall count (cycles before the next instruction issues) at bits 41-44.
+            hi = re.search(r"/\* (0x[0-9a-f]+) \*/", lines[i + 1]) if i + 1 < len(lines) else None
+            stall[code[-1][0]] = (int(hi.group(1), 16) >> 41) & 0xF if hi else 0
     loops = []
     for addr, text in code:
         target = re.search(r"BRA .*0x([0-9a-f]+)", text)
@@ -136,6 +142,7 @@ def loop_stats(kernel) -> dict:
             if m and m.group(1) == "LDG.E.128" and 2 * ops["HMMA"] <= mma_total:
                 loads_early += 1
     return {"registers": int(regs), "spill_bytes": int(stack), "loop_instructions": size,
+            "stall_cycles": sum(stall[a] for a, _ in code if lo <= a <= hi),
             "mma": ops["HMMA"], "top_ops": ops.most_common(8),
             "memory_ops": dict(mem.most_common(6)), "loads_before_pv": loads_early}
 
@@ -164,6 +171,7 @@ def main(argv: list[str]) -> int:
         print(f"    ops {st['top_ops']}")
         print(f"    memory {st['memory_ops']}")
         print(f"    16-byte global loads before the O^T MMAs: {st['loads_before_pv']}")
+        print(f"    stall cycles scheduled in the loop (control codes): {st['stall_cycles']}")
     return 0
 
 

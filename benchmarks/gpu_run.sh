@@ -5,7 +5,7 @@
 #         tests-fragment (the Gluon q4_0 / q8_0 kernel's GPU tests) tests-triton (the rest)
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
-#         profile-engine ncu-decode bench-model bench-engine bench-serve probe-decode
+#         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve probe-decode
 #         trace-decode probe-pieces.
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/probe_decode.py with the
@@ -80,7 +80,8 @@ for spec in "$@"; do
     # sequence (the latency-bound corner where SDPA is faster).
     # $NCU_CASES: TYPE:LENS[:LAYOUT] each (LENS ragged or comma-separated; LAYOUT paged or
     # contiguous), default the ragged case of each type and one 4K f16 sequence.
-    # Stall reasons: warps stalled per issued instruction, by reason.
+    # Stall reasons: warps stalled per issued instruction, by reason. $NCU_ARGS: more
+    # ncu_decode.py arguments for every case (--launch, --window, --block-size).
     ncu-decode)    NCU_STALLS=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' \
                      long_scoreboard short_scoreboard math_pipe_throttle mio_throttle wait \
                      not_selected selected barrier lg_throttle dispatch_stall no_instruction \
@@ -96,7 +97,21 @@ for spec in "$@"; do
                        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                        --metrics "dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,$NCU_STALLS" \
                        python3 benchmarks/ncu_decode.py --kv-type "$kv" --lens "$lens" \
-                       --layout "${layout:-paged}"
+                       --layout "${layout:-paged}" ${NCU_ARGS:-}
+                   done ;;
+    # PC sampling of the same cases (and $NCU_ARGS): stall samples per SASS instruction,
+    # summarized by benchmarks/ncu_source.py into $OUT/ncu-source-<case>.log.
+    ncu-source)    for case in ${NCU_CASES:-q4_0:ragged:paged q4_0:ragged:contiguous}; do
+                     IFS=: read -r kv lens layout <<< "$case"
+                     name="ncu-source-$kv-${lens//,/_}-${layout:-paged}"
+                     ncu --clock-control none --kernel-name "regex:decode_kernel|float_fragment_kernel" \
+                       --launch-skip 2 --launch-count 1 --section SourceCounters \
+                       --section WarpStateStats -f -o "/tmp/$name" \
+                       python3 benchmarks/ncu_decode.py --kv-type "$kv" --lens "$lens" \
+                       --layout "${layout:-paged}" ${NCU_ARGS:-} > "/tmp/$name.run.log" 2>&1
+                     ncu --import "/tmp/$name.ncu-rep" --page source --csv --print-source sass \
+                       > "/tmp/$name.csv"
+                     run_stage "$name" "$limit" python3 benchmarks/ncu_source.py "/tmp/$name.csv"
                    done ;;
     # PROBE_ARGS may hold several argument lists separated by '|': one probe each.
     probe-decode)  IFS='|' read -ra probes <<< "${PROBE_ARGS:-}"

@@ -32,10 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--launch", default=None, help="a probe_decode.py launch (default: the "
                     "library's)")
     ap.add_argument("--layout", choices=("paged", "contiguous"), default="paged")
+    ap.add_argument("--window", type=int, default=0, help="as probe_decode.py's")
+    ap.add_argument("--block-size", type=int, default=None, help="as probe_decode.py's")
     args = ap.parse_args(argv)
     lens = RAGGED if args.lens == "ragged" else tuple(int(n) for n in args.lens.split(","))
     launch = parse_launch(args.launch or "default", args.kv_type)
-    inp = paged_inputs(args.kv_type, lens, seed=7, device="cuda")
+    extra = {} if args.block_size is None else {"block_size": args.block_size}
+    inp = paged_inputs(args.kv_type, lens, seed=7, device="cuda", window=args.window, **extra)
     if args.layout == "contiguous":
         inp = contiguous_of(inp, max(lens))
     runner = Runner("cuda")
