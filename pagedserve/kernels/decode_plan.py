@@ -170,26 +170,28 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
     its own speed, so that it stays an honest baseline). Only f16/bf16 use them (below).
 
     - q8_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of 16
-      tokens (32 spill: 208 bytes in the sm_90 loop), block ids a tile ahead, two
-      programs per SM (254 registers). Side by side on the H200 (probe at 1461e50, against
-      the Triton ``element`` launch below): ragged 119.1 us against 244.1, 8 x 128K 542.9
-      against 1233.8, paged / contiguous 0.978-0.994 over six points (0.935-0.985); one
-      4K sequence is slower, 23.9 against 20.2 us. Three programs per SM: 143.0 us ragged.
+      tokens, its shared-memory ring of two stages (68 KB; block ids ride the copies),
+      two programs per SM (205 registers paged). Side by side on the H200 against the
+      kernel's register double buffer (``num_stages=1``, ids a tile ahead), both layouts
+      (docs/benchmarks/logs/probes/2582e1a_ring_grid.log): paged ragged 107.9 us against
+      110.3, 8 x 128K 535.0 against 551.7, never slower at the 16 uniform points.
+      (Earlier: 119.1 against 244.1 for the Triton ``element`` launch, probe at 1461e50.)
     - Any other q8_0 (mixed with another type): ``element`` 64-row tiles, one stage, at
       most 168 registers, so that three programs share an SM (``default_occupancy``):
       105.4 us geomean in the ff68079 sweep, against 135.9 without the register cap and
       106.7 in ``packed`` mode. At 128-row tiles the loop spilled at 255 registers. One
       block-table load per 16-row block.
     - q4_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of 32
-      tokens, each warp's two block ids read a tile ahead of its rows, two programs per
-      SM (255 registers). Side by side on the H200 (probe at bb0c77c): ragged 128K +
-      7 x 8K paged 84.7 us (85.2 with ids read just in time), paged / contiguous
-      0.979-0.990 over six points (0.952-0.979 just in time). Earlier forms of the
-      kernel: 110.3 against 194.8 us for ``packed`` (afa8d20); 8 warps, or registers
-      capped at 200 or 168 (spilling), were slower (4e11065, 90ec28d). With the current
-      epilogue (e101f26) ragged is 74-76 us; 16 tokens per warp at 168 registers, three
-      programs per SM: 86.8 against 76.1 (f2d26c8); chunk budgets of four or six
-      programs per SM: 83.3 and 88.3 against 76.6 (5394b05).
+      tokens, its shared-memory ring of two stages (72 KB; block ids ride the copies),
+      two programs per SM (203 registers paged). Side by side on the H200 against the
+      register double buffer (``num_stages=1``, 253 registers, ids a tile ahead), both
+      layouts (2582e1a_ring_grid.log): ragged 128K + 7 x 8K paged 71.8 us against 76.4,
+      contiguous 70.2 against 75.7; 8 x 128K 357.5 against 358.7; at most 0.3 us slower
+      at the 4K points. Three stages, three programs per SM (168 registers), or 8 warps
+      were slower on the ragged case (77.4, 75.9, 85.3 us; 2582e1a_ring_occupancy.log).
+      Earlier forms: 110.3 against 194.8 us for ``packed`` (afa8d20); 16 tokens per warp
+      at 168 registers, three programs per SM: 86.8 against 76.1 (f2d26c8); chunk budgets
+      of four or six programs per SM: 83.3 and 88.3 against 76.6 (5394b05).
     - Else any q4_0: ``packed`` 128-row tiles (q4_0 as half tiles, ``kv_tiles``), one
       stage, two programs per SM: 84.7 us geomean in the same sweep; 64-row tiles 98.5,
       a 168-register cap 114.3, two stages 95.8. One table load per block, not one tile
@@ -252,14 +254,14 @@ _FLOAT_CONTIGUOUS_64 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_p
 @functools.cache
 def _quantized_config(k_type: str, v_type: str) -> DecodeConfig:
     if k_type == v_type == "q8_0":
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
-                            quant_dot="fragment", table_read="block", table_ahead=True)
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=128,
+                            quant_dot="fragment", table_read="block")
     if "q8_0" in (k_type, v_type):
         return DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
                             quant_dot="element", maxnreg=168, table_read="block")
     if k_type == v_type == "q4_0":
-        return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
-                            quant_dot="fragment", table_read="block", table_ahead=True)
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128,
+                            quant_dot="fragment", table_read="block")
     # q4_0 with a float type.
     return DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
                         quant_dot="packed", table_read="block", table_ahead=False)
@@ -271,7 +273,8 @@ def default_occupancy(k_type: str, v_type: str) -> float:
     many as ``default_config``'s launch fits on an SM, since a chunk count above that
     leaves a second wave.
 
-    q8_0 or q4_0 K and V (the Gluon kernel): two (255 registers). Other q8_0: three (168
+    q8_0 or q4_0 K and V (the Gluon kernel): two (about 205 registers, and a ring of 68-72
+    KB of shared memory). Other q8_0: three (168
     registers x 128 threads). Other q4_0: two (255 registers). f16 and bf16: one (the
     Gluon f16 ring takes 128 KB of shared memory; the Triton launches' three stages of
     64-row K and V tiles 141 KB, two of 128-row tiles 143 KB, per Nsight Compute): at

@@ -404,7 +404,7 @@ def paged_decode_attention(
                                cfg.maxnreg)
     elif kernel == "quant_fragments":
         quant_fragments.launch(grid, args, constants, cache_k.kv_type, cfg.num_warps,
-                               cfg.block_n // cfg.num_warps, cfg.maxnreg)
+                               cfg.block_n // cfg.num_warps, cfg.maxnreg, cfg.num_stages)
     elif trace is not None and not q.is_cuda:
         raise ValueError("trace= needs a GPU: the timer and SM reads are PTX, which the "
                          "Triton interpreter does not run")

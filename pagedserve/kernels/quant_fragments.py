@@ -99,7 +99,7 @@ from dataclasses import dataclass
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from pagedserve.kernels.decode_trace import record_program, stamp
 from pagedserve.kernels.fragment_warps import (
@@ -240,6 +240,12 @@ def _bits(n: int, dim: int, rank: int = 4, start: int = 0) -> list[list[int]]:
     return out
 
 
+def _flat(bases: list[list[int]], gb: int) -> list[list[int]]:
+    """Bases ``[w, t, g, byte]`` of a byte tile -> ``[w, t, word]`` of its word rows
+    (``word = g * GB / 4 + byte / 4``)."""
+    return [[b[0], b[1], b[2] * (gb // 4) + b[3] // 4] for b in bases]
+
+
 @functools.cache
 def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
     """The kernel's layouts (compile-time arguments) for one storage type, ``num_warps``
@@ -277,7 +283,39 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
         reg_bases=_bits(gb, 3) + _bits(t // 2, 1, start=2),
         lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
         warp_bases=warps, block_bases=[], shape=[w, t // 2, 8, gb])
+    # The shared-memory ring (``STAGES`` > 1): word tiles as [W, T, NW] rows of NW = 8 GB / 4
+    # words. Copies are coalesced (consecutive lanes, consecutive 16 bytes of a row); the
+    # reads take K_WORDS / V_WORDS as 3-d layouts, through a swizzle of the row's 16-byte
+    # chunks by the token, which makes both conflict-free.
+    nw = 8 * gb // 4
+    chunks = nw // 4
+    k_words3 = gl.DistributedLinearLayout(
+        reg_bases=_flat(_bits(gb, 3, start=2) + g0 + tok_hi, gb),
+        lane_bases=_flat(k_lanes, gb), warp_bases=_flat(warps, gb), block_bases=[],
+        shape=[w, t, nw])
+    v_words3 = gl.DistributedLinearLayout(
+        reg_bases=_flat(_bits(gb, 3, start=2) + [[0, 1, 0, 0]] + tok_hi, gb),
+        lane_bases=_flat(v_lanes, gb), warp_bases=_flat(warps, gb), block_bases=[],
+        shape=[w, t, nw])
+    scale_lanes = min(t, 32)
+    ring = dict(
+        K_WORDS3=k_words3, V_WORDS3=v_words3,
+        COPY_WORDS=gl.BlockedLayout([1, 1, 4], [1, 32 // chunks, chunks], [w, 1, 1],
+                                    [2, 1, 0]),
+        COPY_SCALES=gl.BlockedLayout([1, 1, 8 * scale_lanes // 32],
+                                     [1, scale_lanes, 32 // scale_lanes], [w, 1, 1],
+                                     [2, 1, 0]),
+        RING_WORDS=gl.SwizzledSharedLayout(4, 1, 8, order=[2, 1, 0]),
+        RING_SCALES=gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]),
+        # Block ids [W, 2]: each warp copies (and reads) its own two.
+        ID_COPY=gl.DistributedLinearLayout(
+            reg_bases=[[0, 1]], lane_bases=[[0, 0]] * 5,
+            warp_bases=[[1 << i, 0] for i in range(w.bit_length() - 1)], block_bases=[],
+            shape=[w, 2]),
+        ID_RING=gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]),
+    )
     return dict(
+        **ring,
         K_WORDS=k_words, K_BYTES=k_bytes, V_WORDS=v_words, V_LOAD=v_load, V_PAIR=v_pair,
         MMA=gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[w, 1, 1],
                                       instr_shape=[1, 16, 8]),
@@ -308,6 +346,68 @@ def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, layout: gl.co
     # value of it an exact 0 (a masked vector load would first zero its registers).
     words = gl.load(data_ptr.to(gl.pointer_type(gl.int32)) + word_off)
     return words, sc
+
+
+@gluon.jit
+def _id_pointers(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
+                 BS: gl.constexpr, layout: gl.constexpr):
+    """Table pointers ``[W, 2]`` of each warp's one or two block ids of the tile at
+    ``start`` (``warp_block_ids``; with ``BS >= T`` both columns are the one id), and
+    which lie before ``tok_hi``."""
+    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))[:, None]
+    c = gl.arange(0, 2, layout=gl.SliceLayout(0, layout))[None, :]
+    first = start + w * T
+    if BS < T:
+        lead = first + c * BS
+    else:
+        lead = first + c * 0
+    return table_row + lead // BS, lead < tok_hi
+
+
+@gluon.jit
+def _copy_ids(slot, table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
+              BS: gl.constexpr, layout: gl.constexpr):
+    """``cp.async`` of the ``_id_pointers`` ids into ``slot`` ``[W, 2]``; ids past
+    ``tok_hi`` are zero-filled (their rows are not live)."""
+    ptrs, mask = _id_pointers(table_row, start, tok_hi, W, T, BS, layout)
+    async_copy.async_copy_global_to_shared(slot, ptrs, mask=mask)
+
+
+@gluon.jit
+def _read_ids(slot, IDS: gl.constexpr, layout: gl.constexpr):
+    """The ids ``_copy_ids`` wrote to ``slot``, as ``[W]`` twice in ``layout``'s warp
+    slice."""
+    warp: gl.constexpr = gl.SliceLayout(1, layout)
+    a, b = gl.split(slot.load(IDS))
+    return (gl.convert_layout(a, warp, assert_trivial=True),
+            gl.convert_layout(b, warp, assert_trivial=True))
+
+
+@gluon.jit
+def _copy_tile(kw_slot, vw_slot, ks_slot, vs_slot, kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row,
+               id0, id1, start, tok_hi, num_blocks, num_kv_heads, h, rows_per_block,
+               W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr, PAGED: gl.constexpr,
+               WARP_IDS: gl.constexpr, NW: gl.constexpr, COPY_WORDS: gl.constexpr,
+               COPY_SCALES: gl.constexpr):
+    """``cp.async`` of the tile at ``start``: K and V payload rows (``[W, T, NW]`` words,
+    consecutive lanes on consecutive 16 bytes) and scales (``[W, T, 8]``) into one ring
+    stage, one commit group; rows not live are zero-filled, not read."""
+    rw: gl.constexpr = gl.SliceLayout(2, COPY_WORDS)
+    row, live = tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
+                          rows_per_block, W, T, BS, PAGED, WARP_IDS, rw)
+    c = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_WORDS)))
+    offs = gl.where(live, row, 0).to(gl.int64)[:, :, None] * NW + c[None, None, :]
+    async_copy.async_copy_global_to_shared(kw_slot, kd_ptr.to(gl.pointer_type(gl.int32)) + offs,
+                                           mask=live[:, :, None])
+    async_copy.async_copy_global_to_shared(vw_slot, vd_ptr.to(gl.pointer_type(gl.int32)) + offs,
+                                           mask=live[:, :, None])
+    rs: gl.constexpr = gl.SliceLayout(2, COPY_SCALES)
+    row, live = tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
+                          rows_per_block, W, T, BS, PAGED, WARP_IDS, rs)
+    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_SCALES)))
+    offs = gl.where(live, row, 0).to(gl.int64)[:, :, None] * 8 + g[None, None, :]
+    async_copy.async_copy_global_to_shared(ks_slot, ks_ptr + offs, mask=live[:, :, None])
+    async_copy.async_copy_global_to_shared(vs_slot, vs_ptr + offs, mask=live[:, :, None])
 
 
 @gluon.jit
@@ -414,6 +514,44 @@ def _pair_fragments(x, sc, PERM: gl.constexpr, HALVES: gl.constexpr, PAIR: gl.co
         return gl.convert_layout(_pair_relabel(gl.join(v0, v1), PERM, 8 * GB), layout)
 
 
+@gluon.jit
+def _tile_scores(kx, ks, q_lo, q_hi, K_PERM: gl.constexpr, HALVES: gl.constexpr,
+                 K_BYTES: gl.constexpr, MMA: gl.constexpr):
+    """``S^T = K . Q^T`` of one tile, ``[W, T, 8]`` (MMA): K's payload words ``[W, T, 8,
+    GB / 4]`` and scales ``[W, T, 8]`` (``K_WORDS``) dequantized where they were loaded
+    (the B arrangement), then renamed as the A operand."""
+    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)
+    kscale = gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES))
+    zeros = gl.zeros([kx.shape[0], kx.shape[1], MAX_GROUP], gl.float32, MMA)
+    if HALVES:
+        k_lo, k_hi = _k_fragments(kb, kscale, K_PERM, True, B_OP)
+        # Two independent accumulations: shorter dependency chains of MMAs.
+        return (mma_v2(_as_a_operand(k_lo, A_OP), q_lo, zeros)
+                + mma_v2(_as_a_operand(k_hi, A_OP), q_hi, zeros))
+    else:
+        return mma_v2(_as_a_operand(_k_fragments(kb, kscale, K_PERM, False, B_OP), A_OP),
+                      q_lo, zeros)
+
+
+@gluon.jit
+def _accumulate(vx, vs, p16, alpha_o, acc_lo, acc_hi, V_PAIR_PERM: gl.constexpr,
+                HALVES: gl.constexpr, V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
+                MMA: gl.constexpr):
+    """``O^T = alpha O^T + V^T . P^T`` over one tile: V's payload words and scales
+    (``V_WORDS``), the scores as the B operand ``p16``, the rescale ``alpha_o``
+    ``[W, 1, 8]``; the lo and hi label rows for q4_0, one accumulator for q8_0."""
+    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    vb = gl.convert_layout(_bytes(vx), V_LOAD, assert_trivial=True)
+    if HALVES:
+        v_lo, v_hi = _pair_fragments(vb, vs, V_PAIR_PERM, True, V_PAIR, A_OP)
+        return mma_v2(v_lo, p16, acc_lo * alpha_o), mma_v2(v_hi, p16, acc_hi * alpha_o)
+    else:
+        return mma_v2(_pair_fragments(vb, vs, V_PAIR_PERM, False, V_PAIR, A_OP), p16,
+                      acc_lo * alpha_o)
+
+
 @gluon.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
                               "max_chunks", "num_kv_heads"])
 def fragment_decode_kernel(
@@ -433,12 +571,14 @@ def fragment_decode_kernel(
     V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
     MMA: gl.constexpr, MERGE: gl.constexpr,
     K_PERM: gl.constexpr, Q_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr,
-    TRACE: gl.constexpr,
+    TRACE: gl.constexpr, STAGES: gl.constexpr,
+    K_WORDS3: gl.constexpr, V_WORDS3: gl.constexpr, COPY_WORDS: gl.constexpr,
+    COPY_SCALES: gl.constexpr, RING_WORDS: gl.constexpr, RING_SCALES: gl.constexpr,
+    ID_COPY: gl.constexpr, ID_RING: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = W * T
     NL: gl.constexpr = 8 * GB  # labels per product: one per byte (per nibble half)
     WPG: gl.constexpr = GB // 4
-    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8] per-head state, as S^T's n
     TOKENS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, T], as S^T's m
@@ -456,6 +596,7 @@ def fragment_decode_kernel(
         acc_hi = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)
     else:
         q_lo = load_q_operand(q_base, stride_qh, G, W, Q_PERM, False, B_OP)
+        q_hi = q_lo  # unused: q8_0 has no hi label rows
     acc_lo = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
     m_i, l_i = initial_state(W, HEADS)
 
@@ -467,79 +608,153 @@ def fragment_decode_kernel(
     KT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, K_WORDS))
     VT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
     WARP_IDS: gl.constexpr = PAGED and BS >= 16 and BS & (BS - 1) == 0
-    # AHEAD: the next tile's block ids (one or two per warp) are loaded a tile before the
-    # rows they address, so that the table lookup's latency is not in front of the
-    # payload loads.
-    AHEAD: gl.constexpr = TABLE_AHEAD and WARP_IDS
-    # q8_0: the next tile's K loads go out before this tile's O^T products (``issue_above``);
-    # left to ptxas they sink, with V's, to about 65% of the loop, and the K words then
-    # arrive late for the next tile's first products. (q4_0's registers do not allow it:
-    # measured slower, with spills.)
-    K_FIRST: gl.constexpr = not HALVES
-    if WARP_IDS:
-        id0, id1 = warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT)
+    if STAGES > 1:
+        # The shared-memory ring (the library's launch): tile i + STAGES - 1 is copied
+        # while tile i is computed. Each warp copies, and reads back, only its own rows.
+        NW: gl.constexpr = 8 * WPG
+        kw_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, T, NW], RING_WORDS)
+        vw_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, T, NW], RING_WORDS)
+        ks_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, 8], RING_SCALES)
+        vs_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, 8], RING_SCALES)
+        # Block ids ride the copy groups too (``_copy_ids``): the ids of tile j are copied
+        # with tile j - STAGES and read from ``id_ring`` slot j % (2 STAGES) after that
+        # group's wait, so that no global load is in flight across the loop. (A table
+        # load there holds a scoreboard through the whole tile, and ptxas then issues
+        # the dequantization chains back to back: paged 77.5 us against 71.6 on the
+        # ragged q4_0 case, docs/benchmarks/README.md, "Seventeenth session".) The first
+        # STAGES tiles' ids are loaded and stored here.
+        IDR: gl.constexpr = 2 * STAGES
+        if WARP_IDS:
+            id_ring = gl.allocate_shared_memory(gl.int32, [IDR, W, 2], ID_RING)
+            for j in gl.static_range(STAGES):
+                ptrs, mask = _id_pointers(table_row, tok_lo + j * BLOCK_N, tok_hi, W, T, BS,
+                                          ID_COPY)
+                id_ring.index(j).store(gl.load(ptrs, mask=mask, other=0))
+        for j in gl.static_range(STAGES - 1):
+            if WARP_IDS:
+                id0, id1 = _read_ids(id_ring.index(j), ID_COPY, KT)
+            else:
+                id0 = block0
+                id1 = block0
+            _copy_tile(kw_ring.index(j), vw_ring.index(j), ks_ring.index(j), vs_ring.index(j),
+                       kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1, tok_lo + j * BLOCK_N,
+                       tok_hi, num_blocks, num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
+                       WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
+            if WARP_IDS:
+                _copy_ids(id_ring.index(j + STAGES), table_row,
+                          tok_lo + (j + STAGES) * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
+            async_copy.commit_group()
+        # (id0, id1): the ids of the next tile to copy; (mid0, mid1): this tile's, for
+        # its mask.
+        if WARP_IDS:
+            id0, id1 = _read_ids(id_ring.index(STAGES - 1), ID_COPY, KT)
+            mid0, mid1 = _read_ids(id_ring.index(0), ID_COPY, KT)
+        else:
+            id0 = block0
+            id1 = block0
+            mid0 = block0
+            mid1 = block0
+        stamp(trace_ptr, slot, 2, TRACE)
+        for it in range(gl.cdiv(tok_hi - tok_lo, BLOCK_N)):
+            ahead = tok_lo + (it + STAGES - 1) * BLOCK_N
+            fill = (it + STAGES - 1) % STAGES
+            _copy_tile(kw_ring.index(fill), vw_ring.index(fill), ks_ring.index(fill),
+                       vs_ring.index(fill), kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1,
+                       ahead, tok_hi, num_blocks, num_kv_heads, h, rows_per_block, W, T, BS,
+                       PAGED, WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
+            if WARP_IDS:
+                _copy_ids(id_ring.index((it + 2 * STAGES - 1) % IDR), table_row,
+                          ahead + STAGES * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
+            async_copy.commit_group()
+            live = tile_rows(table_row, mid0, mid1, tok_lo + it * BLOCK_N, tok_hi, num_blocks,
+                             num_kv_heads, h, rows_per_block, W, T, BS, PAGED, WARP_IDS,
+                             TOKENS)[1]
+            async_copy.wait_group(STAGES - 1)
+            use = it % STAGES
+            kx = gl.convert_layout(gl.reshape(kw_ring.index(use).load(K_WORDS3),
+                                              [W, T, 8, WPG]), K_WORDS, assert_trivial=True)
+            ks = ks_ring.index(use).load(gl.SliceLayout(3, K_WORDS))
+            st = _tile_scores(kx, ks, q_lo, q_hi, K_PERM, HALVES, K_BYTES, MMA)
+            p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
+            p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
+            # V is read from the ring only now: its words are not held through S^T.
+            vx = gl.convert_layout(gl.reshape(vw_ring.index(use).load(V_WORDS3),
+                                              [W, T, 8, WPG]), V_WORDS, assert_trivial=True)
+            vs = vs_ring.index(use).load(gl.SliceLayout(3, V_WORDS))
+            if HALVES:
+                acc_lo, acc_hi = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_hi,
+                                             V_PAIR_PERM, True, V_LOAD, V_PAIR, MMA)
+            else:
+                acc_lo = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_lo,
+                                     V_PAIR_PERM, False, V_LOAD, V_PAIR, MMA)
+            if WARP_IDS:
+                # Read after this tile's wait (the group that brought them was this
+                # tile's) and before the next tile's first barrier, which orders these
+                # reads before their slots are copied into again.
+                if STAGES == 2:
+                    mid0, mid1 = id0, id1  # this iteration copied the next tile
+                else:
+                    mid0, mid1 = _read_ids(id_ring.index((it + 1) % IDR), ID_COPY, KT)
+                id0, id1 = _read_ids(id_ring.index((it + STAGES) % IDR), ID_COPY, KT)
+        async_copy.wait_group(0)
     else:
-        id0 = block0
-        id1 = block0
-    rows, live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                           rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
-    kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
-    rows, live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                           rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
-    vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
-    live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                     rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
-    if AHEAD:
-        id0, id1 = warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
-    stamp(trace_ptr, slot, 2, TRACE)
-    for start in range(tok_lo, tok_hi, BLOCK_N):
-        # The next tile's bytes are in flight while this one is computed.
-        nxt = start + BLOCK_N
-        if AHEAD:
-            nid0, nid1 = id0, id1
-            id0, id1 = warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT)
-        elif WARP_IDS:
-            nid0, nid1 = warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT)
+        # The register double buffer (``num_stages`` 1): the next tile's words are loaded
+        # into registers while this one is computed.
+        # AHEAD: the next tile's block ids (one or two per warp) are loaded a tile before
+        # the rows they address, so that the table lookup's latency is not in front of
+        # the payload loads.
+        AHEAD: gl.constexpr = TABLE_AHEAD and WARP_IDS
+        # q8_0: the next tile's K loads go out before this tile's O^T products
+        # (``issue_above``); left to ptxas they sink, with V's, to about 65% of the loop,
+        # and the K words then arrive late for the next tile's first products. (q4_0's
+        # registers do not allow it: measured slower, with spills.)
+        K_FIRST: gl.constexpr = not HALVES
+        if WARP_IDS:
+            id0, id1 = warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT)
         else:
-            nid0, nid1 = id0, id1
-        rows, live_k = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                 h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
-        kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
-        if K_FIRST:
-            issue_above(num_blocks < 0, part_ml_ptr)
-        rows, live_v = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                 h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
-        vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
-
-        # S^T = K . Q^T: K dequantized where its bytes were loaded (the B arrangement),
-        # then renamed as the A operand.
-        kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)
-        kscale = gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES))
-        zeros = gl.zeros([W, T, MAX_GROUP], gl.float32, MMA)
-        if HALVES:
-            k_lo, k_hi = _k_fragments(kb, kscale, K_PERM, True, B_OP)
-            # Two independent accumulations: shorter dependency chains of MMAs.
-            st = (mma_v2(_as_a_operand(k_lo, A_OP), q_lo, zeros)
-                  + mma_v2(_as_a_operand(k_hi, A_OP), q_hi, zeros))
-        else:
-            st = mma_v2(_as_a_operand(_k_fragments(kb, kscale, K_PERM, False, B_OP), A_OP),
-                        q_lo, zeros)
-        p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
-        alpha_o = alpha[:, None, :]
-        p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
-        live = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
+            id0 = block0
+            id1 = block0
+        rows, live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                               rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+        kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
+        rows, live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
+                               rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+        vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
+        live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+        if AHEAD:
+            id0, id1 = warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
+        stamp(trace_ptr, slot, 2, TRACE)
+        for start in range(tok_lo, tok_hi, BLOCK_N):
+            nxt = start + BLOCK_N
+            if AHEAD:
+                nid0, nid1 = id0, id1
+                id0, id1 = warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT)
+            elif WARP_IDS:
+                nid0, nid1 = warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT)
+            else:
+                nid0, nid1 = id0, id1
+            rows, live_k = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                     h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+            kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
+            if K_FIRST:
+                issue_above(num_blocks < 0, part_ml_ptr)
+            rows, live_v = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
+                                     h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+            vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
 
-        # O^T += V^T . P^T
-        vb = gl.convert_layout(_bytes(vx), V_LOAD, assert_trivial=True)
-        if HALVES:
-            v_lo, v_hi = _pair_fragments(vb, vs, V_PAIR_PERM, True, V_PAIR, A_OP)
-            acc_lo = mma_v2(v_lo, p16, acc_lo * alpha_o)
-            acc_hi = mma_v2(v_hi, p16, acc_hi * alpha_o)
-        else:
-            acc_lo = mma_v2(_pair_fragments(vb, vs, V_PAIR_PERM, False, V_PAIR, A_OP), p16,
-                            acc_lo * alpha_o)
-        kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
+            st = _tile_scores(kx, ks, q_lo, q_hi, K_PERM, HALVES, K_BYTES, MMA)
+            p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
+            p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
+            live = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
+                             rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+            if HALVES:
+                acc_lo, acc_hi = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_hi,
+                                             V_PAIR_PERM, True, V_LOAD, V_PAIR, MMA)
+            else:
+                acc_lo = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_lo,
+                                     V_PAIR_PERM, False, V_LOAD, V_PAIR, MMA)
+            kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
 
     if not HALVES:
         acc_hi = acc_lo
@@ -557,16 +772,19 @@ def supports(q, cache_k, cache_v) -> bool:
 
 
 @functools.cache
-def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int) -> dict:
+def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int,
+                     stages: int = 1) -> dict:
     """This kernel's own compile-time arguments for a storage type and warp shape (cached:
     eager decode launches per layer per step; callers must not modify the dict)."""
     geo = GEOMETRY[kv_type]
     return dict(W=num_warps, T=tokens_per_warp, GB=geo.group_bytes, HALVES=geo.halves,
+                STAGES=stages,
                 **fragment_layouts(kv_type, num_warps, tokens_per_warp))
 
 
 def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
-           num_warps: int, tokens_per_warp: int, maxnreg: int | None) -> None:
+           num_warps: int, tokens_per_warp: int, maxnreg: int | None,
+           stages: int = 1) -> None:
     """One launch over checked arguments: ``paged_decode.paged_decode_attention``'s grid
     and run-time arguments (the two kernels share them, the trace pointer last) and the
     Triton kernel's compile-time arguments (``paged_decode.launch_constants``), of which
@@ -575,6 +793,6 @@ def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
     fragment_decode_kernel[grid](
         *args,
         **{k: constants[k] for k in SHARED_CONSTANTS},
-        **kernel_constants(kv_type, num_warps, tokens_per_warp),
+        **kernel_constants(kv_type, num_warps, tokens_per_warp, stages),
         num_warps=num_warps, maxnreg=maxnreg,
     )

@@ -25,12 +25,15 @@ EDGE_LENS = [0, 1, 15, 16, 17, 31, 32, 33, 1000, 4097, 20000]
 
 
 # The Gluon kernels (the library's defaults): for q4_0 or q8_0 K and V
-# (kernels/quant_fragments.py) 32 tokens per warp for q4_0, 16 for q8_0; for f16 K and V
+# (kernels/quant_fragments.py) 32 tokens per warp for q4_0, 16 for q8_0, a shared-memory
+# ring of two stages (num_stages=1: the register double buffer); for f16 K and V
 # (kernels/float_fragments.py) 16 tokens per warp and a ring of two stages.
-FRAGMENT = DecodeConfig(block_n=128, num_warps=4, num_stages=1, min_partition=128,
+FRAGMENT = DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128,
                         quant_dot="fragment")
-FRAGMENT_Q8 = DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=128,
+FRAGMENT_Q8 = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=128,
                            quant_dot="fragment")
+REGISTERS = dataclasses.replace(FRAGMENT, num_stages=1)
+REGISTERS_Q8 = dataclasses.replace(FRAGMENT_Q8, num_stages=1)
 FRAGMENT_F16 = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=128,
                             quant_dot="fragment", table_read="block")
 FRAGMENT_CONFIGS = {"q4_0": FRAGMENT, "q8_0": FRAGMENT_Q8, "f16": FRAGMENT_F16}
@@ -146,8 +149,10 @@ def check_contiguous(k_type, v_type, lens, order, config=None):
 @pytest.mark.parametrize("k_type,v_type,config", [
     ("f16", "f16", None), ("f16", "f16", TRITON_F16), ("q4_0", "q4_0", None),
     ("q4_0", "q4_0", FRAGMENT), ("q8_0", "q8_0", FRAGMENT_Q8),
+    ("q4_0", "q4_0", REGISTERS), ("q8_0", "q8_0", REGISTERS_Q8),
     ("f16", "f16", dataclasses.replace(FRAGMENT_F16, num_stages=3)),
-], ids=["f16", "triton-f16", "q4_0", "fragment-q4_0", "fragment-q8_0", "fragment-f16-s3"])
+], ids=["f16", "triton-f16", "q4_0", "fragment-q4_0", "fragment-q8_0", "registers-q4_0",
+        "registers-q8_0", "fragment-f16-s3"])
 def test_contiguous_layout(k_type, v_type, config):
     check_contiguous(k_type, v_type, [4096, 1, 0, 2500], [3, 1, 0, 2], config)
 
@@ -225,14 +230,17 @@ def test_fragment_kernel_gqa(hkv, group, kv_type):
 
 @pytest.mark.parametrize("kv_type,config", [
     ("q4_0", FRAGMENT),
+    ("q4_0", REGISTERS),
+    ("q4_0", dataclasses.replace(FRAGMENT, num_stages=3)),
     ("q4_0", DecodeConfig(block_n=64, num_warps=2, num_stages=1, min_partition=64,
                           quant_dot="fragment")),
-    ("q4_0", DecodeConfig(block_n=256, num_warps=8, num_stages=1, min_partition=256,
+    ("q4_0", DecodeConfig(block_n=256, num_warps=8, num_stages=2, min_partition=256,
                           quant_dot="fragment")),
-    ("q4_0", DecodeConfig(block_n=64, num_warps=4, num_stages=1, min_partition=64,
+    ("q4_0", DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=64,
                           quant_dot="fragment")),
     ("q8_0", FRAGMENT_Q8),
-    ("q8_0", DecodeConfig(block_n=32, num_warps=2, num_stages=1, min_partition=64,
+    ("q8_0", REGISTERS_Q8),
+    ("q8_0", DecodeConfig(block_n=32, num_warps=2, num_stages=3, min_partition=64,
                           quant_dot="fragment")),
     ("f16", FRAGMENT_F16),
     ("f16", dataclasses.replace(FRAGMENT_F16, num_stages=3)),
@@ -240,22 +248,30 @@ def test_fragment_kernel_gqa(hkv, group, kv_type):
                          quant_dot="fragment")),
     ("f16", DecodeConfig(block_n=128, num_warps=8, num_stages=1, min_partition=128,
                          quant_dot="fragment")),
-], ids=["q4-w4", "q4-w2", "q4-w8", "q4-w4-t16", "q8-w4", "q8-w2", "f16-w4-s2", "f16-w4-s3",
-        "f16-w2-s4", "f16-w8-s1"])
+], ids=["q4-w4", "q4-w4-s1", "q4-w4-s3", "q4-w2-s1", "q4-w8", "q4-w4-t16", "q8-w4",
+        "q8-w4-s1", "q8-w2-s3", "f16-w4-s2", "f16-w4-s3", "f16-w2-s4", "f16-w8-s1"])
 def test_fragment_kernel_many_partitions(kv_type, config):
     check(kv_type, kv_type, EDGE_LENS, config=config, ws_kwargs=dict(chunks_per_head=1024))
 
 
 @pytest.mark.parametrize("kv_type", FRAGMENT_TYPES)
-@pytest.mark.parametrize("table_ahead", [True, False], ids=["ahead", "just-in-time"])
+@pytest.mark.parametrize("table_ahead", [True, False, "registers"],
+                         ids=["ahead", "just-in-time", "registers"])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 48])
 def test_fragment_kernel_block_sizes(block_size, table_ahead, kv_type):
     """Rows from two block ids per warp (16 with 32 tokens per warp: a warp's tokens span
     two blocks; 32, 64: one, at an offset in it), and from one id per row (8, 48: not a
     power of 2 >= 16; the f16 ring then falls back to the Triton kernel), with many
-    partitions so that chunks start mid-block. (The f16 ring reads ids ahead either
-    way.)"""
-    cfg = dataclasses.replace(FRAGMENT_CONFIGS[kv_type], table_ahead=table_ahead)
+    partitions so that chunks start mid-block. (The rings read ids ahead either way,
+    the q4_0 / q8_0 one through its copies; ``registers``: the q4_0 / q8_0 register
+    double buffer, ids a tile ahead.)"""
+    cfg = FRAGMENT_CONFIGS[kv_type]
+    if table_ahead == "registers":
+        if kv_type == "f16":
+            pytest.skip("f16 has no register design")
+        cfg = dataclasses.replace(cfg, num_stages=1)
+    else:
+        cfg = dataclasses.replace(cfg, table_ahead=table_ahead)
     check(kv_type, kv_type, EDGE_LENS, config=cfg, block_size=block_size,
           ws_kwargs=dict(chunks_per_head=64))
 
