@@ -5,9 +5,9 @@ its CTA barriers turned into warp barriers. Each warp copies and reads only its 
 slots, so a warp barrier orders what the loop needs; Gluon's barrier analysis puts two
 CTA barriers in every tile, which hold the four warps together. The q4_0 / q8_0 kernel
 (``quant_fragments``) is routed the same way: its register design has no barrier in the
-loop (nothing changes), the shared-memory ring of
-docs/benchmarks/logs/probes/03d82e1_quant_ring.patch has two, and its warps too copy and
-read only their own rows.
+loop (nothing changes); its shared-memory ring (the library's launch since d8fb4b4) has
+three, and its warps too copy and read only their own rows (slower with warp barriers:
+docs/benchmarks/logs/probes/2582e1a_ring_ids_ab.log).
 
 ``probe_decode --ptx-loop-barrier``: the q4_0 / q8_0 kernel (``quant_fragments``), which
 has no barrier in its loop, with a CTA barrier at the head of each tile (the warps of a

@@ -22,8 +22,8 @@ Work split. Program ``(c, h)`` takes chunk ``c`` of the partition plan (``decode
 for K/V head ``h``, as the Triton kernel does. Each of its W warps walks its own T
 tokens (32 for q4_0, 16 for q8_0, whose rows are twice the bytes) of every ``T W``-token
 tile with its own online softmax (no cross-warp traffic in the loop); the warps' states
-merge once at the end. The next tile's bytes are loaded before the current tile is
-computed (a register double buffer)::
+merge once at the end. The next tiles' bytes are in flight while the current tile is
+computed, in one of two ways (``num_stages``; "The ring" below)::
 
     per warp, per T-token tile (NL = 128 labels x2 halves for q4_0, 256 for q8_0)
     S^T  = K . Q^T   mma m16n8k16: A = K [T tokens, NL],
@@ -69,7 +69,32 @@ q8_0 launch: 1681); no shared-memory traffic. 254-255 registers, so two programs
 warps) per SM: the accumulators of ``O^T`` (64 registers), the next tile's words (64)
 and the current tile's fragments are most of them.
 
-Where the next tile's loads go out is ptxas's choice: written at the top of the loop, it
+The ring (``num_stages`` >= 2, the library's launch for both layouts). Each warp copies
+its own rows of tile i + STAGES - 1 with ``cp.async`` while tile i is computed, and reads
+tile i back with ``ld.shared`` straight into ``K_WORDS`` / ``V_WORDS``::
+
+    ring stage s, per warp w (STAGES x W slots of each):
+      K words [T rows][8 GB / 4 words]  swizzled: a row's 16-byte chunks permuted by its
+      V words [T rows][8 GB / 4 words]  token, so copies (consecutive lanes on consecutive
+      K scales [T rows][8 f16]          16 bytes of a row) and fragment reads are both
+      V scales [T rows][8 f16]          free of bank conflicts
+    id ring slot j % (2 STAGES): warp w's one or two block ids of tile j, copied with
+      tile j - STAGES, read after that tile's wait (the ids the copies address)
+
+Consecutive lanes copy consecutive 16 bytes of a row (each sector fetched once), and the
+loop holds no global load: the block ids ride the copies too (``_copy_ids``). A table
+load in the loop holds a scoreboard through the whole tile, and ptxas then issued the
+dequantization chains back to back (2572 stall cycles in the sm_90 loop's control codes
+against 1973 for the contiguous layout; with the id ring 1998): 77.5 us against 71.6 on
+the ragged q4_0 case (docs/benchmarks/logs/probes/2582e1a_ring_*). 203 registers (q4_0,
+paged; 168 contiguous) and 72 KB of shared memory (q8_0: 205, 68 KB), two programs per
+SM. Gluon's barrier analysis puts three CTA barriers in a paged tile (one orders the id
+reads before their slot's next copy) and two in a contiguous one; warp barriers would
+do, but tried by editing the PTX they were slower with the id ring (73.7 against 71.6
+us).
+
+The register double buffer (``num_stages=1``) loads the next tile's words into registers.
+Where those loads go out is ptxas's choice: written at the top of the loop, it
 issues them at about 65% (q8_0) or 80% (q4_0) of the loop, after the current tile's S^T
 products, so the K words have little of a tile to arrive in. For q8_0 ``issue_above``
 (a block boundary after the K loads) keeps K's eight 16-byte loads per thread ahead of
@@ -391,7 +416,7 @@ def _copy_tile(kw_slot, vw_slot, ks_slot, vs_slot, kd_ptr, ks_ptr, vd_ptr, vs_pt
                COPY_SCALES: gl.constexpr):
     """``cp.async`` of the tile at ``start``: K and V payload rows (``[W, T, NW]`` words,
     consecutive lanes on consecutive 16 bytes) and scales (``[W, T, 8]``) into one ring
-    stage, one commit group; rows not live are zero-filled, not read."""
+    stage (the caller commits the group); rows not live are zero-filled, not read."""
     rw: gl.constexpr = gl.SliceLayout(2, COPY_WORDS)
     row, live = tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
                           rows_per_block, W, T, BS, PAGED, WARP_IDS, rw)

@@ -254,9 +254,9 @@ def test_fragment_kernel_many_partitions(kv_type, config):
     check(kv_type, kv_type, EDGE_LENS, config=config, ws_kwargs=dict(chunks_per_head=1024))
 
 
-@pytest.mark.parametrize("kv_type", FRAGMENT_TYPES)
-@pytest.mark.parametrize("table_ahead", [True, False, "registers"],
-                         ids=["ahead", "just-in-time", "registers"])
+@pytest.mark.parametrize("kv_type,table_ahead", [
+    *itertools.product(FRAGMENT_TYPES, [True, False]), ("q4_0", "registers"),
+    ("q8_0", "registers")], ids=lambda v: {True: "ahead", False: "just-in-time"}.get(v, v))
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 48])
 def test_fragment_kernel_block_sizes(block_size, table_ahead, kv_type):
     """Rows from two block ids per warp (16 with 32 tokens per warp: a warp's tokens span
@@ -267,8 +267,6 @@ def test_fragment_kernel_block_sizes(block_size, table_ahead, kv_type):
     double buffer, ids a tile ahead.)"""
     cfg = FRAGMENT_CONFIGS[kv_type]
     if table_ahead == "registers":
-        if kv_type == "f16":
-            pytest.skip("f16 has no register design")
         cfg = dataclasses.replace(cfg, num_stages=1)
     else:
         cfg = dataclasses.replace(cfg, table_ahead=table_ahead)
