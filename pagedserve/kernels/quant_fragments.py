@@ -566,7 +566,9 @@ def _accumulate(vx, vs, p16, alpha_o, acc_lo, acc_hi, V_PAIR_PERM: gl.constexpr,
                 MMA: gl.constexpr):
     """``O^T = alpha O^T + V^T . P^T`` over one tile: V's payload words and scales
     (``V_WORDS``), the scores as the B operand ``p16``, the rescale ``alpha_o``
-    ``[W, 1, 8]``; the lo and hi label rows for q4_0, one accumulator for q8_0."""
+    ``[W, 1, 8]``; the lo and hi label rows for q4_0. q8_0 has one accumulator,
+    ``acc_lo``; its ``acc_hi`` is passed through unchanged (a loop-carried value the
+    compiler then drops)."""
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     vb = gl.convert_layout(_bytes(vx), V_LOAD, assert_trivial=True)
     if HALVES:
@@ -574,7 +576,7 @@ def _accumulate(vx, vs, p16, alpha_o, acc_lo, acc_hi, V_PAIR_PERM: gl.constexpr,
         return mma_v2(v_lo, p16, acc_lo * alpha_o), mma_v2(v_hi, p16, acc_hi * alpha_o)
     else:
         return mma_v2(_pair_fragments(vb, vs, V_PAIR_PERM, False, V_PAIR, A_OP), p16,
-                      acc_lo * alpha_o)
+                      acc_lo * alpha_o), acc_hi
 
 
 @gluon.jit(do_not_specialize=["batch", "num_blocks", "capacity", "chunk_budget",
@@ -623,6 +625,8 @@ def fragment_decode_kernel(
         q_lo = load_q_operand(q_base, stride_qh, G, W, Q_PERM, False, B_OP)
         q_hi = q_lo  # unused: q8_0 has no hi label rows
     acc_lo = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
+    if not HALVES:
+        acc_hi = acc_lo  # unused in the loop (``_accumulate``)
     m_i, l_i = initial_state(W, HEADS)
 
     table_row, rows_per_block, block0 = sequence_table(table_ptr, b, stride_tb, capacity, BS,
@@ -706,12 +710,8 @@ def fragment_decode_kernel(
             vx = gl.convert_layout(gl.reshape(vw_ring.index(use).load(V_WORDS3),
                                               [W, T, 8, WPG]), V_WORDS, assert_trivial=True)
             vs = vs_ring.index(use).load(gl.SliceLayout(3, V_WORDS))
-            if HALVES:
-                acc_lo, acc_hi = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_hi,
-                                             V_PAIR_PERM, True, V_LOAD, V_PAIR, MMA)
-            else:
-                acc_lo = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_lo,
-                                     V_PAIR_PERM, False, V_LOAD, V_PAIR, MMA)
+            acc_lo, acc_hi = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_hi,
+                                         V_PAIR_PERM, HALVES, V_LOAD, V_PAIR, MMA)
             if WARP_IDS:
                 # Read after this tile's wait (the group that brought them was this
                 # tile's) and before the next tile's first barrier, which orders these
@@ -773,12 +773,8 @@ def fragment_decode_kernel(
             p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
             live = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
                              rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
-            if HALVES:
-                acc_lo, acc_hi = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_hi,
-                                             V_PAIR_PERM, True, V_LOAD, V_PAIR, MMA)
-            else:
-                acc_lo = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_lo,
-                                     V_PAIR_PERM, False, V_LOAD, V_PAIR, MMA)
+            acc_lo, acc_hi = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_hi,
+                                         V_PAIR_PERM, HALVES, V_LOAD, V_PAIR, MMA)
             kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
 
     if not HALVES:
