@@ -58,16 +58,18 @@ registers for the next tile (a byte would take a register of its own); each toke
 (K's, V's, the scores') computes its own rows, since moving them between layouts goes
 through shared memory behind a barrier of all warps.
 
-Measured on the H200, side by side (docs/benchmarks/logs/probes/). q4_0, ragged 128K + 7 x
-8K paged: 111.2 us with V's bytes repacked before the asm, 97.6 with ``Q4_PAIRS_ASM``,
-93.4 with ``S^T = K . Q^T`` and unmasked payload loads, 84.7 with rows from warp-uniform
-block bases (185.4 for the Triton kernel), 74.0 with the epilogue below (trace runs at
-3083fb0 and e101f26: 83.2 before it). q8_0: 119.1 us against 244.1 for the Triton
-kernel, then 112.1. sm_90 tile loop (``benchmarks/decode_sass.py``): q4_0 2004 -> 1687 -> 1557 ->
-1363 instructions per 512 K+V values per thread; q8_0 819 per 256 (the Triton kernel's
-q8_0 launch: 1681); no shared-memory traffic. 254-255 registers, so two programs (8
-warps) per SM: the accumulators of ``O^T`` (64 registers), the next tile's words (64)
-and the current tile's fragments are most of them.
+Measured on the H200, side by side (docs/benchmarks/logs/probes/), in the register design
+(below) that came first. q4_0, ragged 128K + 7 x 8K paged: 111.2 us with V's bytes
+repacked before the asm, 97.6 with ``Q4_PAIRS_ASM``, 93.4 with ``S^T = K . Q^T`` and
+unmasked payload loads, 84.7 with rows from warp-uniform block bases (185.4 for the
+Triton kernel), 74.0 with the epilogue below (trace runs at 3083fb0 and e101f26: 83.2
+before it). q8_0: 119.1 us against 244.1 for the Triton kernel, then 112.1. sm_90 tile
+loop (``benchmarks/decode_sass.py``): q4_0 2004 -> 1687 -> 1557 -> 1363 instructions per
+512 K+V values per thread; q8_0 819 per 256 (the Triton kernel's q8_0 launch: 1681); no
+shared-memory traffic. 240-255 registers, so two programs (8 warps) per SM: the
+accumulators of ``O^T`` (64 registers), the next tile's words (64) and the current
+tile's fragments are most of them. The ring then took ragged q4_0 from 76.4 to 71.8 us
+(below).
 
 The ring (``num_stages`` >= 2, the library's launch for both layouts). Each warp copies
 its own rows of tile i + STAGES - 1 with ``cp.async`` while tile i is computed, and reads
