@@ -71,29 +71,15 @@ accumulators of ``O^T`` (64 registers), the next tile's words (64) and the curre
 tile's fragments are most of them. The ring then took ragged q4_0 from 76.4 to 71.8 us
 (below).
 
-The ring (``num_stages`` >= 2, the library's launch for both layouts). Each warp copies
-its own rows of tile i + STAGES - 1 with ``cp.async`` while tile i is computed, and reads
-tile i back with ``ld.shared`` straight into ``K_WORDS`` / ``V_WORDS``::
-
-    ring stage s, per warp w (STAGES x W slots of each):
-      K words [T rows][8 GB / 4 words]  swizzled: a row's 16-byte chunks permuted by its
-      V words [T rows][8 GB / 4 words]  token, so copies (consecutive lanes on consecutive
-      K scales [T rows][8 f16]          16 bytes of a row) and fragment reads are both
-      V scales [T rows][8 f16]          free of bank conflicts
-    id ring slot j % (2 STAGES): warp w's one or two block ids of tile j, copied with
-      tile j - STAGES, read after that tile's wait (the ids the copies address)
-
-Consecutive lanes copy consecutive 16 bytes of a row (each sector fetched once), and the
-loop holds no global load: the block ids ride the copies too (``_copy_ids``). A table
-load in the loop holds a scoreboard through the whole tile, and ptxas then issued the
-dequantization chains back to back (2572 stall cycles in the sm_90 loop's control codes
-against 1973 for the contiguous layout; with the id ring 1998): 77.5 us against 71.6 on
-the ragged q4_0 case (docs/benchmarks/logs/probes/2582e1a_ring_*). 203 registers (q4_0,
-paged; 168 contiguous) and 72 KB of shared memory (q8_0: 205, 68 KB), two programs per
-SM. Gluon's barrier analysis puts three CTA barriers in a paged tile (one orders the id
-reads before their slot's next copy) and two in a contiguous one; warp barriers would
-do, but tried by editing the PTX they were slower with the id ring (73.7 against 71.6
-us).
+The ring (``num_stages`` >= 2, the library's launch for both layouts; ``quant_ring``
+owns its layouts and copies). Each warp copies its own rows of tile i + STAGES - 1 with
+``cp.async`` while tile i is computed, and reads tile i back with ``ld.shared`` straight
+into ``K_WORDS`` / ``V_WORDS``; block ids ride the copies, so the loop holds no global
+load. 203 registers (q4_0, paged; 168 contiguous) and 72 KB of shared memory (q8_0: 205,
+68 KB), two programs per SM. Gluon's barrier analysis puts three CTA barriers in a paged
+tile (one orders the id reads before their slot's next copy) and two in a contiguous
+one; warp barriers would do, but tried by editing the PTX they were slower (73.7 against
+71.6 us on ragged q4_0).
 
 The register double buffer (``num_stages=1``) loads the next tile's words into registers.
 Where those loads go out is ptxas's choice: written at the top of the loop, it
@@ -145,6 +131,7 @@ from pagedserve.kernels.fragment_warps import (
     warp_block_ids,
 )
 from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM, Q8_PAIRS_ASM, q4_dequant_asm
+from pagedserve.kernels.quant_ring import copy_ids, copy_tile, id_pointers, read_ids, ring_layouts
 
 # V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
 # word of 4 bytes of row t ($8), the same 4 bytes of row t + 1 ($9) and the pair of their
@@ -267,12 +254,6 @@ def _bits(n: int, dim: int, rank: int = 4, start: int = 0) -> list[list[int]]:
     return out
 
 
-def _flat(bases: list[list[int]], gb: int) -> list[list[int]]:
-    """Bases ``[w, t, g, byte]`` of a byte tile -> ``[w, t, word]`` of its word rows
-    (``word = g * GB / 4 + byte / 4``)."""
-    return [[b[0], b[1], b[2] * (gb // 4) + b[3] // 4] for b in bases]
-
-
 @functools.cache
 def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
     """The kernel's layouts (compile-time arguments) for one storage type, ``num_warps``
@@ -310,37 +291,11 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
         reg_bases=_bits(gb, 3) + _bits(t // 2, 1, start=2),
         lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
         warp_bases=warps, block_bases=[], shape=[w, t // 2, 8, gb])
-    # The shared-memory ring (``STAGES`` > 1): word tiles as [W, T, NW] rows of NW = 8 GB / 4
-    # words. Copies are coalesced (consecutive lanes, consecutive 16 bytes of a row); the
-    # reads take K_WORDS / V_WORDS as 3-d layouts, through a swizzle of the row's 16-byte
-    # chunks by the token, which makes both conflict-free.
-    nw = 8 * gb // 4
-    chunks = nw // 4
-    k_words3 = gl.DistributedLinearLayout(
-        reg_bases=_flat(_bits(gb, 3, start=2) + g0 + tok_hi, gb),
-        lane_bases=_flat(k_lanes, gb), warp_bases=_flat(warps, gb), block_bases=[],
-        shape=[w, t, nw])
-    v_words3 = gl.DistributedLinearLayout(
-        reg_bases=_flat(_bits(gb, 3, start=2) + [[0, 1, 0, 0]] + tok_hi, gb),
-        lane_bases=_flat(v_lanes, gb), warp_bases=_flat(warps, gb), block_bases=[],
-        shape=[w, t, nw])
-    scale_lanes = min(t, 32)
-    ring = dict(
-        K_WORDS3=k_words3, V_WORDS3=v_words3,
-        COPY_WORDS=gl.BlockedLayout([1, 1, 4], [1, 32 // chunks, chunks], [w, 1, 1],
-                                    [2, 1, 0]),
-        COPY_SCALES=gl.BlockedLayout([1, 1, 8 * scale_lanes // 32],
-                                     [1, scale_lanes, 32 // scale_lanes], [w, 1, 1],
-                                     [2, 1, 0]),
-        RING_WORDS=gl.SwizzledSharedLayout(4, 1, 8, order=[2, 1, 0]),
-        RING_SCALES=gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]),
-        # Block ids [W, 2]: each warp copies (and reads) its own two.
-        ID_COPY=gl.DistributedLinearLayout(
-            reg_bases=[[0, 1]], lane_bases=[[0, 0]] * 5,
-            warp_bases=[[1 << i, 0] for i in range(w.bit_length() - 1)], block_bases=[],
-            shape=[w, 2]),
-        ID_RING=gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]),
-    )
+    # The shared-memory ring's layouts (``STAGES`` > 1; ``quant_ring``): its reads take
+    # K_WORDS / V_WORDS, whose word-start bases these are.
+    ring = ring_layouts(
+        w, t, gb, k_reads=_bits(gb, 3, start=2) + g0 + tok_hi, k_lanes=k_lanes,
+        v_reads=_bits(gb, 3, start=2) + [[0, 1, 0, 0]] + tok_hi, v_lanes=v_lanes, warps=warps)
     return dict(
         **ring,
         K_WORDS=k_words, K_BYTES=k_bytes, V_WORDS=v_words, V_LOAD=v_load, V_PAIR=v_pair,
@@ -373,68 +328,6 @@ def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, layout: gl.co
     # value of it an exact 0 (a masked vector load would first zero its registers).
     words = gl.load(data_ptr.to(gl.pointer_type(gl.int32)) + word_off)
     return words, sc
-
-
-@gluon.jit
-def _id_pointers(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
-                 BS: gl.constexpr, layout: gl.constexpr):
-    """Table pointers ``[W, 2]`` of each warp's one or two block ids of the tile at
-    ``start`` (``warp_block_ids``; with ``BS >= T`` both columns are the one id), and
-    which lie before ``tok_hi``."""
-    w = gl.arange(0, W, layout=gl.SliceLayout(1, layout))[:, None]
-    c = gl.arange(0, 2, layout=gl.SliceLayout(0, layout))[None, :]
-    first = start + w * T
-    if BS < T:
-        lead = first + c * BS
-    else:
-        lead = first + c * 0
-    return table_row + lead // BS, lead < tok_hi
-
-
-@gluon.jit
-def _copy_ids(slot, table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
-              BS: gl.constexpr, layout: gl.constexpr):
-    """``cp.async`` of the ``_id_pointers`` ids into ``slot`` ``[W, 2]``; ids past
-    ``tok_hi`` are zero-filled (their rows are not live)."""
-    ptrs, mask = _id_pointers(table_row, start, tok_hi, W, T, BS, layout)
-    async_copy.async_copy_global_to_shared(slot, ptrs, mask=mask)
-
-
-@gluon.jit
-def _read_ids(slot, IDS: gl.constexpr, layout: gl.constexpr):
-    """The ids ``_copy_ids`` wrote to ``slot``, as ``[W]`` twice in ``layout``'s warp
-    slice."""
-    warp: gl.constexpr = gl.SliceLayout(1, layout)
-    a, b = gl.split(slot.load(IDS))
-    return (gl.convert_layout(a, warp, assert_trivial=True),
-            gl.convert_layout(b, warp, assert_trivial=True))
-
-
-@gluon.jit
-def _copy_tile(kw_slot, vw_slot, ks_slot, vs_slot, kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row,
-               id0, id1, start, tok_hi, num_blocks, num_kv_heads, h, rows_per_block,
-               W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr, PAGED: gl.constexpr,
-               WARP_IDS: gl.constexpr, NW: gl.constexpr, COPY_WORDS: gl.constexpr,
-               COPY_SCALES: gl.constexpr):
-    """``cp.async`` of the tile at ``start``: K and V payload rows (``[W, T, NW]`` words,
-    consecutive lanes on consecutive 16 bytes) and scales (``[W, T, 8]``) into one ring
-    stage (the caller commits the group); rows not live are zero-filled, not read."""
-    rw: gl.constexpr = gl.SliceLayout(2, COPY_WORDS)
-    row, live = tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
-                          rows_per_block, W, T, BS, PAGED, WARP_IDS, rw)
-    c = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_WORDS)))
-    offs = gl.where(live, row, 0).to(gl.int64)[:, :, None] * NW + c[None, None, :]
-    async_copy.async_copy_global_to_shared(kw_slot, kd_ptr.to(gl.pointer_type(gl.int32)) + offs,
-                                           mask=live[:, :, None])
-    async_copy.async_copy_global_to_shared(vw_slot, vd_ptr.to(gl.pointer_type(gl.int32)) + offs,
-                                           mask=live[:, :, None])
-    rs: gl.constexpr = gl.SliceLayout(2, COPY_SCALES)
-    row, live = tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
-                          rows_per_block, W, T, BS, PAGED, WARP_IDS, rs)
-    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_SCALES)))
-    offs = gl.where(live, row, 0).to(gl.int64)[:, :, None] * 8 + g[None, None, :]
-    async_copy.async_copy_global_to_shared(ks_slot, ks_ptr + offs, mask=live[:, :, None])
-    async_copy.async_copy_global_to_shared(vs_slot, vs_ptr + offs, mask=live[:, :, None])
 
 
 @gluon.jit
@@ -647,7 +540,7 @@ def fragment_decode_kernel(
         vw_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, T, NW], RING_WORDS)
         ks_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, 8], RING_SCALES)
         vs_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, 8], RING_SCALES)
-        # Block ids ride the copy groups too (``_copy_ids``): the ids of tile j are copied
+        # Block ids ride the copy groups too (``quant_ring.copy_ids``): the ids of tile j are copied
         # with tile j - STAGES and read from ``id_ring`` slot j % (2 STAGES) after that
         # group's wait, so that no global load is in flight across the loop. (A table
         # load there holds a scoreboard through the whole tile, and ptxas then issues
@@ -658,28 +551,28 @@ def fragment_decode_kernel(
         if WARP_IDS:
             id_ring = gl.allocate_shared_memory(gl.int32, [IDR, W, 2], ID_RING)
             for j in gl.static_range(STAGES):
-                ptrs, mask = _id_pointers(table_row, tok_lo + j * BLOCK_N, tok_hi, W, T, BS,
+                ptrs, mask = id_pointers(table_row, tok_lo + j * BLOCK_N, tok_hi, W, T, BS,
                                           ID_COPY)
                 id_ring.index(j).store(gl.load(ptrs, mask=mask, other=0))
         for j in gl.static_range(STAGES - 1):
             if WARP_IDS:
-                id0, id1 = _read_ids(id_ring.index(j), ID_COPY, KT)
+                id0, id1 = read_ids(id_ring.index(j), ID_COPY, KT)
             else:
                 id0 = block0
                 id1 = block0
-            _copy_tile(kw_ring.index(j), vw_ring.index(j), ks_ring.index(j), vs_ring.index(j),
+            copy_tile(kw_ring.index(j), vw_ring.index(j), ks_ring.index(j), vs_ring.index(j),
                        kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1, tok_lo + j * BLOCK_N,
                        tok_hi, num_blocks, num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
                        WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
             if WARP_IDS:
-                _copy_ids(id_ring.index(j + STAGES), table_row,
+                copy_ids(id_ring.index(j + STAGES), table_row,
                           tok_lo + (j + STAGES) * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
             async_copy.commit_group()
         # (id0, id1): the ids of the next tile to copy; (mid0, mid1): this tile's, for
         # its mask.
         if WARP_IDS:
-            id0, id1 = _read_ids(id_ring.index(STAGES - 1), ID_COPY, KT)
-            mid0, mid1 = _read_ids(id_ring.index(0), ID_COPY, KT)
+            id0, id1 = read_ids(id_ring.index(STAGES - 1), ID_COPY, KT)
+            mid0, mid1 = read_ids(id_ring.index(0), ID_COPY, KT)
         else:
             id0 = block0
             id1 = block0
@@ -689,12 +582,12 @@ def fragment_decode_kernel(
         for it in range(gl.cdiv(tok_hi - tok_lo, BLOCK_N)):
             ahead = tok_lo + (it + STAGES - 1) * BLOCK_N
             fill = (it + STAGES - 1) % STAGES
-            _copy_tile(kw_ring.index(fill), vw_ring.index(fill), ks_ring.index(fill),
+            copy_tile(kw_ring.index(fill), vw_ring.index(fill), ks_ring.index(fill),
                        vs_ring.index(fill), kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1,
                        ahead, tok_hi, num_blocks, num_kv_heads, h, rows_per_block, W, T, BS,
                        PAGED, WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
             if WARP_IDS:
-                _copy_ids(id_ring.index((it + 2 * STAGES - 1) % IDR), table_row,
+                copy_ids(id_ring.index((it + 2 * STAGES - 1) % IDR), table_row,
                           ahead + STAGES * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
             async_copy.commit_group()
             live = tile_rows(table_row, mid0, mid1, tok_lo + it * BLOCK_N, tok_hi, num_blocks,
@@ -721,8 +614,8 @@ def fragment_decode_kernel(
                 if STAGES == 2:
                     mid0, mid1 = id0, id1  # this iteration copied the next tile
                 else:
-                    mid0, mid1 = _read_ids(id_ring.index((it + 1) % IDR), ID_COPY, KT)
-                id0, id1 = _read_ids(id_ring.index((it + STAGES) % IDR), ID_COPY, KT)
+                    mid0, mid1 = read_ids(id_ring.index((it + 1) % IDR), ID_COPY, KT)
+                id0, id1 = read_ids(id_ring.index((it + STAGES) % IDR), ID_COPY, KT)
         async_copy.wait_group(0)
     else:
         # The register double buffer (``num_stages`` 1): the next tile's words are loaded
