@@ -48,6 +48,9 @@ run_stage() {
   tail -n 25 "$OUT/$name.log"
 }
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs -x --tb=short"
+# Nsight Compute on the third decode-kernel launch of benchmarks/ncu_decode.py (ncu stages).
+NCU_KERNEL=(--clock-control none --kernel-name "regex:decode_kernel|float_fragment_kernel"
+            --launch-skip 2 --launch-count 1)
 for spec in "$@"; do
   stage=${spec%%:*}; limit=${spec##*:}
   echo "=== $stage (limit ${limit}s)"
@@ -90,9 +93,7 @@ for spec in "$@"; do
                    for case in ${NCU_CASES:-q4_0:ragged q8_0:ragged f16:ragged f16:4096}; do
                      IFS=: read -r kv lens layout <<< "$case"
                      run_stage "ncu-$kv-${lens//,/_}-${layout:-paged}" "$limit" ncu \
-                       --clock-control none \
-                       --kernel-name "regex:decode_kernel|float_fragment_kernel" --launch-skip 2 --launch-count 1 \
-                       --section SpeedOfLight --section Occupancy --section LaunchStats \
+                       "${NCU_KERNEL[@]}" --section SpeedOfLight --section Occupancy --section LaunchStats \
                        --section WarpStateStats --section SchedulerStats \
                        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                        --metrics "dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,$NCU_STALLS" \
@@ -104,9 +105,8 @@ for spec in "$@"; do
     ncu-source)    for case in ${NCU_CASES:-q4_0:ragged:paged q4_0:ragged:contiguous}; do
                      IFS=: read -r kv lens layout <<< "$case"
                      name="ncu-source-$kv-${lens//,/_}-${layout:-paged}"
-                     ncu --clock-control none --kernel-name "regex:decode_kernel|float_fragment_kernel" \
-                       --launch-skip 2 --launch-count 1 --section SourceCounters \
-                       --section WarpStateStats -f -o "/tmp/$name" \
+                     ncu "${NCU_KERNEL[@]}" --section SourceCounters --section WarpStateStats \
+                       -f -o "/tmp/$name" \
                        python3 benchmarks/ncu_decode.py --kv-type "$kv" --lens "$lens" \
                        --layout "${layout:-paged}" ${NCU_ARGS:-} > "/tmp/$name.run.log" 2>&1
                      ncu --import "/tmp/$name.ncu-rep" --page source --csv --print-source sass \

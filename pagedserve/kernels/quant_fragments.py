@@ -552,7 +552,7 @@ def fragment_decode_kernel(
             id_ring = gl.allocate_shared_memory(gl.int32, [IDR, W, 2], ID_RING)
             for j in gl.static_range(STAGES):
                 ptrs, mask = id_pointers(table_row, tok_lo + j * BLOCK_N, tok_hi, W, T, BS,
-                                          ID_COPY)
+                                         ID_COPY)
                 id_ring.index(j).store(gl.load(ptrs, mask=mask, other=0))
         for j in gl.static_range(STAGES - 1):
             if WARP_IDS:
@@ -561,12 +561,12 @@ def fragment_decode_kernel(
                 id0 = block0
                 id1 = block0
             copy_tile(kw_ring.index(j), vw_ring.index(j), ks_ring.index(j), vs_ring.index(j),
-                       kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1, tok_lo + j * BLOCK_N,
-                       tok_hi, num_blocks, num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
-                       WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
+                      kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1, tok_lo + j * BLOCK_N,
+                      tok_hi, num_blocks, num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
+                      WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
             if WARP_IDS:
                 copy_ids(id_ring.index(j + STAGES), table_row,
-                          tok_lo + (j + STAGES) * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
+                         tok_lo + (j + STAGES) * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
             async_copy.commit_group()
         # (id0, id1): the ids of the next tile to copy; (mid0, mid1): this tile's, for
         # its mask.
@@ -583,12 +583,12 @@ def fragment_decode_kernel(
             ahead = tok_lo + (it + STAGES - 1) * BLOCK_N
             fill = (it + STAGES - 1) % STAGES
             copy_tile(kw_ring.index(fill), vw_ring.index(fill), ks_ring.index(fill),
-                       vs_ring.index(fill), kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1,
-                       ahead, tok_hi, num_blocks, num_kv_heads, h, rows_per_block, W, T, BS,
-                       PAGED, WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
+                      vs_ring.index(fill), kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1,
+                      ahead, tok_hi, num_blocks, num_kv_heads, h, rows_per_block, W, T, BS,
+                      PAGED, WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
             if WARP_IDS:
                 copy_ids(id_ring.index((it + 2 * STAGES - 1) % IDR), table_row,
-                          ahead + STAGES * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
+                         ahead + STAGES * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
             async_copy.commit_group()
             live = tile_rows(table_row, mid0, mid1, tok_lo + it * BLOCK_N, tok_hi, num_blocks,
                              num_kv_heads, h, rows_per_block, W, T, BS, PAGED, WARP_IDS,

@@ -76,7 +76,7 @@ def ring_layouts(w: int, t: int, gb: int, *, k_reads: list[list[int]],
 
 @gluon.jit
 def id_pointers(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
-                 BS: gl.constexpr, layout: gl.constexpr):
+                BS: gl.constexpr, layout: gl.constexpr):
     """Table pointers ``[W, 2]`` of each warp's one or two block ids of the tile at
     ``start`` (``warp_block_ids``; with ``BS >= T`` both columns are the one id), and
     which lie before ``tok_hi``."""
@@ -92,7 +92,7 @@ def id_pointers(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
 
 @gluon.jit
 def copy_ids(slot, table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
-              BS: gl.constexpr, layout: gl.constexpr):
+             BS: gl.constexpr, layout: gl.constexpr):
     """``cp.async`` of the ``id_pointers`` ids into ``slot`` ``[W, 2]``; ids past
     ``tok_hi`` are zero-filled (their rows are not live)."""
     ptrs, mask = id_pointers(table_row, start, tok_hi, W, T, BS, layout)
@@ -111,10 +111,10 @@ def read_ids(slot, IDS: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def copy_tile(kw_slot, vw_slot, ks_slot, vs_slot, kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row,
-               id0, id1, start, tok_hi, num_blocks, num_kv_heads, h, rows_per_block,
-               W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr, PAGED: gl.constexpr,
-               WARP_IDS: gl.constexpr, NW: gl.constexpr, COPY_WORDS: gl.constexpr,
-               COPY_SCALES: gl.constexpr):
+              id0, id1, start, tok_hi, num_blocks, num_kv_heads, h, rows_per_block,
+              W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr, PAGED: gl.constexpr,
+              WARP_IDS: gl.constexpr, NW: gl.constexpr, COPY_WORDS: gl.constexpr,
+              COPY_SCALES: gl.constexpr):
     """``cp.async`` of the tile at ``start``: K and V payload rows (``[W, T, NW]`` words,
     consecutive lanes on consecutive 16 bytes) and scales (``[W, T, 8]``) into one ring
     stage (the caller commits the group); rows not live are zero-filled, not read."""

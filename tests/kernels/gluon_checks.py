@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import subprocess
@@ -42,13 +43,15 @@ def assert_binds_signature(seen: dict, arg_names: list[str], scale: float) -> in
     return n
 
 
+@functools.cache
 def compile_for_sm90(spec: str, paged: bool) -> dict:
     """Registers spilled, MMAs, memory instructions, the 16-byte global loads issued
     before the ``O^T`` MMAs (``loads_before_pv``) and the stall cycles its control codes
     schedule (``stall_cycles``) of the tile loop of launch ``spec``
     (``decode_sass.py``'s ``K:V:MODE:BLOCK_N:WARPS[:STAGES[:TABLE_READ]]``), compiled
     offline. A subprocess without ``TRITON_INTERPRET``: under the interpreter, Triton
-    functions cannot be compiled into a Gluon kernel."""
+    functions cannot be compiled into a Gluon kernel. Cached per launch (several tests
+    read the same compile; callers must not modify the dict)."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [sys.executable, str(root / "benchmarks" / "decode_sass.py"), spec]
