@@ -61,18 +61,24 @@ def relabel(x, PERM: gl.constexpr, shape: gl.constexpr):
 
 
 @gluon.jit
-def load_q_operand(q_base, row_stride, G: gl.constexpr, W: gl.constexpr,
-                   Q_PERM: gl.constexpr, HALVES: gl.constexpr, layout: gl.constexpr):
-    """q of the G heads as the ``B`` operand of ``S^T = K . Q^T``: f16 ``[W, NL, 8]``
-    (heads >= G zero), the same in every warp; for q4_0 twice, lo and hi labels. Loaded
-    in 16-byte vectors and relabelled (``k_label_to_byte``); one conversion into the
-    operand layout."""
+def load_q(q_base, row_stride, G: gl.constexpr, W: gl.constexpr):
+    """q of the G heads, f16 ``[W, 8, 256]`` (heads >= G zero, the same in every warp),
+    loaded in 16-byte vectors: each thread holds 32 consecutive values (one q4_0 / q8_0
+    group) of one head."""
     QL: gl.constexpr = gl.BlockedLayout([1, 1, 32], [1, 4, 8], [W, 1, 1], [2, 1, 0])
     warp = _arange3(W, 0, QL)
     head = _arange3(MAX_GROUP, 1, QL)
     d = _arange3(HEAD_DIM, 2, QL)
-    q = gl.load(q_base + (warp * 0 + head * row_stride + d), mask=(warp * 0 + head + d * 0) < G,
-                other=0.0).to(gl.float32).to(gl.float16)  # [W, 8, 256]
+    return gl.load(q_base + (warp * 0 + head * row_stride + d),
+                   mask=(warp * 0 + head + d * 0) < G, other=0.0).to(gl.float32).to(gl.float16)
+
+
+@gluon.jit
+def q_operand(q, Q_PERM: gl.constexpr, HALVES: gl.constexpr, layout: gl.constexpr):
+    """``load_q``'s q as the ``B`` operand of ``S^T = K . Q^T``: f16 ``[W, NL, 8]``; for
+    q4_0 twice, lo and hi labels. Relabelled (``Q_PERM``), then one conversion into the
+    operand layout."""
+    W: gl.constexpr = q.shape[0]
     if HALVES:
         # d = 32 g + 16 half + j -> lo / hi halves of [W, 8, g, j], then bytes -> labels.
         lo, hi = gl.split(gl.permute(gl.reshape(q, [W, MAX_GROUP, 8, 2, 16]), [0, 1, 2, 4, 3]))
@@ -82,6 +88,13 @@ def load_q_operand(q_base, row_stride, G: gl.constexpr, W: gl.constexpr,
     else:
         q = gl.permute(relabel(q, Q_PERM, [W, MAX_GROUP, HEAD_DIM]), [0, 2, 1])
         return gl.convert_layout(q, layout)
+
+
+@gluon.jit
+def load_q_operand(q_base, row_stride, G: gl.constexpr, W: gl.constexpr,
+                   Q_PERM: gl.constexpr, HALVES: gl.constexpr, layout: gl.constexpr):
+    """``q_operand`` of ``load_q``."""
+    return q_operand(load_q(q_base, row_stride, G, W), Q_PERM, HALVES, layout)
 
 
 @gluon.jit

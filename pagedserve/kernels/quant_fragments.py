@@ -8,8 +8,8 @@ takes all 255 registers (two programs per SM, 27% of the copy bandwidth on the r
 case). This kernel, written in Gluon (explicit layouts), never converts a dequantized
 value: each thread loads, as plain 16-byte vectors, exactly the payload bytes whose
 values its ``mma.sync`` fragments hold, and turns them into those fragments in place
-with a few lines of PTX (``Q4_HALVES_ASM``, ``Q8_PAIRS_ASM`` of ``kv_tiles``; the pair
-forms below), about two instructions per value.
+with a few lines of PTX (``Q8_PAIRS_ASM`` of ``kv_tiles``, ``Q4_GROUP_ASM`` and the pair
+forms below), one to two instructions per value.
 
 Shape: head_dim 256, K and V both q4_0 or both q8_0, at most 8 query heads per K/V head,
 on a GPU. ``paged_decode_attention`` dispatches here for ``quant_dot="fragment"`` and
@@ -42,9 +42,11 @@ row's 128 payload bytes are ``[group g (8)][byte j (16)]`` (``kv.formats``); byt
 group g holds values ``32 g + j`` (low nibble, the "lo" half) and ``32 g + 16 + j``
 (high nibble, "hi")::
 
-    K, per thread: 2 groups of contiguous bytes (32 for q4_0, 64 for q8_0) of each of
-       its token rows (4 or 2); label c <- byte (c0, c3, c4, .., c1, c2) as bits b0..
-       (q4_0: c0..c6 -> b0 b5 b6 b1 b2 b3 b4; ``k_label_to_byte``)
+    K, q8_0, per thread: 2 groups of contiguous bytes (64) of each of its 2 token
+       rows; label c <- byte (c0, c3, c4, .., c1, c2) as bits b0.. (``k_label_to_byte``)
+    K, q4_0, per thread: word ``lane % 4`` of every group of each of its 4 token rows;
+       label c <- byte (c3, c0, c1, c2, c4, c5, c6) as bits b0..b6, so each k-step of
+       16 labels is one group (``k_group_label_to_byte``; "Grouped scores" below)
     V, per thread: one group (16 or 32 bytes) of each of 8 or 4 token rows;
        label r <- byte (r3, r4, .., r0, r1, r2) as bits b0.. (``v_label_to_byte``)
 
@@ -57,6 +59,21 @@ it dequantizes (``_pair_fragments``), so no byte is repacked. Payload words, not
 registers for the next tile (a byte would take a register of its own); each token slice
 (K's, V's, the scores') computes its own rows, since moving them between layouts goes
 through shared memory behind a barrier of all warps.
+
+Grouped scores (q4_0's K, ``_tile_scores_grouped``). A q4_0 value is ``(nibble - 8) d``
+with d per row and group, so ``S^T = sum_g d_g (sum over group g of (nibble - 8) q)``:
+the products run on the raw nibbles (``Q4_GROUP_ASM``: one ``lop3`` per pair, f16
+1024 + nibble or 64 + nibble, exact), one accumulator per group, and the offsets
+(``_q_group_offsets``, from q once per program) and the scale are applied to each
+group's partial scores in f32, where per-value dequantization took a subtraction and a
+multiplication per pair (and rounded each value to f16). sm_90 loop, ragged q4_0 paged:
+1406 -> 1277 instructions, 1998 -> 1766 stall cycles; contiguous 1353 -> 1223. On the
+H200 (docs/benchmarks/logs/probes/049a781_q4_0_grouped_*.log) ragged q4_0 paged 71.2 ->
+68.1 us, contiguous 69.7 -> 66.1; 8 x 128K paged 337-343 -> 321-324 us. The faster
+contiguous side lowers paged / contiguous (0.94-0.97 at the short and 64K points), and
+one 4K sequence's paged call is 0.3-0.5 us slower (the prologue's q conversions, issued
+after the ring's first copies). V keeps the per-value form: folding its scale into P
+needs group-pure m-tiles of ``V^T``, another label layout.
 
 Measured on the H200, side by side (docs/benchmarks/logs/probes/), in the register design
 (below) that came first. q4_0, ragged 128K + 7 x 8K paged: 111.2 us with V's bytes
@@ -121,8 +138,10 @@ from pagedserve.kernels.fragment_warps import (
     SHARED_CONSTANTS,
     finish_program,
     initial_state,
+    load_q,
     load_q_operand,
     locate_program,
+    q_operand,
     relabel,
     scores_to_b_operand,
     sequence_table,
@@ -130,7 +149,7 @@ from pagedserve.kernels.fragment_warps import (
     tile_rows,
     warp_block_ids,
 )
-from pagedserve.kernels.kv_tiles import Q4_HALVES_ASM, Q8_PAIRS_ASM, q4_dequant_asm
+from pagedserve.kernels.kv_tiles import Q8_PAIRS_ASM, q4_dequant_asm
 from pagedserve.kernels.quant_ring import copy_ids, copy_tile, id_pointers, read_ids, ring_layouts
 
 # V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
@@ -174,6 +193,31 @@ mul.f16x2 $3, $3, $6;
 }
 """)
 
+# q4_0's K for ``_tile_scores_grouped``: a word's bytes b0..b3 ($4) -> their low nibbles as
+# f16 1024 + nibble and their high nibbles as f16 64 + nibble (at exponent 6 the mantissa's
+# bits 4..7 step by 1, so the high nibble needs no shift), with neither the offset 8 nor
+# the scale applied: both act on a group's partial scores, in f32. A register pairs
+# bytes 0 and 2 (1 and 3), so no prmt: outputs lo (b0, b2), lo (b1, b3), hi (b0, b2),
+# hi (b1, b3), i.e. output element j holds byte j with bits j0 and j1 swapped.
+Q4_GROUP_ASM = tl.constexpr("""
+{
+.reg .b32 u, nib, hinib, lomagic, himagic;
+mov.b32 nib, 0x000f000f;
+mov.b32 hinib, 0x00f000f0;
+mov.b32 lomagic, 0x64006400;
+mov.b32 himagic, 0x54005400;
+shr.b32 u, $4, 8;
+lop3.b32 $0, $4, nib, lomagic, 0xea;
+lop3.b32 $1, u, nib, lomagic, 0xea;
+lop3.b32 $2, $4, hinib, himagic, 0xea;
+lop3.b32 $3, u, hinib, himagic, 0xea;
+}
+""")
+# What Q4_GROUP_ASM's values exceed nibble - 8 by: 1024 + 8 (low) and 64 + 8 (high).
+LO_EXCESS = tl.constexpr(1032.0)
+HI_EXCESS = tl.constexpr(72.0)
+
+
 @dataclass(frozen=True)
 class Geometry:
     """The byte geometry of one storage type's rows (``kv.formats``), as the kernel reads
@@ -214,10 +258,27 @@ def v_label_to_byte(r: int, label_bits: int = 7) -> int:
     return ((r & 7) << (label_bits - 3)) | (r >> 3)
 
 
-def k_perm(label_bits: int, lead: int) -> list[int]:
+# q4_0's K labels per group (``_tile_scores_grouped``): label ``16 g + c`` of a half is
+# byte ``16 g + j`` with ``j0 = c3, j1 = c0, j2 = c1, j3 = c2``: each k-step (16 labels)
+# is one group's bytes, and a thread's four labels of it (c, c + 1, c + 8, c + 9) are one
+# word, bytes 0 and 2 paired in a register (``Q4_GROUP_ASM``).
+K_GROUP_LABEL_SOURCES = (1, 2, 3, 0, 4, 5, 6)
+# ``_k_group_operand``'s relabel of one group's ``Q4_GROUP_ASM`` output, ``[W, T, j3, j2,
+# j1', j0']`` (output element j' holds byte j with bits j0, j1 swapped) -> ``[W, T, c3,
+# c2, c1, c0]``.
+K_GROUP_PERM = tl.constexpr((0, 1, 4, 2, 3, 5))
+
+
+def k_group_label_to_byte(c: int) -> int:
+    """Byte of a q4_0 K row whose nibbles hold label ``c`` of the grouped scores."""
+    return sum(((c >> i) & 1) << src for i, src in enumerate(K_GROUP_LABEL_SOURCES))
+
+
+def k_perm(label_bits: int, lead: int, sources: tuple[int, ...] | None = None) -> list[int]:
     """``permute`` order taking ``[lead dims..., b_{n-1} .. b_0]`` to the labels
-    ``[lead dims..., c_{n-1} .. c_0]`` (``k_label_sources``)."""
-    n, src = label_bits, k_label_sources(label_bits)
+    ``[lead dims..., c_{n-1} .. c_0]``: label bit i is byte bit ``sources[i]``
+    (``k_label_sources`` by default)."""
+    n, src = label_bits, sources or k_label_sources(label_bits)
     return list(range(lead)) + [lead + n - 1 - src[i] for i in reversed(range(n))]
 
 
@@ -277,6 +338,19 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
     k_words = gl.DistributedLinearLayout(
         reg_bases=_bits(gb // 4, 3) + g0 + tok_hi, lane_bases=k_lanes, warp_bases=warps,
         block_bases=[], shape=[w, t, 8, gb // 4])
+    k_reads = _bits(gb, 3, start=2) + g0 + tok_hi
+    if geo.halves:
+        # q4_0, grouped (``_tile_scores_grouped``): a thread holds word ``lane % 4`` of
+        # every group of its token rows; k-steps walk the groups.
+        k_lanes = [[0, 0, 0, 4], [0, 0, 0, 8]] + _bits(8, 1)
+        k_bytes = gl.DistributedLinearLayout(
+            reg_bases=_bits(4, 3) + _bits(8, 2) + tok_hi, lane_bases=k_lanes,
+            warp_bases=warps, block_bases=[], shape=[w, t, 8, gb])
+        k_words = gl.DistributedLinearLayout(
+            reg_bases=_bits(8, 2) + tok_hi,
+            lane_bases=[[0, 0, 0, 1], [0, 0, 0, 2]] + _bits(8, 1), warp_bases=warps,
+            block_bases=[], shape=[w, t, 8, gb // 4])
+        k_reads = _bits(8, 2) + tok_hi
     # V: one group (GB contiguous bytes) of each of its rows; registers then take tokens
     # +1, +8 (+16), lanes tokens +2, +4 and the three group bits.
     v_lanes = [[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]]
@@ -294,7 +368,7 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
     # The shared-memory ring's layouts (``STAGES`` > 1; ``quant_ring``): its reads take
     # K_WORDS / V_WORDS, whose word-start bases these are.
     ring = ring_layouts(
-        w, t, gb, k_reads=_bits(gb, 3, start=2) + g0 + tok_hi, k_lanes=k_lanes,
+        w, t, gb, k_reads=k_reads, k_lanes=k_lanes,
         v_reads=_bits(gb, 3, start=2) + [[0, 1, 0, 0]] + tok_hi, v_lanes=v_lanes, warps=warps)
     return dict(
         **ring,
@@ -305,7 +379,14 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
         MERGE=gl.BlockedLayout([1, 4], [1, 32], [w, 1], [1, 0]),
         # Tuples: the launcher's compile-time arguments are hashed.
         K_PERM=tuple([0] + k_perm(geo.label_bits, 2)[2:] + [1]),
-        Q_PERM=tuple(k_perm(geo.label_bits, 2)),
+        Q_PERM=tuple(k_perm(geo.label_bits, 2,
+                            K_GROUP_LABEL_SOURCES if geo.halves else None)),
+        # q's per-group offsets [W, 8 heads, 8 groups] (``_q_group_offsets``): heads as
+        # in the MMA accumulator, groups in registers (one picked per k-step group).
+        CORR=gl.DistributedLinearLayout(
+            reg_bases=[[0, 1, 0]] + _bits(8, 2, rank=3),
+            lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]],
+            warp_bases=_warp_bases(w, 3), block_bases=[], shape=[w, 8, 8]),
         V_PAIR_PERM=tuple(v_pair_perm(geo.label_bits, t)),
     )
 
@@ -357,25 +438,18 @@ def _bytes(words):
 
 
 @gluon.jit
-def _k_fragments(x, sc, K_PERM: gl.constexpr, HALVES: gl.constexpr, layout: gl.constexpr):
-    """K payload and scales ``[W, T, 8, GB]`` relabelled to ``[W, NL, T]`` (``K_PERM``)
-    in the B operand ``layout``, dequantized: ``(nibble - 8) * d`` as ``(lo, hi)`` (q4_0),
-    or ``qs * d`` (q8_0), f16."""
+def _k_fragments(x, sc, K_PERM: gl.constexpr, layout: gl.constexpr):
+    """q8_0's K payload and scales ``[W, T, 8, GB]`` relabelled to ``[W, NL, T]``
+    (``K_PERM``) in the B operand ``layout``, dequantized: ``qs * d``, f16."""
     W: gl.constexpr = x.shape[0]
     T: gl.constexpr = x.shape[1]
-    NL: gl.constexpr = 8 * x.shape[3]  # one label per byte (per nibble half for q4_0)
+    NL: gl.constexpr = 8 * x.shape[3]  # one label per byte
     sc = gl.broadcast(sc[:, :, :, None], x)[0]
     x = gl.convert_layout(relabel(x, K_PERM, [W, NL, T]), layout, assert_trivial=True)
     sc = gl.convert_layout(relabel(sc, K_PERM, [W, NL, T]), layout, assert_trivial=True)
-    if HALVES:
-        return gl.inline_asm_elementwise(
-            Q4_HALVES_ASM, "=r,=r,=r,=r,r,r,r", [x, sc],
-            dtype=(gl.float16, gl.float16), is_pure=True, pack=4,
-        )
-    else:
-        return gl.inline_asm_elementwise(
-            Q8_PAIRS_ASM, "=r,=r,r,r,r", [x, sc], dtype=gl.float16, is_pure=True, pack=4,
-        )
+    return gl.inline_asm_elementwise(
+        Q8_PAIRS_ASM, "=r,=r,r,r,r", [x, sc], dtype=gl.float16, is_pure=True, pack=4,
+    )
 
 
 @gluon.jit
@@ -435,24 +509,132 @@ def _pair_fragments(x, sc, PERM: gl.constexpr, HALVES: gl.constexpr, PAIR: gl.co
 
 
 @gluon.jit
-def _tile_scores(kx, ks, q_lo, q_hi, K_PERM: gl.constexpr, HALVES: gl.constexpr,
-                 K_BYTES: gl.constexpr, MMA: gl.constexpr):
-    """``S^T = K . Q^T`` of one tile, ``[W, T, 8]`` (MMA): K's payload words ``[W, T, 8,
-    GB / 4]`` and scales ``[W, T, 8]`` (``K_WORDS``) dequantized where they were loaded
-    (the B arrangement), then renamed as the A operand."""
+def _pick_group(x, g: gl.constexpr):
+    """``x[..., g]`` of a rank-3 ``x`` whose last axis (8 groups) is in registers: three
+    splits, a renaming."""
+    y = gl.reshape(x, [x.shape[0], x.shape[1], 2, 2, 2])
+    a, b = gl.split(y)  # g0
+    if g % 2 == 1:
+        y = b
+    else:
+        y = a
+    a, b = gl.split(y)  # g1
+    if (g // 2) % 2 == 1:
+        y = b
+    else:
+        y = a
+    a, b = gl.split(y)  # g2
+    if g // 4 == 1:
+        y = b
+    else:
+        y = a
+    return y
+
+
+@gluon.jit
+def _q_group_offsets(q, layout: gl.constexpr):
+    """``-(LO_EXCESS * sum of q over group g's low-nibble values + HI_EXCESS * sum over
+    its high ones)`` for each head: f32 ``[W, 8 heads, 8 groups]`` in ``layout``, from
+    ``load_q``'s f16 q (as the products see it; a thread's 32 values are one group, so
+    the sums stay in the thread). Added to a group's partial scores of
+    ``Q4_GROUP_ASM``'s values it leaves ``sum (nibble - 8) q``."""
+    W: gl.constexpr = q.shape[0]
+    q = gl.reshape(q.to(gl.float32), [W, MAX_GROUP, 8, 32])
+    J: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, q.type.layout)))
+    j = gl.arange(0, 32, layout=J)
+    excess = gl.where(j < 16, -LO_EXCESS, -HI_EXCESS)[None, None, None, :]
+    return gl.convert_layout(gl.sum(q * excess, axis=3), layout)
+
+
+@gluon.jit
+def _q_state(q_base, row_stride, G: gl.constexpr, W: gl.constexpr, Q_PERM: gl.constexpr,
+             HALVES: gl.constexpr, B_OP: gl.constexpr, CORR: gl.constexpr):
+    """q as the loop needs it: ``(q_lo, q_hi, offsets)`` for q4_0 (``q_operand``,
+    ``_q_group_offsets``); q8_0's one operand (returned three times: q8_0 has no hi
+    labels and no group offsets)."""
+    if HALVES:
+        q = load_q(q_base, row_stride, G, W)
+        q_lo, q_hi = q_operand(q, Q_PERM, True, B_OP)
+        offsets = _q_group_offsets(q, CORR)
+    else:
+        q_lo = load_q_operand(q_base, row_stride, G, W, Q_PERM, False, B_OP)
+        q_hi = q_lo
+        offsets = q_lo
+    return q_lo, q_hi, offsets
+
+
+@gluon.jit
+def _tile_scores_grouped(kx, ks, q_lo, q_hi, offsets, K_BYTES: gl.constexpr,
+                         MMA: gl.constexpr):
+    """q4_0's ``S^T = K . Q^T`` of one tile, ``[W, T, 8]`` (MMA), a group at a time: the
+    products of K's raw nibble values (``Q4_GROUP_ASM``: no offset, no scale) with q's
+    labels of group g give the group's partial scores, exact in f32; adding q's group
+    ``offsets`` (``_q_group_offsets``) and multiplying by the rows' scale of group g
+    (``ks`` ``[W, T, 8]``) is then two f32 operations per score and group, where the
+    per-value dequantization took two f16 operations per pair of values (and rounded
+    each value to f16). ``kx``: K's words ``[W, T, 8, 4]`` (``K_WORDS``: word ``lane %
+    4`` of every group); ``q_lo``, ``q_hi``: ``[W, 128, 8]`` (labels ``16 g + c``,
+    ``K_GROUP_LABEL_SOURCES``)."""
+    W: gl.constexpr = kx.shape[0]
+    T: gl.constexpr = kx.shape[1]
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-    kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)
-    kscale = gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES))
-    zeros = gl.zeros([kx.shape[0], kx.shape[1], MAX_GROUP], gl.float32, MMA)
+    kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)  # [W, T, 8, 16]
+    lo, hi = gl.inline_asm_elementwise(Q4_GROUP_ASM, "=r,=r,=r,=r,r", [kb],
+                                       dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+    d = ks.to(gl.float32)  # [W, T, 8 groups]
+    zeros = gl.zeros([W, T, MAX_GROUP], gl.float32, MMA)
+    st = zeros
+    for g in gl.static_range(8):
+        c = mma_v2(_k_group_operand(lo, g, A_OP), _q_group_operand(q_lo, g, B_OP), zeros)
+        c = mma_v2(_k_group_operand(hi, g, A_OP), _q_group_operand(q_hi, g, B_OP), c)
+        dg = gl.convert_layout(_pick_group(d, g), gl.SliceLayout(2, MMA))
+        og = gl.convert_layout(_pick_group(offsets, g), gl.SliceLayout(1, MMA))
+        st = st + dg[:, :, None] * (c + og[:, None, :])
+    return st
+
+
+@gluon.jit
+def _k_group_operand(x, g: gl.constexpr, layout: gl.constexpr):
+    """Group g of ``Q4_GROUP_ASM``'s output ``[W, T, 8, 16]`` as the A operand ``[W, T,
+    16 labels]``: output element j' (byte j with bits j0, j1 swapped) -> label ``c =
+    j0' + 2 j2 + 4 j3 + 8 j1'`` (``K_GROUP_LABEL_SOURCES``). Renamings only."""
+    W: gl.constexpr = x.shape[0]
+    T: gl.constexpr = x.shape[1]
+    y = gl.reshape(gl.permute(x, [0, 1, 3, 2]), [W, T * 16, 8])
+    y = gl.reshape(_pick_group(y, g), [W, T, 2, 2, 2, 2])  # [W, T, j3, j2, j1', j0']
+    y = gl.permute(y, K_GROUP_PERM.value)
+    return gl.convert_layout(gl.reshape(y, [W, T, 16]), layout)
+
+
+@gluon.jit
+def _q_group_operand(q, g: gl.constexpr, layout: gl.constexpr):
+    """Labels ``16 g .. 16 g + 15`` of q's operand ``[W, 128, 8]``: ``[W, 16, 8]`` in the
+    B operand ``layout`` of one k-step."""
+    W: gl.constexpr = q.shape[0]
+    y = gl.permute(gl.reshape(q, [W, 8, 16, MAX_GROUP]), [0, 2, 3, 1])  # [W, 16, 8, 8 g]
+    y = gl.reshape(y, [W, 16 * MAX_GROUP, 8])
+    y = gl.reshape(_pick_group(y, g), [W, 16, MAX_GROUP])
+    return gl.convert_layout(y, layout)
+
+
+@gluon.jit
+def _tile_scores(kx, ks, q_lo, q_hi, offsets, K_PERM: gl.constexpr, HALVES: gl.constexpr,
+                 K_BYTES: gl.constexpr, MMA: gl.constexpr):
+    """``S^T = K . Q^T`` of one tile, ``[W, T, 8]`` (MMA). q4_0: a group at a time
+    (``_tile_scores_grouped``). q8_0: K's payload words ``[W, T, 8, GB / 4]`` and scales
+    ``[W, T, 8]`` (``K_WORDS``) dequantized where they were loaded (the B arrangement),
+    then renamed as the A operand."""
     if HALVES:
-        k_lo, k_hi = _k_fragments(kb, kscale, K_PERM, True, B_OP)
-        # Two independent accumulations: shorter dependency chains of MMAs.
-        return (mma_v2(_as_a_operand(k_lo, A_OP), q_lo, zeros)
-                + mma_v2(_as_a_operand(k_hi, A_OP), q_hi, zeros))
+        st = _tile_scores_grouped(kx, ks, q_lo, q_hi, offsets, K_BYTES, MMA)
     else:
-        return mma_v2(_as_a_operand(_k_fragments(kb, kscale, K_PERM, False, B_OP), A_OP),
-                      q_lo, zeros)
+        A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+        B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+        kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)
+        kscale = gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES))
+        zeros = gl.zeros([kx.shape[0], kx.shape[1], MAX_GROUP], gl.float32, MMA)
+        st = mma_v2(_as_a_operand(_k_fragments(kb, kscale, K_PERM, B_OP), A_OP), q_lo, zeros)
+    return st
 
 
 @gluon.jit
@@ -496,7 +678,7 @@ def fragment_decode_kernel(
     TRACE: gl.constexpr, STAGES: gl.constexpr,
     K_WORDS3: gl.constexpr, V_WORDS3: gl.constexpr, COPY_WORDS: gl.constexpr,
     COPY_SCALES: gl.constexpr, RING_WORDS: gl.constexpr, RING_SCALES: gl.constexpr,
-    ID_COPY: gl.constexpr, ID_RING: gl.constexpr,
+    ID_COPY: gl.constexpr, ID_RING: gl.constexpr, CORR: gl.constexpr,
 ):
     BLOCK_N: gl.constexpr = W * T
     NL: gl.constexpr = 8 * GB  # labels per product: one per byte (per nibble half)
@@ -513,14 +695,10 @@ def fragment_decode_kernel(
     record_program(trace_ptr, slot, pid, gl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
 
     q_base = q_ptr + b * stride_qb + h * G * stride_qh
+    acc_lo = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
     if HALVES:
-        q_lo, q_hi = load_q_operand(q_base, stride_qh, G, W, Q_PERM, True, B_OP)
         acc_hi = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)
     else:
-        q_lo = load_q_operand(q_base, stride_qh, G, W, Q_PERM, False, B_OP)
-        q_hi = q_lo  # unused: q8_0 has no hi label rows
-    acc_lo = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
-    if not HALVES:
         acc_hi = acc_lo  # unused in the loop (``_accumulate``)
     m_i, l_i = initial_state(W, HEADS)
 
@@ -578,6 +756,8 @@ def fragment_decode_kernel(
             id1 = block0
             mid0 = block0
             mid1 = block0
+        # q after the first copies are issued: its conversions wait at a barrier.
+        q_lo, q_hi, offsets = _q_state(q_base, stride_qh, G, W, Q_PERM, HALVES, B_OP, CORR)
         stamp(trace_ptr, slot, 2, TRACE)
         for it in range(gl.cdiv(tok_hi - tok_lo, BLOCK_N)):
             ahead = tok_lo + (it + STAGES - 1) * BLOCK_N
@@ -598,7 +778,7 @@ def fragment_decode_kernel(
             kx = gl.convert_layout(gl.reshape(kw_ring.index(use).load(K_WORDS3),
                                               [W, T, 8, WPG]), K_WORDS, assert_trivial=True)
             ks = ks_ring.index(use).load(gl.SliceLayout(3, K_WORDS))
-            st = _tile_scores(kx, ks, q_lo, q_hi, K_PERM, HALVES, K_BYTES, MMA)
+            st = _tile_scores(kx, ks, q_lo, q_hi, offsets, K_PERM, HALVES, K_BYTES, MMA)
             p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
             p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
             # V is read from the ring only now: its words are not held through S^T.
@@ -644,6 +824,7 @@ def fragment_decode_kernel(
                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
         if AHEAD:
             id0, id1 = warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
+        q_lo, q_hi, offsets = _q_state(q_base, stride_qh, G, W, Q_PERM, HALVES, B_OP, CORR)
         stamp(trace_ptr, slot, 2, TRACE)
         for start in range(tok_lo, tok_hi, BLOCK_N):
             nxt = start + BLOCK_N
@@ -663,7 +844,7 @@ def fragment_decode_kernel(
                                      h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
             vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
 
-            st = _tile_scores(kx, ks, q_lo, q_hi, K_PERM, HALVES, K_BYTES, MMA)
+            st = _tile_scores(kx, ks, q_lo, q_hi, offsets, K_PERM, HALVES, K_BYTES, MMA)
             p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
             p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
             live = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,

@@ -51,6 +51,23 @@ def test_q4_0_halves(d):
         assert out == lo + hi, b
 
 
+def test_q4_0_group_values():
+    """``Q4_GROUP_ASM`` (the Gluon kernel's q4_0 K, scaled per group after the products):
+    bytes b0..b3 -> registers (lo b0, lo b2), (lo b1, lo b3), (hi b0, hi b2), (hi b1, hi b3)
+    of f16 values that exceed ``formats.dequantize``'s at scale 1 (nibble - 8, exact) by
+    exactly ``LO_EXCESS`` (low nibbles) and ``HI_EXCESS`` (high nibbles)."""
+    from pagedserve.kernels import quant_fragments as qf
+
+    order = [0, 2, 1, 3]
+    for start in range(0, 256, 4):
+        b = list(range(start, start + 4))
+        out = unpack_f16(run(qf.Q4_GROUP_ASM.value, [pack_bytes(b)], 4))
+        lo, hi = _q4_values(b, 1.0)
+        want = ([lo[k] + qf.LO_EXCESS.value for k in order]
+                + [hi[k] + qf.HI_EXCESS.value for k in order])
+        assert out == want, b
+
+
 @pytest.mark.parametrize("d_pair", [(1.0, -0.0078125), (61.25, 3.5e-05), (-1024.0, 0.000123)])
 def test_q4_0_pairs(d_pair):
     """``Q4_PAIRS_ASM`` (the Gluon kernel's V): bytes 0..3 of rows t and t + 1 -> eight
