@@ -139,7 +139,6 @@ from pagedserve.kernels.fragment_warps import (
     finish_program,
     initial_state,
     load_q,
-    load_q_operand,
     locate_program,
     q_operand,
     relabel,
@@ -547,17 +546,16 @@ def _q_group_offsets(q, layout: gl.constexpr):
 
 
 @gluon.jit
-def _q_state(q_base, row_stride, G: gl.constexpr, W: gl.constexpr, Q_PERM: gl.constexpr,
-             HALVES: gl.constexpr, B_OP: gl.constexpr, CORR: gl.constexpr):
-    """q as the loop needs it: ``(q_lo, q_hi, offsets)`` for q4_0 (``q_operand``,
-    ``_q_group_offsets``); q8_0's one operand (returned three times: q8_0 has no hi
-    labels and no group offsets)."""
+def _q_state(q, Q_PERM: gl.constexpr, HALVES: gl.constexpr, B_OP: gl.constexpr,
+             CORR: gl.constexpr):
+    """``load_q``'s q as the loop needs it: ``(q_lo, q_hi, offsets)`` for q4_0
+    (``q_operand``, ``_q_group_offsets``); q8_0's one operand (returned three times:
+    q8_0 has no hi labels and no group offsets)."""
     if HALVES:
-        q = load_q(q_base, row_stride, G, W)
         q_lo, q_hi = q_operand(q, Q_PERM, True, B_OP)
         offsets = _q_group_offsets(q, CORR)
     else:
-        q_lo = load_q_operand(q_base, row_stride, G, W, Q_PERM, False, B_OP)
+        q_lo = q_operand(q, Q_PERM, False, B_OP)
         q_hi = q_lo
         offsets = q_lo
     return q_lo, q_hi, offsets
@@ -694,7 +692,9 @@ def fragment_decode_kernel(
     stamp(trace_ptr, slot, 1, TRACE)
     record_program(trace_ptr, slot, pid, gl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
 
-    q_base = q_ptr + b * stride_qb + h * G * stride_qh
+    # q's load goes out first (beside the table's); its conversions, which wait at
+    # barriers, come after the first tiles' copies are issued (``_q_state``).
+    q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, W)
     acc_lo = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)  # O^T, rows = V labels
     if HALVES:
         acc_hi = gl.zeros([W, NL, MAX_GROUP], gl.float32, MMA)
@@ -756,8 +756,7 @@ def fragment_decode_kernel(
             id1 = block0
             mid0 = block0
             mid1 = block0
-        # q after the first copies are issued: its conversions wait at a barrier.
-        q_lo, q_hi, offsets = _q_state(q_base, stride_qh, G, W, Q_PERM, HALVES, B_OP, CORR)
+        q_lo, q_hi, offsets = _q_state(q, Q_PERM, HALVES, B_OP, CORR)
         stamp(trace_ptr, slot, 2, TRACE)
         for it in range(gl.cdiv(tok_hi - tok_lo, BLOCK_N)):
             ahead = tok_lo + (it + STAGES - 1) * BLOCK_N
@@ -824,7 +823,7 @@ def fragment_decode_kernel(
                          rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
         if AHEAD:
             id0, id1 = warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
-        q_lo, q_hi, offsets = _q_state(q_base, stride_qh, G, W, Q_PERM, HALVES, B_OP, CORR)
+        q_lo, q_hi, offsets = _q_state(q, Q_PERM, HALVES, B_OP, CORR)
         stamp(trace_ptr, slot, 2, TRACE)
         for start in range(tok_lo, tok_hi, BLOCK_N):
             nxt = start + BLOCK_N
