@@ -283,7 +283,7 @@ class KVBlockStorage:
     def interleave(self) -> int:
         """How many storages share each (block, head) piece of this storage's buffer: 1
         (its own buffer) or 2 (a pair of ``allocate_pair``). Read from the head stride,
-        ``interleave * block_size`` rows (``guards.check_storage`` checks every stride)."""
+        ``interleave * block_size`` rows (``guards.check_row_layout`` checks every stride)."""
         return self.data.stride(1) // max(1, self.block_size * self.data.shape[3])
 
     @property
