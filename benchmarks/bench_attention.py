@@ -157,8 +157,8 @@ def paged_inputs(kv_type: str, lens: tuple[int, ...], seed: int, device: str,
     for b, n in enumerate(need):
         tables[b, :n] = perm[start:start + n].to(torch.int32)
         start += n
-    k = KVBlockStorage.allocate(kv_type, sum(need), block_size, HKV, D, device=device)
-    v = KVBlockStorage.allocate(kv_type, sum(need), block_size, HKV, D, device=device)
+    k, v = KVBlockStorage.allocate_pair(kv_type, kv_type, sum(need), block_size, HKV, D,
+                                        device=device)  # the library's layout
     _fill(k, gen)
     _fill(v, gen)
     q = torch.randn(len(lens), HQ, D, generator=gen, device=device, dtype=torch.float16)
@@ -171,16 +171,15 @@ def contiguous_of(src: Inputs, pad_len: int) -> Inputs:
     B, device = src.tables.shape[0], src.q.device
     bs = src.k.block_size
     pad_len = -(-pad_len // bs) * bs  # whole blocks (only what-if block sizes round up)
-    caches = []
-    for cache in (src.k, src.v):
-        c = KVBlockStorage.allocate(cache.kv_type, B, pad_len, HKV, D, device=device)
+    caches = KVBlockStorage.allocate_pair(src.k.kv_type, src.v.kv_type, B, pad_len, HKV, D,
+                                          device=device)  # the library's layout, as paged
+    for cache, c in zip((src.k, src.v), caches):
         for b in range(B):
             n = -(-src.lens_list[b] // bs)
             ids = src.tables[b, :n].long()
             for dst, part in ((c.data, cache.data), (c.scales, cache.scales)):
                 if part is not None:
                     dst[b, :, :n * bs] = part[ids].permute(1, 0, 2, 3).reshape(HKV, n * bs, -1)
-        caches.append(c)
     table = torch.arange(B, dtype=torch.int32, device=device)[:, None]
     return Inputs(src.q, torch.empty_like(src.q), caches[0], caches[1], table, src.lens,
                   src.lens_list)

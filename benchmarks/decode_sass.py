@@ -7,9 +7,12 @@ it. For each configuration it prints registers, spill bytes, the instruction cou
 the main tile loop (the largest backward branch) and its most frequent opcodes and memory
 instructions: a quick way to compare tile formulations before spending device time.
 
-    python benchmarks/decode_sass.py [--contiguous]
+    python benchmarks/decode_sass.py [--contiguous] [--separate]
         [K:V:MODE:BLOCK_N:WARPS[:STAGES[:TABLE_READ]] ...]
     e.g. python benchmarks/decode_sass.py q4_0:q4_0:packed:64:8 f16:f16:group:128:4
+
+K and V are in the library's layout (``KVBlockStorage.allocate_pair``: side by side when
+their types match); ``--separate`` compiles the launch over K and V in their own buffers.
 
 ``MAXNREG=N`` in the environment caps registers as ``DecodeConfig.maxnreg`` does. The counts
 are per thread per loop iteration; compare configurations with the same
@@ -44,14 +47,18 @@ DEFAULTS = ["f16:f16:fragment:64:4:2:block", "q8_0:q8_0:fragment:64:4:2:block",
             "q4_0:q4_0:fragment:128:4:2:block", "q4_0:q4_0:packed:128:4:1"]
 
 
-def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = True):
+def compile_decode(k_type: str, v_type: str, cfg: DecodeConfig, paged: bool = True,
+                   separate: bool = False):
     """The compiled kernel for one launch configuration (Qwen3.5 attention shape; the
-    paged or the contiguous layout's tile addressing), with the compile-time arguments
+    paged or the contiguous layout's tile addressing; K and V as ``allocate_pair`` makes
+    them, or ``separate``ly allocated), with the compile-time arguments
     the library's launcher would pass (``paged_decode.launch_constants``; for
     ``fragment``, the Gluon kernel's subset and layouts, as ``quant_fragments.launch`` and
     ``float_fragments.launch``)."""
+    interleave = 2 if k_type == v_type and not separate else 1
     const = launch_constants(cfg, k_type, v_type, HQ // HKV, D, BS, paged=paged,
-                             max_batch=8, native=True, trace=os.environ.get("TRACE") == "1")
+                             max_batch=8, native=True, interleave=interleave,
+                             trace=os.environ.get("TRACE") == "1")
     if cfg.quant_dot == "fragment" and k_type == v_type == "f16":
         kernel, source = float_fragments.float_fragment_kernel, GluonASTSource
         const = {k: const[k] for k in fragment_warps.SHARED_CONSTANTS}
@@ -149,7 +156,8 @@ def loop_stats(kernel) -> dict:
 
 def main(argv: list[str]) -> int:
     paged = "--contiguous" not in argv
-    argv = [a for a in argv if a != "--contiguous"]
+    separate = "--separate" in argv
+    argv = [a for a in argv if a not in ("--contiguous", "--separate")]
     for spec in argv or DEFAULTS:
         parts = spec.split(":")
         if len(parts) not in (5, 6, 7):
@@ -163,7 +171,7 @@ def main(argv: list[str]) -> int:
                            min_partition=max(128, block_n), quant_dot=mode,
                            maxnreg=int(os.environ["MAXNREG"]) if "MAXNREG" in os.environ else None,
                            **table)
-        st = loop_stats(compile_decode(k_type, v_type, cfg, paged))
+        st = loop_stats(compile_decode(k_type, v_type, cfg, paged, separate))
         per_thread = block_n * D * 2 // (32 * warps)
         print(f"{spec}: {st['registers']} regs, {st['spill_bytes']} B spilled, loop "
               f"{st['loop_instructions']} instructions ({st['mma']} MMAs) for {per_thread} K+V "

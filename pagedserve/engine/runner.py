@@ -1,6 +1,7 @@
 """``ModelRunner``: the model's weights and every tensor a step reads or writes.
 
-It owns the decoder, one K and one V ``KVBlockStorage`` per full-attention layer, and the
+It owns the decoder, one K and one V ``KVBlockStorage`` per full-attention layer (sharing
+one buffer when their types match: ``KVBlockStorage.allocate_pair``), and the
 ``StatePool`` of the linear-attention layers. ``execute(batch)`` runs one ``ForwardBatch``
 and returns the logits of each sequence's last new token. Decode-only batches on CUDA
 replay a captured CUDA graph (``DecodeGraphs``); everything else runs eagerly, and on the
@@ -134,14 +135,12 @@ class ModelRunner:
             StateShapes.for_model(cfg, self.dtype), config.max_num_seqs, self.device
         )
         self.num_blocks = config.max_num_seqs if contiguous else self._paged_num_blocks()
-        # One (K, V) storage pair per full-attention layer, all over the same block ids.
+        # One (K, V) storage pair per full-attention layer, all over the same block ids;
+        # K and V side by side in one buffer when their types match (``allocate_pair``).
         self.kv_caches = [
-            tuple(
-                KVBlockStorage.allocate(
-                    kv_type, self.num_blocks, self.block_size, cfg.num_key_value_heads,
-                    cfg.head_dim, self.device,
-                )
-                for kv_type in (cache_config.cache_type_k, cache_config.cache_type_v)
+            KVBlockStorage.allocate_pair(
+                cache_config.cache_type_k, cache_config.cache_type_v, self.num_blocks,
+                self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.device,
             )
             for _ in range(cfg.num_full_attention_layers)
         ]

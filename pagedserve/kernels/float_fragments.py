@@ -100,14 +100,14 @@ def float_layouts(num_warps: int) -> dict:
 
 @gluon.jit
 def _issue_copies(k_slot, v_slot, kd_ptr, vd_ptr, table_row, id0, start, tok_hi, num_blocks,
-                  num_kv_heads, h, rows_per_block, W: gl.constexpr, BS: gl.constexpr,
+                  num_kv_heads, h, head_stride, W: gl.constexpr, BS: gl.constexpr,
                   PAGED: gl.constexpr, COPY: gl.constexpr):
     """``cp.async`` of the K and V rows of the tile at ``start`` into one ring stage, one
     commit group; rows not live are not read (their slots are zero-filled)."""
     T: gl.constexpr = 16  # TOKENS_PER_WARP
     ROWS: gl.constexpr = gl.SliceLayout(2, COPY)
     row, live = tile_rows(table_row, id0, id0, start, tok_hi, num_blocks, num_kv_heads, h,
-                          rows_per_block, W, T, BS, PAGED, PAGED, ROWS)
+                          head_stride, W, T, BS, PAGED, PAGED, ROWS)
     d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY)))
     offs = gl.where(live, row, 0).to(gl.int64)[:, :, None] * HEAD_DIM + d[None, None, :]
     mask = live[:, :, None]  # broadcast along d by the copy
@@ -139,10 +139,10 @@ def float_fragment_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     qk_scale,  # softmax scale * log2(e)
     trace_ptr,  # int64 [Hkv * programs per head, 8] (decode_trace) when TRACE
-    G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, B_PAD: gl.constexpr,
-    MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr, MERGE_UNROLL: gl.constexpr,
-    MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr, TRACE: gl.constexpr,
-    W: gl.constexpr, STAGES: gl.constexpr,
+    G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, INTERLEAVE: gl.constexpr,
+    B_PAD: gl.constexpr, MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr,
+    MERGE_UNROLL: gl.constexpr, MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr,
+    TRACE: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr,
     MMA: gl.constexpr, COPY: gl.constexpr, RING: gl.constexpr, MERGE: gl.constexpr,
     Q_PERM: gl.constexpr,
 ):
@@ -167,15 +167,15 @@ def float_fragment_kernel(
     acc = gl.zeros([W, D, MAX_GROUP], gl.float32, MMA)  # O^T
     m_i, l_i = initial_state(W, HEADS)
 
-    table_row, rows_per_block, block0 = sequence_table(table_ptr, b, stride_tb, capacity, BS,
-                                                       PAGED)
+    table_row, head_stride, block0 = sequence_table(table_ptr, b, stride_tb, capacity, BS,
+                                                    INTERLEAVE, PAGED)
     k_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, D], RING)
     v_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, D], RING)
     for j in gl.static_range(STAGES - 1):
         ids_j = _tile_ids(table_row, tok_lo + j * BLOCK_N, tok_hi, W, BS, PAGED, block0, ROWS)
         _issue_copies(k_ring.index(j), v_ring.index(j), kd_ptr, vd_ptr, table_row, ids_j,
                       tok_lo + j * BLOCK_N, tok_hi, num_blocks, num_kv_heads, h,
-                      rows_per_block, W, BS, PAGED, COPY)
+                      head_stride, W, BS, PAGED, COPY)
     # Block ids run ahead of their use: the copies' S - 1 tiles, the mask's one tile.
     ids_next = _tile_ids(table_row, tok_lo + (STAGES - 1) * BLOCK_N, tok_hi, W, BS, PAGED,
                          block0, ROWS)
@@ -188,11 +188,11 @@ def float_fragment_kernel(
         stage_ahead = (i + STAGES - 1) % STAGES
         _issue_copies(k_ring.index(stage_ahead), v_ring.index(stage_ahead), kd_ptr, vd_ptr,
                       table_row, ids_next, ahead, tok_hi, num_blocks, num_kv_heads, h,
-                      rows_per_block, W, BS, PAGED, COPY)
+                      head_stride, W, BS, PAGED, COPY)
         ids_next = _tile_ids(table_row, ahead + BLOCK_N, tok_hi, W, BS, PAGED, block0, ROWS)
         start = tok_lo + i * BLOCK_N
         live = tile_rows(table_row, ids_mask, ids_mask, start, tok_hi, num_blocks,
-                         num_kv_heads, h, rows_per_block, W, T, BS, PAGED, PAGED, TOKENS)[1]
+                         num_kv_heads, h, head_stride, W, T, BS, PAGED, PAGED, TOKENS)[1]
         ids_mask = _tile_ids(table_row, start + BLOCK_N, tok_hi, W, BS, PAGED, block0, TOKENS)
         async_copy.wait_group(STAGES - 1)
         stage = i % STAGES

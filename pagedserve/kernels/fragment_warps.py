@@ -34,9 +34,10 @@ HEAD_DIM = tl.constexpr(256)
 MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the products
 
 # The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that the
-# Gluon kernels take too: the plan's, the merge's, the table read's and ``TRACE``.
-SHARED_CONSTANTS = ("G", "GP", "BS", "B_PAD", "MIN_PARTITION", "PAGED", "MERGE_UNROLL",
-                    "MERGE_GROUP", "TABLE_AHEAD", "TRACE")
+# Gluon kernels take too: the plan's, the pool's rows, the merge's, the table read's and
+# ``TRACE``.
+SHARED_CONSTANTS = ("G", "GP", "BS", "INTERLEAVE", "B_PAD", "MIN_PARTITION", "PAGED",
+                    "MERGE_UNROLL", "MERGE_GROUP", "TABLE_AHEAD", "TRACE")
 
 
 @gluon.jit
@@ -133,12 +134,12 @@ def warp_block_ids(table_row, start, tok_hi, W: gl.constexpr, T: gl.constexpr,
 
 @gluon.jit
 def tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
-              rows_per_block, W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr,
+              head_stride, W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr,
               PAGED: gl.constexpr, WARP_IDS: gl.constexpr, layout: gl.constexpr):
     """``(row, live)`` of each row of the tile at ``start`` (warp w takes tokens
     ``start + T w ..``), int32 and bool ``[W, T]`` in ``layout``: the row's index in the
-    pool's ``[num_blocks * Hkv * rows_per_block]`` rows, and whether it holds a token of a
-    block in the pool (``row`` is meaningless where not).
+    pool's ``[num_blocks * Hkv * head_stride]`` rows (``sequence_table``), and whether it
+    holds a token of a block in the pool (``row`` is meaningless where not).
 
     ``id0``, ``id1``: ``_warp_block_ids`` (``WARP_IDS``), or the contiguous layout's one
     block (``PAGED=False``). From warp-uniform block bases a row is a base plus a
@@ -152,16 +153,16 @@ def tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
     live = t < tok_hi - first
     if not PAGED:
         ok = (id0 >= 0) & (id0 < num_blocks)
-        row = (id0 * num_kv_heads + h) * rows_per_block + first + t
+        row = (id0 * num_kv_heads + h) * head_stride + first + t
     elif WARP_IDS:
         warp: gl.constexpr = gl.SliceLayout(1, layout)
         id0 = gl.convert_layout(id0, warp, assert_trivial=True)[:, None]
         id1 = gl.convert_layout(id1, warp, assert_trivial=True)[:, None]
-        base0 = (id0 * num_kv_heads + h) * BS
+        base0 = (id0 * num_kv_heads + h) * head_stride
         ok0 = (id0 >= 0) & (id0 < num_blocks)
         if BS < T:
             second = t >= BS
-            base1 = (id1 * num_kv_heads + h) * BS
+            base1 = (id1 * num_kv_heads + h) * head_stride
             ok1 = (id1 >= 0) & (id1 < num_blocks)
             row = gl.where(second, base1, base0) + (t % BS)
             ok = gl.where(second, ok1, ok0)
@@ -172,7 +173,7 @@ def tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
         tok = first + t
         ids = gl.load(table_row + tok // BS, mask=live, other=-1)
         ok = (ids >= 0) & (ids < num_blocks)
-        row = (ids * num_kv_heads + h) * BS + tok % BS
+        row = (ids * num_kv_heads + h) * head_stride + tok % BS
     return row, live & ok
 
 
@@ -237,18 +238,21 @@ def locate_program(lens_ptr, batch, capacity, chunk_budget, trace_ptr, W: gl.con
 
 
 @gluon.jit
-def sequence_table(table_ptr, b, stride_tb, capacity, BS: gl.constexpr, PAGED: gl.constexpr):
-    """``(table_row, rows_per_block, block0)`` of sequence ``b``: its block-table row, the
-    rows of one pool block (``BS``, or ``capacity`` for the contiguous layout's one block
-    per sequence, padded to the longest) and, contiguous, that block's id (else 0)."""
+def sequence_table(table_ptr, b, stride_tb, capacity, BS: gl.constexpr,
+                   INTERLEAVE: gl.constexpr, PAGED: gl.constexpr):
+    """``(table_row, head_stride, block0)`` of sequence ``b``: its block-table row, the
+    pool rows from one (block, K/V head) to the next (``INTERLEAVE`` times the rows of a
+    block: ``BS``, or ``capacity`` for the contiguous layout's one block per sequence,
+    padded to the longest; ``formats``' byte diagram) and, contiguous, that block's id
+    (else 0)."""
     table_row = table_ptr + b * stride_tb
     if PAGED:
-        rows_per_block = BS
+        head_stride = INTERLEAVE * BS  # a constant once inlined, as BS itself
         block0 = 0
     else:
-        rows_per_block = capacity
+        head_stride = INTERLEAVE * capacity
         block0 = gl.load(table_row)
-    return table_row, rows_per_block, block0
+    return table_row, head_stride, block0
 
 
 @gluon.jit

@@ -45,6 +45,30 @@ def check_storage(cache: KVBlockStorage, name: str) -> None:
         )
 
 
+def _row_strides(shape: torch.Size, interleave: int) -> tuple[int, ...]:
+    """Strides of ``[num_blocks, Hkv, block_size, width]`` rows in the decode kernels'
+    layout (``formats``' byte diagram): ``width`` elements a row, ``interleave *
+    block_size`` rows per (block, head), nothing between."""
+    _, hkv, bs, width = shape
+    return (hkv * interleave * bs * width, interleave * bs * width, width, 1)
+
+
+def check_row_layout(cache: KVBlockStorage, name: str) -> None:
+    """The strides the decode kernels assume (after ``check_storage``): row ``(b, h,
+    t)`` of ``data`` and of ``scales`` at row ``(b * Hkv + h) * (I * block_size) + t``
+    from their own pointers, I = ``interleave``, 1 (own buffers) or 2
+    (``allocate_pair``)."""
+    interleave = cache.interleave
+    for part, t in (("data", cache.data), ("scales", cache.scales)):
+        if t is None:
+            continue
+        accepted = [_row_strides(t.shape, i) for i in (1, 2)]
+        _require(interleave in (1, 2) and t.stride() == _row_strides(t.shape, interleave),
+                 f"{name}.{part} {tuple(t.shape)} has strides {t.stride()}; decode takes "
+                 f"strides {accepted[0]} (its own buffer) or {accepted[1]} (K and V side "
+                 f"by side, KVBlockStorage.allocate_pair), scales like data")
+
+
 def check_decode_args(
     q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None,
@@ -55,8 +79,9 @@ def check_decode_args(
     _require(q.dtype in (torch.float16, torch.bfloat16, torch.float32),
              f"q dtype {q.dtype} not supported; accepted: float16, bfloat16, float32")
     _require(q.stride(-1) == 1, "q must have a contiguous last dim")
-    check_storage(cache_k, "cache_k")
-    check_storage(cache_v, "cache_v")
+    for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
+        check_storage(c, name)
+        check_row_layout(c, name)
     for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
         _require(c.head_dim == D, f"{name}.head_dim {c.head_dim} != q head_dim {D}")
     _require(D in SUPPORTED_HEAD_DIMS,
@@ -65,13 +90,16 @@ def check_decode_args(
              f"K and V pools differ: [num_blocks, Hkv, block_size] "
              f"{tuple(cache_k.data.shape[:3])} vs {tuple(cache_v.data.shape[:3])}")
     _require(cache_k.num_blocks >= 1, "the K/V pool has no blocks")
+    _require(cache_k.interleave == cache_v.interleave,
+             f"K and V must share their buffers alike: cache_k interleave "
+             f"{cache_k.interleave}, cache_v interleave {cache_v.interleave} (allocate K "
+             f"and V with KVBlockStorage.allocate_pair, or each with allocate)")
     for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
-        # The kernel addresses rows by one int32 index over contiguous storage, and points
+        # The kernel addresses rows by one int32 index (``check_row_layout``), and points
         # rows outside a sequence at row 0 (so the pool must have one).
-        _require(c.data.is_contiguous() and (c.scales is None or c.scales.is_contiguous()),
-                 f"{name} storage must be contiguous for decode")
-        rows = c.data.shape[0] * c.data.shape[1] * c.data.shape[2]
-        _require(rows < 2**31, f"{name} holds {rows} rows; decode addresses at most 2**31 - 1")
+        rows = c.num_blocks * c.num_kv_heads * c.interleave * c.block_size
+        _require(rows < 2**31, f"{name} spans {rows} rows; decode addresses at most "
+                 f"2**31 - 1")
     Hkv = cache_k.num_kv_heads
     _require(Hq % Hkv == 0, f"Hq ({Hq}) must be a multiple of Hkv ({Hkv})")
     _require(block_tables.dtype == torch.int32 and block_tables.dim() == 2,

@@ -144,7 +144,9 @@ def kv_write(
     """Quantize ``rows`` and scatter them into their pool slots, Triton.
 
     Args:
-        cache: K or V storage of one layer, ``[num_blocks, Hkv, block_size, *]``.
+        cache: K or V storage of one layer, ``[num_blocks, Hkv, block_size, *]``, in its
+            own buffers or a view of a K/V pair's (``KVBlockStorage.allocate_pair``): rows
+            are addressed by the storage's strides.
         rows: ``[T, Hkv, D]`` float16/bfloat16/float32, last dim contiguous.
         slot_mapping: int64 ``[T]``: ``block_id * block_size + offset``, or -1 to skip.
         validate: full check that every slot is -1 or in the pool (one sync); default

@@ -23,7 +23,11 @@ Layouts: the *paged* layout reads tile rows through the block table (``PAGED=Tru
 the *contiguous* layout is the same ``KVBlockStorage`` with one block per sequence whose
 block_size is the padded length, and its tiles compute addresses directly
 (``PAGED=False``, chosen when ``block_tables`` has one column). Both walk the same tiles,
-so the contiguous kernel is the paged one minus the table lookup.
+so the contiguous kernel is the paged one minus the table lookup. In either layout K and
+V may have their own buffers or share them side by side (``KVBlockStorage.allocate_pair``,
+the library's layout for K and V of one type): a row's index then steps
+``INTERLEAVE * block_size`` rows per (block, head) (``INTERLEAVE``, a ``constexpr``, is
+``KVBlockStorage.interleave``: 1 or 2), the same for K and V, payloads and scales.
 
 Error bounds against a float64 oracle on the dequantized stored values (q in bf16 or f16,
 relative to the largest output magnitude; ``tests/kernels/kernel_oracle.py``):
@@ -76,13 +80,14 @@ def _tile_block_ids(table_row, start, tok_hi, BS: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit
 def _block_first_rows(table_row, start, tok_hi, num_blocks, num_kv_heads, h,
-                      BS: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BS: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pool row of the first row of each ``BS``-row block of the tile at token ``start``
     (a multiple of ``BS``): int32 ``[BLOCK_N // BS]``, -1 for a block past ``tok_hi`` or
     whose id lies outside the pool. Per block, so that a row costs one add."""
     blk = start // BS + tl.arange(0, BLOCK_N // BS)
     ids = tl.load(table_row + blk, mask=blk * BS < tok_hi, other=-1)
-    return tl.where((ids >= 0) & (ids < num_blocks), (ids * num_kv_heads + h) * BS, -1)
+    return tl.where((ids >= 0) & (ids < num_blocks),
+                    (ids * num_kv_heads + h) * (INTERLEAVE * BS), -1)
 
 
 # Counts vary per call; specializing on them (== 1, % 16) would only multiply compiles.
@@ -98,7 +103,8 @@ def _paged_decode_kernel(
     qk_scale,  # softmax scale * log2(e)
     trace_ptr,  # int64 [Hkv * programs per head, 8] (decode_trace) when TRACE
     G: tl.constexpr, G_PAD: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-    BS: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
+    BS: tl.constexpr, INTERLEAVE: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    MIN_PARTITION: tl.constexpr,
     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QUANT_DOT: tl.constexpr,
     K_GROUP: tl.constexpr, ACC: tl.constexpr, PAGED: tl.constexpr,
     MERGE_UNROLL: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
@@ -156,7 +162,7 @@ def _paged_decode_kernel(
         if TABLE_AHEAD:
             if BY_BLOCK:
                 rows_next = _block_first_rows(table_row, tok_lo, tok_hi, num_blocks,
-                                              num_kv_heads, h, BS, BLOCK_N)
+                                              num_kv_heads, h, BS, INTERLEAVE, BLOCK_N)
             else:
                 ids_next = _tile_block_ids(table_row, tok_lo, tok_hi, BS, BLOCK_N)
     else:
@@ -167,16 +173,17 @@ def _paged_decode_kernel(
     for start in range(tok_lo, tok_hi, BLOCK_N):
         tok = start + lane
         valid = tok < tok_hi
-        # Storage is contiguous [num_blocks, Hkv, rows per block, W] (guards), so one
-        # int32 row index addresses payloads and scales of K and V alike.
+        # Row (b, h, t) of K and of V is row (b * Hkv + h) * (INTERLEAVE * rows per
+        # block) + t from each one's payload and scale pointers (``formats``' byte
+        # diagram; ``guards.check_row_layout``): one int32 index addresses all four.
         if BY_BLOCK:
             if TABLE_AHEAD:
                 block_row = rows_next
                 rows_next = _block_first_rows(table_row, start + BLOCK_N, tok_hi, num_blocks,
-                                              num_kv_heads, h, BS, BLOCK_N)
+                                              num_kv_heads, h, BS, INTERLEAVE, BLOCK_N)
             else:
                 block_row = _block_first_rows(table_row, start, tok_hi, num_blocks,
-                                              num_kv_heads, h, BS, BLOCK_N)
+                                              num_kv_heads, h, BS, INTERLEAVE, BLOCK_N)
             NB: tl.constexpr = BLOCK_N // BS
             block_row = tl.reshape(tl.broadcast_to(block_row[:, None], (NB, BS)), (BLOCK_N,))
             valid = valid & (block_row >= 0)
@@ -189,10 +196,10 @@ def _paged_decode_kernel(
                 else:
                     ids = _tile_block_ids(table_row, start, tok_hi, BS, BLOCK_N)
                 valid = valid & (ids >= 0) & (ids < num_blocks)
-                row_idx = (ids * num_kv_heads + h) * BS + tok % BS
+                row_idx = (ids * num_kv_heads + h) * (INTERLEAVE * BS) + tok % BS
             else:
                 valid = valid & block0_ok
-                row_idx = (block0 * num_kv_heads + h) * capacity + tok
+                row_idx = (block0 * num_kv_heads + h) * (INTERLEAVE * capacity) + tok
         if CLAMP_ROWS:
             row_idx = tl.where(valid, row_idx, 0)
         row_idx = row_idx.to(tl.int64)
@@ -279,15 +286,18 @@ def _next_pow2(x: int) -> int:
 @functools.cache
 def launch_constants(
     cfg: DecodeConfig, k_type: str, v_type: str, group: int, head_dim: int,
-    block_size: int, *, paged: bool, max_batch: int, native: bool, trace: bool = False,
+    block_size: int, *, paged: bool, max_batch: int, native: bool, interleave: int,
+    trace: bool = False,
 ) -> dict:
     """The kernel's compile-time arguments for one launch (``benchmarks/decode_sass.py``
-    compiles the kernel offline from the same ones; ``trace``: the variant that records
-    each program's ``decode_trace.TRACE_FIELDS``). Cached: eager decode calls it per
-    layer per step; callers must not modify the dict."""
+    compiles the kernel offline from the same ones; ``interleave``: the storages'
+    ``KVBlockStorage.interleave``; ``trace``: the variant that records each program's
+    ``decode_trace.TRACE_FIELDS``). Cached: eager decode calls it per layer per step;
+    callers must not modify the dict."""
     gp = _next_pow2(group)
     return dict(
         G=group, G_PAD=max(16, gp), GP=gp, D=head_dim, BS=block_size if paged else 1,
+        INTERLEAVE=interleave,
         # The plan's vectors span the workspace's max batch: one compile for all batches.
         B_PAD=max(2, _next_pow2(max_batch)), BLOCK_N=cfg.block_n,
         MIN_PARTITION=cfg.min_partition,
@@ -320,7 +330,8 @@ def paged_decode_attention(
     Args:
         q: ``[B, Hq, D]`` float16/bfloat16/float32, last dim contiguous; D in 64/128/256.
         cache_k, cache_v: ``KVBlockStorage`` of one layer over the same pool
-            ``[num_blocks, Hkv, block_size, *]``; their types are independent.
+            ``[num_blocks, Hkv, block_size, *]``; their types are independent; both in
+            their own buffers or both side by side (``KVBlockStorage.allocate_pair``).
         block_tables: int32 ``[B, max_blocks]``; entries past a sequence's last block are
             ignored (-1 by convention). One column means the contiguous layout.
         seq_lens: int32 ``[B]``; clamped on the device to ``[0, max_blocks * block_size]``.
@@ -380,7 +391,8 @@ def paged_decode_attention(
             cfg = triton_float_config(B * capacity, paged)
     constants = launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
                                  paged=paged, max_batch=workspace.max_batch,
-                                 native=q.is_cuda, trace=trace is not None)
+                                 native=q.is_cuda, interleave=cache_k.interleave,
+                                 trace=trace is not None)
     ks = cache_k.scales if cache_k.scales is not None else cache_k.data
     vs = cache_v.scales if cache_v.scales is not None else cache_v.data
     # Both kernels take the same grid and run-time arguments; untraced, the trace pointer

@@ -665,10 +665,10 @@ def fragment_decode_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_tb,
     qk_scale,  # softmax scale * log2(e)
     trace_ptr,  # int64 [Hkv * programs per head, 8] (decode_trace) when TRACE
-    G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, B_PAD: gl.constexpr,
-    MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr, MERGE_UNROLL: gl.constexpr,
-    MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr, W: gl.constexpr,
-    T: gl.constexpr, GB: gl.constexpr, HALVES: gl.constexpr,
+    G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, INTERLEAVE: gl.constexpr,
+    B_PAD: gl.constexpr, MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr,
+    MERGE_UNROLL: gl.constexpr, MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr,
+    W: gl.constexpr, T: gl.constexpr, GB: gl.constexpr, HALVES: gl.constexpr,
     K_WORDS: gl.constexpr, K_BYTES: gl.constexpr, V_WORDS: gl.constexpr,
     V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
     MMA: gl.constexpr, MERGE: gl.constexpr,
@@ -702,8 +702,8 @@ def fragment_decode_kernel(
         acc_hi = acc_lo  # unused in the loop (``_accumulate``)
     m_i, l_i = initial_state(W, HEADS)
 
-    table_row, rows_per_block, block0 = sequence_table(table_ptr, b, stride_tb, capacity, BS,
-                                                       PAGED)
+    table_row, head_stride, block0 = sequence_table(table_ptr, b, stride_tb, capacity, BS,
+                                                    INTERLEAVE, PAGED)
     # K's and V's token slices, and the scores' (the softmax mask), each compute their
     # rows: converting one set between layouts would go through shared memory, behind a
     # barrier of all warps, every tile.
@@ -740,7 +740,7 @@ def fragment_decode_kernel(
                 id1 = block0
             copy_tile(kw_ring.index(j), vw_ring.index(j), ks_ring.index(j), vs_ring.index(j),
                       kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1, tok_lo + j * BLOCK_N,
-                      tok_hi, num_blocks, num_kv_heads, h, rows_per_block, W, T, BS, PAGED,
+                      tok_hi, num_blocks, num_kv_heads, h, head_stride, W, T, BS, PAGED,
                       WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
             if WARP_IDS:
                 copy_ids(id_ring.index(j + STAGES), table_row,
@@ -763,14 +763,14 @@ def fragment_decode_kernel(
             fill = (it + STAGES - 1) % STAGES
             copy_tile(kw_ring.index(fill), vw_ring.index(fill), ks_ring.index(fill),
                       vs_ring.index(fill), kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1,
-                      ahead, tok_hi, num_blocks, num_kv_heads, h, rows_per_block, W, T, BS,
+                      ahead, tok_hi, num_blocks, num_kv_heads, h, head_stride, W, T, BS,
                       PAGED, WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
             if WARP_IDS:
                 copy_ids(id_ring.index((it + 2 * STAGES - 1) % IDR), table_row,
                          ahead + STAGES * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
             async_copy.commit_group()
             live = tile_rows(table_row, mid0, mid1, tok_lo + it * BLOCK_N, tok_hi, num_blocks,
-                             num_kv_heads, h, rows_per_block, W, T, BS, PAGED, WARP_IDS,
+                             num_kv_heads, h, head_stride, W, T, BS, PAGED, WARP_IDS,
                              TOKENS)[1]
             async_copy.wait_group(STAGES - 1)
             use = it % STAGES
@@ -814,13 +814,13 @@ def fragment_decode_kernel(
             id0 = block0
             id1 = block0
         rows, live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                               rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+                               head_stride, W, T, BS, PAGED, WARP_IDS, KT)
         kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
         rows, live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                               rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+                               head_stride, W, T, BS, PAGED, WARP_IDS, VT)
         vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
         live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                         rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+                         head_stride, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
         if AHEAD:
             id0, id1 = warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
         q_lo, q_hi, offsets = _q_state(q, Q_PERM, HALVES, B_OP, CORR)
@@ -835,19 +835,19 @@ def fragment_decode_kernel(
             else:
                 nid0, nid1 = id0, id1
             rows, live_k = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                     h, rows_per_block, W, T, BS, PAGED, WARP_IDS, KT)
+                                     h, head_stride, W, T, BS, PAGED, WARP_IDS, KT)
             kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
             if K_FIRST:
                 issue_above(num_blocks < 0, part_ml_ptr)
             rows, live_v = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                     h, rows_per_block, W, T, BS, PAGED, WARP_IDS, VT)
+                                     h, head_stride, W, T, BS, PAGED, WARP_IDS, VT)
             vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
 
             st = _tile_scores(kx, ks, q_lo, q_hi, offsets, K_PERM, HALVES, K_BYTES, MMA)
             p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
             p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
             live = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
-                             rows_per_block, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
+                             head_stride, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
             acc_lo, acc_hi = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_hi,
                                          V_PAIR_PERM, HALVES, V_LOAD, V_PAIR, MMA)
             kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next

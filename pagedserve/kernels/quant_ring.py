@@ -111,7 +111,7 @@ def read_ids(slot, IDS: gl.constexpr, layout: gl.constexpr):
 
 @gluon.jit
 def copy_tile(kw_slot, vw_slot, ks_slot, vs_slot, kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row,
-              id0, id1, start, tok_hi, num_blocks, num_kv_heads, h, rows_per_block,
+              id0, id1, start, tok_hi, num_blocks, num_kv_heads, h, head_stride,
               W: gl.constexpr, T: gl.constexpr, BS: gl.constexpr, PAGED: gl.constexpr,
               WARP_IDS: gl.constexpr, NW: gl.constexpr, COPY_WORDS: gl.constexpr,
               COPY_SCALES: gl.constexpr):
@@ -120,7 +120,7 @@ def copy_tile(kw_slot, vw_slot, ks_slot, vs_slot, kd_ptr, ks_ptr, vd_ptr, vs_ptr
     stage (the caller commits the group); rows not live are zero-filled, not read."""
     rw: gl.constexpr = gl.SliceLayout(2, COPY_WORDS)
     row, live = tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
-                          rows_per_block, W, T, BS, PAGED, WARP_IDS, rw)
+                          head_stride, W, T, BS, PAGED, WARP_IDS, rw)
     c = gl.arange(0, NW, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_WORDS)))
     offs = gl.where(live, row, 0).to(gl.int64)[:, :, None] * NW + c[None, None, :]
     async_copy.async_copy_global_to_shared(kw_slot, kd_ptr.to(gl.pointer_type(gl.int32)) + offs,
@@ -129,7 +129,7 @@ def copy_tile(kw_slot, vw_slot, ks_slot, vs_slot, kd_ptr, ks_ptr, vd_ptr, vs_ptr
                                            mask=live[:, :, None])
     rs: gl.constexpr = gl.SliceLayout(2, COPY_SCALES)
     row, live = tile_rows(table_row, id0, id1, start, tok_hi, num_blocks, num_kv_heads, h,
-                          rows_per_block, W, T, BS, PAGED, WARP_IDS, rs)
+                          head_stride, W, T, BS, PAGED, WARP_IDS, rs)
     g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_SCALES)))
     offs = gl.where(live, row, 0).to(gl.int64)[:, :, None] * 8 + g[None, None, :]
     async_copy.async_copy_global_to_shared(ks_slot, ks_ptr + offs, mask=live[:, :, None])

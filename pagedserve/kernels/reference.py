@@ -32,7 +32,8 @@ def kv_write(
     bs = cache.block_size
     block, offset = slot_mapping // bs, slot_mapping % bs
     data, scales = formats.quantize(rows, cache.kv_type)  # [T, Hkv, W], [T, Hkv, D/32]
-    # data is [num_blocks, Hkv, block_size, W]: index (block, :, offset).
+    # data is [num_blocks, Hkv, block_size, W] (for K and V of one type a view of their
+    # shared buffer): index (block, :, offset).
     cache.data[block, :, offset] = data
     if scales is not None:
         cache.scales[block, :, offset] = scales

@@ -94,7 +94,7 @@ def bytes_per_row(kv_type: str, head_dim: int) -> int:
 # Quantize / dequantize (torch; the reference every other path is tested against)
 # ---------------------------------------------------------------------------------------
 #
-# Storage layout, per layer, for K and for V separately (``KVBlockStorage``):
+# Storage layout, per layer, of K and of V (``KVBlockStorage``; W = ``payload_width``):
 #
 #   f16 / bf16   data   [num_blocks, Hkv, block_size, D]        float16 / bfloat16
 #   f32          data   [num_blocks, Hkv, block_size, D]        float32 (CPU only)
@@ -102,6 +102,29 @@ def bytes_per_row(kv_type: str, head_dim: int) -> int:
 #                scales [num_blocks, Hkv, block_size, D // 32]  float16 (d, one per group)
 #   q4_0         data   [num_blocks, Hkv, block_size, D // 2]   uint8   (packed nibbles)
 #                scales [num_blocks, Hkv, block_size, D // 32]  float16
+#
+# K and V of one layer share buffers when their types match (``allocate_pair``, the
+# engine's layout): one payload buffer [num_blocks, Hkv, 2, block_size, W] and one of
+# scales [num_blocks, Hkv, 2, block_size, D // 32], K at index 0 and V at index 1 of the
+# third dim, each storage a view of its index, so that the K rows and the V rows that a
+# decode program reads for one (block, K/V head) are adjacent in memory. K and V of
+# different types (rows of different widths) each get their own buffers. With
+# I = ``KVBlockStorage.interleave`` (1: own buffers, 2: a pair):
+#
+#   payload buffer of a pair (I = 2), rows of W elements, bs = block_size:
+#
+#     (b, h) = (0, 0)           (0, 1)                        (b, h)
+#     | K 0..bs-1 | V 0..bs-1 | K 0..bs-1 | V 0..bs-1 | ... | K 0..bs-1 | V 0..bs-1 | ...
+#     ^ K.data    ^ V.data    ^ row 2 bs of K.data          ^ row (b Hkv + h) 2 bs of K.data
+#
+#   scales buffer of a pair: the same, rows of D // 32 float16
+#
+#   row (b, h, t) of a storage = row (b * Hkv + h) * (I * block_size) + t counted from its
+#   own data pointer, and the same row counted from its own scales pointer
+#
+# The kernels address K and V rows by that one int32 index
+# (``kernels/guards.check_row_layout`` checks the strides); torch code indexes the
+# [num_blocks, Hkv, block_size, W] views.
 #
 # Scales sit apart from payloads so that every payload row starts 16-byte aligned. Within
 # one q4_0 group of 32 values the nibble order is GGML's:
@@ -187,14 +210,29 @@ def payload_width(kv_type: str, head_dim: int) -> int:
     return head_dim // 2 if kv_type == "q4_0" else head_dim
 
 
+def _zeros(kv_type: str, shape: tuple[int, ...], head_dim: int,
+           device: str | torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Zeroed ``(data [*shape, W], scales [*shape, D // 32] or None)`` of ``kv_type``."""
+    data = torch.zeros((*shape, payload_width(kv_type, head_dim)),
+                       dtype=STORAGE_DTYPE[kv_type], device=device)
+    scales = None
+    if spec(kv_type).quantized:
+        scales = torch.zeros((*shape, head_dim // GROUP_SIZE), dtype=torch.float16,
+                             device=device)
+    return data, scales
+
+
 @dataclass
 class KVBlockStorage:
     """K or V of one full-attention layer, for all blocks of the pool.
 
     Attributes:
         kv_type: storage type name.
-        data: ``[num_blocks, Hkv, block_size, W]`` payload (``W = payload_width``).
-        scales: ``[num_blocks, Hkv, block_size, D // 32]`` float16, or ``None``.
+        data: ``[num_blocks, Hkv, block_size, W]`` payload (``W = payload_width``); its
+            own buffer, or a view of the one it shares with the layer's other storage
+            (``allocate_pair``, ``interleave``).
+        scales: ``[num_blocks, Hkv, block_size, D // 32]`` float16 (shared like
+            ``data``), or ``None``.
     """
 
     kv_type: str
@@ -207,18 +245,27 @@ class KVBlockStorage:
         cls, kv_type: str, num_blocks: int, block_size: int, num_kv_heads: int,
         head_dim: int, device: str | torch.device = "cpu",
     ) -> KVBlockStorage:
-        s = spec(kv_type)
-        shape = (num_blocks, num_kv_heads, block_size)
-        data = torch.zeros(
-            (*shape, payload_width(kv_type, head_dim)), dtype=STORAGE_DTYPE[kv_type],
-            device=device,
-        )
-        scales = None
-        if s.quantized:
-            scales = torch.zeros(
-                (*shape, head_dim // GROUP_SIZE), dtype=torch.float16, device=device
-            )
+        """One storage in its own buffers (``interleave`` 1)."""
+        data, scales = _zeros(kv_type, (num_blocks, num_kv_heads, block_size), head_dim,
+                              device)
         return cls(kv_type, data, scales, head_dim)
+
+    @classmethod
+    def allocate_pair(
+        cls, k_type: str, v_type: str, num_blocks: int, block_size: int, num_kv_heads: int,
+        head_dim: int, device: str | torch.device = "cpu",
+    ) -> tuple[KVBlockStorage, KVBlockStorage]:
+        """``(K, V)`` of one layer. Of one type, side by side in shared buffers
+        ``[num_blocks, Hkv, 2, block_size, *]`` (K index 0, V index 1; ``interleave`` 2),
+        so that decode reads a (block, head) piece of K and of V from adjacent memory; of
+        different types (rows of different widths), each in its own buffers."""
+        if k_type != v_type:
+            return tuple(cls.allocate(t, num_blocks, block_size, num_kv_heads, head_dim,
+                                      device) for t in (k_type, v_type))
+        data, scales = _zeros(k_type, (num_blocks, num_kv_heads, 2, block_size), head_dim,
+                              device)
+        return tuple(cls(k_type, data[:, :, i], None if scales is None else scales[:, :, i],
+                         head_dim) for i in range(2))
 
     @property
     def num_blocks(self) -> int:
@@ -233,6 +280,15 @@ class KVBlockStorage:
         return self.data.shape[2]
 
     @property
+    def interleave(self) -> int:
+        """How many storages share each (block, head) piece of this storage's buffer: 1
+        (its own buffer) or 2 (a pair of ``allocate_pair``). Read from the head stride,
+        ``interleave * block_size`` rows (``guards.check_row_layout`` checks every stride)."""
+        return self.data.stride(1) // max(1, self.block_size * self.data.shape[3])
+
+    @property
     def nbytes(self) -> int:
+        """This storage's own bytes (a pair's K and V each count their half of the
+        buffers they share)."""
         extra = self.scales.numel() * self.scales.element_size() if self.scales is not None else 0
         return self.data.numel() * self.data.element_size() + extra

@@ -95,9 +95,11 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def build_pool(
     k_type: str, v_type: str, lens: list[int], *, num_kv_heads: int, head_dim: int,
     block_size: int = 16, extra_blocks: int = 3, seed: int = 0, device: str = "cpu",
-    table_cols: int | None = None,
+    table_cols: int | None = None, paired: bool = True,
 ) -> tuple[KVBlockStorage, KVBlockStorage, torch.Tensor, list[list[int]]]:
     """K and V pools holding random rows for sequences of ``lens``, blocks shuffled.
+    ``paired``: K and V from ``KVBlockStorage.allocate_pair`` (the library's layout: side
+    by side when their types match), else each from ``allocate`` (own buffers).
 
     Returns:
         ``(cache_k, cache_v, block_tables int32 [B, cols], tables as lists)``; unused
@@ -112,10 +114,13 @@ def build_pool(
     for n in need:
         tables.append(perm[k:k + n])
         k += n
-    caches = []
-    for i, kv_type in enumerate((k_type, v_type)):
-        cache = KVBlockStorage.allocate(kv_type, num_blocks, block_size, num_kv_heads,
-                                        head_dim, device=device)
+    sizes = (num_blocks, block_size, num_kv_heads, head_dim)
+    if paired:
+        caches = KVBlockStorage.allocate_pair(k_type, v_type, *sizes, device=device)
+    else:
+        caches = [KVBlockStorage.allocate(t, *sizes, device=device) for t in (k_type, v_type)]
+    for i, cache in enumerate(caches):
+        kv_type = cache.kv_type
         # Rows with a spread of magnitudes per token, like real K/V.
         rows = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=gen)
         rows *= torch.exp(torch.randn(num_blocks * block_size, 1, 1, generator=gen) * 0.5)
@@ -127,7 +132,6 @@ def build_pool(
             cache.scales.copy_(
                 scales.reshape(num_blocks, block_size, num_kv_heads, -1).transpose(1, 2)
             )
-        caches.append(cache)
     table = torch.full((len(lens), cols), -1, dtype=torch.int32)
     for b, ids in enumerate(tables):
         table[b, :len(ids)] = torch.tensor(ids, dtype=torch.int32)

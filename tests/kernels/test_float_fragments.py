@@ -61,8 +61,7 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     seen = recorder.seen
     monkeypatch.setattr(ff, "float_fragment_kernel", recorder)
     monkeypatch.setattr(ff, "supports", lambda q, ck, cv, cfg, paged: True)
-    ck = KVBlockStorage.allocate("f16", 8, 16, 2, 256)
-    cv = KVBlockStorage.allocate("f16", 8, 16, 2, 256)
+    ck, cv = KVBlockStorage.allocate_pair("f16", "f16", 8, 16, 2, 256)
     q = torch.zeros(3, 12, 256, dtype=torch.float16)
     table = torch.zeros(3, 2, dtype=torch.int32)
     lens = torch.tensor([5, 0, 20], dtype=torch.int32)
@@ -73,6 +72,7 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     assert seen["args"][0] is q and seen["args"][2] is ck.data and seen["args"][4] is cv.data
     assert seen["kwargs"]["STAGES"] == 3 and seen["kwargs"]["W"] == 4
     assert seen["kwargs"]["PAGED"] and seen["grid"][1] == 2
+    assert seen["kwargs"]["INTERLEAVE"] == 2  # K and V side by side
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])

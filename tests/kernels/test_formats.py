@@ -1,4 +1,5 @@
-"""K/V storage formats: GGML bit-exactness against the ``gguf`` package, sizes, layout."""
+"""K/V storage formats: GGML bit-exactness against the ``gguf`` package, sizes, layout
+(of one storage and of a K/V pair)."""
 
 from __future__ import annotations
 
@@ -114,6 +115,48 @@ def test_layout_shapes_and_dtypes(kv_type):
     else:
         assert cache.scales is None
     assert (cache.num_blocks, cache.num_kv_heads, cache.block_size) == (5, 2, 16)
+
+
+@pytest.mark.parametrize("kv_type", formats.KV_TYPES)
+def test_pair_of_one_type_lies_side_by_side(kv_type):
+    """``allocate_pair``: the byte diagram in ``formats``, checked by address. Row (b, h,
+    t) of K is row ``(b * Hkv + h) * 2 * bs + t`` of one buffer and the same row of V is
+    ``bs`` rows later; scales likewise; each storage counts its own bytes, which add up
+    to the buffers'."""
+    nb, bs, hkv, d = 3, 16, 2, 64
+    k, v = KVBlockStorage.allocate_pair(kv_type, kv_type, nb, bs, hkv, d)
+    assert (k.interleave, v.interleave) == (2, 2)
+    assert k.kv_type == v.kv_type == kv_type and k.head_dim == v.head_dim == d
+    for part in ("data", "scales"):
+        tk, tv = getattr(k, part), getattr(v, part)
+        if tk is None:
+            assert tv is None and not formats.spec(kv_type).quantized
+            continue
+        width = tk.shape[-1]
+        assert tk.shape == tv.shape == (nb, hkv, bs, width)
+        row = width * tk.element_size()  # bytes
+        base = tk.data_ptr()
+        for b, h, t in ((0, 0, 0), (0, 1, 5), (2, 0, 15), (2, 1, 9)):
+            at = ((b * hkv + h) * 2 * bs + t) * row
+            assert tk[b, h, t].data_ptr() - base == at
+            assert tv[b, h, t].data_ptr() - base == at + bs * row
+        assert tk.untyped_storage().nbytes() == 2 * nb * hkv * bs * row
+    assert k.nbytes == v.nbytes == nb * hkv * bs * formats.bytes_per_row(kv_type, d)
+    buffers = k.data.untyped_storage().nbytes()
+    if k.scales is not None:
+        buffers += k.scales.untyped_storage().nbytes()
+    assert k.nbytes + v.nbytes == buffers
+
+
+def test_pair_of_two_types_has_two_buffers():
+    """q4_0 K with f16 V: rows of different widths, each storage in its own buffers."""
+    k, v = KVBlockStorage.allocate_pair("q4_0", "f16", 3, 16, 2, 64)
+    assert (k.kv_type, v.kv_type) == ("q4_0", "f16") and (k.interleave, v.interleave) == (1, 1)
+    assert k.data.is_contiguous() and k.scales.is_contiguous() and v.data.is_contiguous()
+    assert v.scales is None
+    assert k.data.untyped_storage().data_ptr() != v.data.untyped_storage().data_ptr()
+    assert k.nbytes == 3 * 16 * 2 * formats.bytes_per_row("q4_0", 64)
+    assert v.nbytes == 3 * 16 * 2 * formats.bytes_per_row("f16", 64)
 
 
 def test_q4_0_nibble_order_is_ggml():

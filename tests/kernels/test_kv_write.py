@@ -2,7 +2,8 @@
 
 The expected storage is built independently: ``formats.quantize`` of the rows (checked
 against ``gguf`` in ``test_formats.py``) placed at ``divmod(slot, block_size)`` by a Python
-loop; every slot not written must keep its poison bytes.
+loop; every slot not written must keep its poison bytes (and every byte of the other
+storage of a K/V pair, ``KVBlockStorage.allocate_pair``, its own).
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ BACKENDS = [
 ]
 
 
-def poisoned(kv_type, num_blocks, block_size, hkv, d, device):
-    cache = KVBlockStorage.allocate(kv_type, num_blocks, block_size, hkv, d, device=device)
-    cache.data.view(torch.uint8).fill_(0xA5)
+def poison(cache, data_byte=0xA5, scale_byte=0x5A):
+    cache.data.view(torch.uint8).fill_(data_byte)
     if cache.scales is not None:
-        cache.scales.view(torch.uint8).fill_(0x5A)
+        cache.scales.view(torch.uint8).fill_(scale_byte)
     return cache
+
+
+def poisoned(kv_type, num_blocks, block_size, hkv, d, device):
+    return poison(KVBlockStorage.allocate(kv_type, num_blocks, block_size, hkv, d,
+                                          device=device))
 
 
 def expected(cache: KVBlockStorage, rows: torch.Tensor, slots: list[int]) -> KVBlockStorage:
@@ -78,6 +83,29 @@ def test_write_is_bit_exact(backend, kv_type, dtype):
     want = expected(cache, rows, slots)
     ops.kv_write(cache, rows.to(device), torch.tensor(slots, device=device), backend=backend)
     assert_same_bits(cache, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kv_type", formats.GPU_KV_TYPES)
+def test_pair_writes_leave_the_other_storage_alone(backend, kv_type):
+    """K and V of a pair share buffers (``allocate_pair``): writing K rows changes exactly
+    those rows of K and no byte of V, and the reverse; K and V start from different
+    poison bytes, so a write that strays into the other's rows shows."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    hkv, d, bs, nb = 3, 64, 16, 5
+    k, v = KVBlockStorage.allocate_pair(kv_type, kv_type, nb, bs, hkv, d, device=device)
+    poison(k)
+    poison(v, 0x3C, 0xC3)
+    gen = torch.Generator().manual_seed(4)
+    for i, (target, other) in enumerate(((k, v), (v, k))):
+        rows = make_rows(7, hkv, d, torch.float32, seed=i)
+        slots = torch.randperm(nb * bs, generator=gen)[:7].tolist()
+        slots[3] = nb * bs - 1  # the last token of the last block: K's rows there end at V's
+        want, want_other = expected(target, rows, slots), expected(other, rows, [])
+        ops.kv_write(target, rows.to(device), torch.tensor(slots, device=device),
+                     backend=backend)
+        assert_same_bits(target, want)
+        assert_same_bits(other, want_other)
 
 
 @needs_triton

@@ -5,7 +5,10 @@ and V are f16, q8_0 or q4_0; 1e-2 when either is bf16. Outputs are poisoned with
 before every run, so an element a kernel forgets to write fails the test.
 
 The Triton cases run on small shapes under ``TRITON_INTERPRET=1`` on the CPU, and on
-CUDA when present; ``test_paged_decode_gpu.py`` holds the real-size GPU grid.
+CUDA when present; ``test_paged_decode_gpu.py`` holds the real-size GPU grid. Pools are in
+the library's layout (``build_pool``'s ``paired``: K and V of one type side by side, of
+different types in their own buffers); the ``separate`` cases put K and V of one type in
+their own buffers too.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from kernel_oracle import (
     rel_error,
 )
 
-from pagedserve.kernels import ops
+from pagedserve.kernels import guards, ops
 from pagedserve.kernels.decode_plan import (
     CONTIGUOUS_TILE_TOKENS,
     MERGE_GROUP,
@@ -51,11 +54,13 @@ def chunks_of(lens, budget=BUDGET):
 
 
 def run(k_type, v_type, lens, *, hkv=2, group=2, d=64, backend="triton", config=SPLIT,
-        chunks_per_head=BUDGET, seed=0, validate=None, table_cols=None, block_size=16):
+        chunks_per_head=BUDGET, seed=0, validate=None, table_cols=None, block_size=16,
+        paired=True):
     device = TRITON_DEVICE if backend == "triton" else "cpu"
     ck, cv, table, tables = build_pool(k_type, v_type, lens, num_kv_heads=hkv, head_dim=d,
                                        seed=seed, device=device, table_cols=table_cols,
-                                       block_size=block_size)
+                                       block_size=block_size, paired=paired)
+    assert ck.interleave == cv.interleave == (2 if paired and k_type == v_type else 1)
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(lens), hkv * group, d, generator=gen).to(q_dtype_for(k_type, v_type))
     scale = d**-0.5
@@ -94,6 +99,16 @@ def test_triton_all_type_pairs_split_and_merge(k_type, v_type):
     out, ref = run(k_type, v_type, lens)
     assert rel_error(out, ref) <= bound(k_type, v_type)
     assert float(out[0].abs().max()) == 0.0  # zero length -> zeros
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_type", TYPES)
+def test_triton_separate_storages_of_one_type(kv_type):
+    """K and V of one type in their own buffers (``interleave`` 1), as well as side by side
+    (the library's layout, every other same-type case here): rows of one (block, head)
+    one block apart, not two."""
+    out, ref = run(kv_type, kv_type, [0, 1, 50, 150], paired=False)
+    assert rel_error(out, ref) <= bound(kv_type, kv_type)
 
 
 @needs_triton
@@ -210,12 +225,16 @@ def test_triton_all_zero_lengths():
 
 
 @needs_triton
+@pytest.mark.parametrize("paired", [True, False], ids=["paired", "separate"])
 @pytest.mark.parametrize("k_type,v_type", [("f16", "f16"), ("q4_0", "q4_0")])
-def test_triton_contiguous_layout(k_type, v_type):
-    """One block per sequence of the padded length: the PAGED=False tile path."""
+def test_triton_contiguous_layout(k_type, v_type, paired):
+    """One block per sequence of the padded length: the PAGED=False tile path, K and V
+    side by side (a sequence's K and V rows, 64 each, adjacent) or in their own buffers."""
     lens = [0, 5, 64, 40]
     ck, cv, _, _ = build_pool(k_type, v_type, [64] * 4, num_kv_heads=2, head_dim=64,
-                              block_size=64, extra_blocks=0, device=TRITON_DEVICE)
+                              block_size=64, extra_blocks=0, device=TRITON_DEVICE,
+                              paired=paired)
+    assert ck.interleave == (2 if paired else 1)
     table = torch.tensor([[2], [0], [3], [1]], dtype=torch.int32)
     tables = table.tolist()
     q = torch.randn(4, 12, 64).to(q_dtype_for(k_type, v_type))
@@ -407,3 +426,83 @@ def test_trace_buffer_is_checked_before_launch(kv_type):
         with pytest.raises(ValueError, match=rf"trace must be int64 \[{programs}, 8\]"):
             paged_decode.paged_decode_attention(q, ck, cv, table, seq_lens, 0.125,
                                                 workspace=ws, trace=bad)
+
+
+# ---- storage strides ----------------------------------------------------------------------
+
+
+def _decode(ck, cv, backend):
+    """One decode call over a pool of ``ck``/``cv``'s shape: the argument checks run first."""
+    device = ck.data.device
+    q = torch.randn(1, 2 * ck.num_kv_heads, ck.head_dim, dtype=torch.float16, device=device)
+    return ops.paged_decode_attention(q, ck, cv, torch.zeros(1, 1, dtype=torch.int32,
+                                                             device=device),
+                                      torch.ones(1, dtype=torch.int32, device=device), 0.125,
+                                      backend=backend)
+
+
+def _f16(data):
+    return KVBlockStorage("f16", data, None, 64)
+
+
+# Pools of 2 blocks, 2 K/V heads, 16-token blocks, head_dim 64 (q4_0: W = 32, 2 scales).
+F16 = dict(dtype=torch.float16)
+BAD_STRIDES = {
+    # [nb, bs, Hkv, D] seen as [nb, Hkv, bs, D]: token-major rows.
+    "token-major": lambda: _f16(torch.zeros(2, 16, 2, 64, **F16).transpose(1, 2)),
+    "padded-rows": lambda: _f16(torch.zeros(2, 2, 16, 128, **F16)[..., :64]),
+    "three-pieces": lambda: _f16(torch.zeros(2, 2, 3, 16, 64, **F16)[:, :, 0]),
+    # A pair's payload with scales in their own buffer.
+    "scales-apart": lambda: KVBlockStorage(
+        "q4_0", KVBlockStorage.allocate_pair("q4_0", "q4_0", 2, 16, 2, 64)[0].data,
+        torch.zeros(2, 2, 16, 2, **F16), 64),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case,message", [
+    ("token-major", r"cache_k.data \(2, 2, 16, 64\) has strides \(2048, 64, 128, 1\)"),
+    ("padded-rows", r"cache_k.data \(2, 2, 16, 64\) has strides \(4096, 2048, 128, 1\)"),
+    ("three-pieces", r"cache_k.data \(2, 2, 16, 64\) has strides \(6144, 3072, 64, 1\)"),
+    ("scales-apart", r"cache_k.scales \(2, 2, 16, 2\) has strides \(64, 32, 2, 1\)"),
+])
+def test_storage_with_other_strides_is_rejected(backend, case, message):
+    """Decode takes rows W apart and (block, head) pieces I * block_size rows apart, I = 1
+    or 2, scales like data; anything else is refused by name, with what is accepted."""
+    ck = BAD_STRIDES[case]()
+    cv = KVBlockStorage.allocate(ck.kv_type, 2, 16, 2, 64)
+    width = ck.data.shape[-1] if case != "scales-apart" else 2
+    accepted = (rf"decode takes strides \({2 * 16 * width}, {16 * width}, {width}, 1\) \(its "
+                rf"own buffer\) or \({4 * 16 * width}, {2 * 16 * width}, {width}, 1\) \(K and "
+                rf"V side by side, KVBlockStorage.allocate_pair\)")
+    with pytest.raises(ValueError, match=message + ".*; " + accepted):
+        _decode(ck, cv, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_k_and_v_with_different_interleave_are_rejected(backend):
+    """The kernels step K's and V's rows by one ``INTERLEAVE``: a pair's K with a V in its
+    own buffer (or the reverse) is refused."""
+    k, v = KVBlockStorage.allocate_pair("q8_0", "q8_0", 2, 16, 2, 64)
+    alone = KVBlockStorage.allocate("q8_0", 2, 16, 2, 64)
+    for ck, cv, ik, iv in ((k, alone, 2, 1), (alone, v, 1, 2)):
+        with pytest.raises(ValueError, match=rf"K and V must share their buffers alike: "
+                                             rf"cache_k interleave {ik}, cache_v interleave "
+                                             rf"{iv}"):
+            _decode(ck, cv, backend)
+
+
+def test_row_limit_counts_the_rows_a_pair_spans():
+    """A pair's row index steps over the other storage's rows too: 2**26 blocks of 16
+    rows of one head are 2**30 rows alone (accepted) but span 2**31 in a pair. (Meta
+    tensors: shapes and strides without memory.)"""
+    nb, d = 2**26, 64
+    q = torch.empty(1, 2, d, dtype=torch.float16, device="meta")
+    table = torch.empty(1, 1, dtype=torch.int32, device="meta")
+    lens = torch.empty(1, dtype=torch.int32, device="meta")
+    alone = [KVBlockStorage.allocate("q4_0", nb, 16, 1, d, device="meta") for _ in range(2)]
+    guards.check_decode_args(q, *alone, table, lens, None)
+    pair = KVBlockStorage.allocate_pair("q4_0", "q4_0", nb, 16, 1, d, device="meta")
+    with pytest.raises(ValueError, match=r"cache_k spans 2147483648 rows; decode addresses at "
+                                         r"most 2\*\*31 - 1"):
+        guards.check_decode_args(q, *pair, table, lens, None)

@@ -1,6 +1,8 @@
 """The decode grid at real sizes on a GPU, and CUDA-graph capture and replay.
 
 Same float64 oracle and bounds as ``test_paged_decode.py`` (``kernel_oracle.BOUNDS``).
+Pools are in the library's layout (``build_pool``: K and V of one type side by side);
+``test_separate_storages_of_one_type`` covers K and V of one type in their own buffers.
 Skipped without CUDA.
 """
 
@@ -44,9 +46,10 @@ TRITON_F16 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=1
 
 
 def check(k_type, v_type, lens, *, hkv=4, group=6, d=256, config=None, ws_kwargs=None,
-          block_size=16, seed=0):
+          block_size=16, seed=0, paired=True):
     ck, cv, table, tables = build_pool(k_type, v_type, lens, num_kv_heads=hkv, head_dim=d,
-                                       block_size=block_size, seed=seed, device="cuda")
+                                       block_size=block_size, seed=seed, device="cuda",
+                                       paired=paired)
     q = torch.randn(len(lens), hkv * group, d, generator=torch.Generator().manual_seed(seed))
     q = q.to(q_dtype_for(k_type, v_type))
     ws = DecodeWorkspace(len(lens), hkv * group, hkv, d, "cuda", **(ws_kwargs or {}))
@@ -130,12 +133,13 @@ def test_f16_default_runs_the_gluon_ring(monkeypatch, paged):
     assert layouts == [paged]
 
 
-def check_contiguous(k_type, v_type, lens, order, config=None):
+def check_contiguous(k_type, v_type, lens, order, config=None, paired=True):
     """The contiguous layout (one block per sequence, padded to the longest), the pool's
     blocks assigned to the sequences in ``order``, against the oracle."""
     pad = max(lens)
     ck, cv, _, _ = build_pool(k_type, v_type, [pad] * len(lens), num_kv_heads=4,
-                              head_dim=256, block_size=pad, extra_blocks=0, device="cuda")
+                              head_dim=256, block_size=pad, extra_blocks=0, device="cuda",
+                              paired=paired)
     table = torch.tensor([[i] for i in order], dtype=torch.int32)
     q = torch.randn(len(lens), 24, 256).half()
     out = ops.paged_decode_attention(q.cuda(), ck, cv, table.cuda(),
@@ -157,15 +161,27 @@ def test_contiguous_layout(k_type, v_type, config):
     check_contiguous(k_type, v_type, [4096, 1, 0, 2500], [3, 1, 0, 2], config)
 
 
-def test_write_then_read_on_gpu():
-    """Triton kv_write into a shuffled pool, then Triton decode, against the oracle."""
+@pytest.mark.parametrize("kv_type", FRAGMENT_TYPES)
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
+def test_separate_storages_of_one_type(kv_type, paged):
+    """The library's launches over K and V of one type in their own buffers
+    (``interleave`` 1; every other same-type case here has them side by side)."""
+    if paged:
+        check(kv_type, kv_type, EDGE_LENS, config=FRAGMENT_CONFIGS[kv_type], paired=False)
+    else:
+        check_contiguous(kv_type, kv_type, [4096, 1, 0, 2500], [3, 1, 0, 2], paired=False)
+
+
+@pytest.mark.parametrize("k_type,v_type", [("q4_0", "q8_0"), ("q8_0", "q8_0")])
+def test_write_then_read_on_gpu(k_type, v_type):
+    """Triton kv_write into a shuffled pool, then Triton decode, against the oracle (K and
+    V as the engine allocates them: side by side when their types match)."""
     from pagedserve.kv.formats import KVBlockStorage
 
     lens, bs = [300, 17], 16
     ids = torch.randperm(40, generator=torch.Generator().manual_seed(2))[:21].tolist()
     tables = [ids[:19], ids[19:]]  # 19 and 2 blocks, scattered over the pool
-    ck = KVBlockStorage.allocate("q4_0", 40, bs, 4, 256, device="cuda")
-    cv = KVBlockStorage.allocate("q8_0", 40, bs, 4, 256, device="cuda")
+    ck, cv = KVBlockStorage.allocate_pair(k_type, v_type, 40, bs, 4, 256, device="cuda")
     for b, n in enumerate(lens):
         pos = torch.arange(n)
         slots = torch.tensor(tables[b])[pos // bs] * bs + pos % bs

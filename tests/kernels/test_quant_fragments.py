@@ -221,8 +221,7 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     seen = recorder.seen
     monkeypatch.setattr(qf, "fragment_decode_kernel", recorder)
     monkeypatch.setattr(qf, "supports", lambda q, ck, cv: True)
-    ck = KVBlockStorage.allocate("q4_0", 8, 16, 2, 256)
-    cv = KVBlockStorage.allocate("q4_0", 8, 16, 2, 256)
+    ck, cv = KVBlockStorage.allocate_pair("q4_0", "q4_0", 8, 16, 2, 256)
     q = torch.zeros(3, 12, 256, dtype=torch.float16)
     table = torch.zeros(3, 2, dtype=torch.int32)
     lens = torch.tensor([5, 0, 20], dtype=torch.int32)
@@ -256,3 +255,4 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
                                             config=dataclasses.replace(cfg, quant_dot="packed"),
                                             trace=trace)
     assert seen["grid"][1] == 2 and seen["kwargs"]["G"] == 6 and seen["kwargs"]["PAGED"]
+    assert seen["kwargs"]["INTERLEAVE"] == 2  # K and V side by side

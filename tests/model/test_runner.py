@@ -33,18 +33,32 @@ def test_max_model_len_beyond_the_model_is_rejected(checkpoints) -> None:
         checkpoints("d64-mha-tied").runner(max_model_len=8192)
 
 
-def test_paged_geometry_and_memory(checkpoints) -> None:
+def _buffer_bytes(kv_caches) -> int:
+    """Bytes of the distinct buffers under the runner's K/V storages."""
+    buffers = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+               for pair in kv_caches for s in pair for t in (s.data, s.scales)
+               if t is not None}
+    return sum(buffers.values())
+
+
+@pytest.mark.parametrize("k_type,v_type", [("q8_0", "q4_0"), ("q4_0", "q4_0")])
+def test_paged_geometry_and_memory(checkpoints, k_type, v_type) -> None:
+    """K and V of one type share a buffer per layer, of two types have their own; either
+    way the memory accounted is every byte of the K/V buffers, once."""
     ckpt = checkpoints("d256-gqa3-untied")
-    cache = CacheConfig(cache_type_k="q8_0", cache_type_v="q4_0")
+    cache = CacheConfig(cache_type_k=k_type, cache_type_v=v_type)
     runner = ckpt.runner(cache, max_model_len=100, max_num_seqs=3)
     cfg = ckpt.loaded.config
     assert (runner.block_size, runner.max_blocks_per_seq) == (16, 7)
     assert runner.num_blocks == 3 * 7  # CPU default: every sequence at max_model_len
     assert runner.graphs is None  # CUDA graphs are CUDA-only
+    interleave = 2 if k_type == v_type else 1
+    assert {(k.interleave, v.interleave) for k, v in runner.kv_caches} == {(interleave,) * 2}
     mem = runner.memory_usage()
-    row = formats.bytes_per_row("q8_0", 256) + formats.bytes_per_row("q4_0", 256)
+    row = formats.bytes_per_row(k_type, 256) + formats.bytes_per_row(v_type, 256)
     rows = runner.num_blocks * 16 * cfg.num_key_value_heads
     assert mem.kv_bytes == cfg.num_full_attention_layers * rows * row
+    assert mem.kv_bytes == _buffer_bytes(runner.kv_caches)
     assert mem.weights_bytes == ckpt.loaded.weights_bytes
     per_slot = runner.state_pool.shapes.bytes_per_slot
     assert mem.state_bytes == per_slot * (3 + 1)  # + the null slot
@@ -58,7 +72,10 @@ def test_contiguous_geometry(checkpoints) -> None:
         CacheConfig(kv_layout="contiguous"), max_model_len=96, max_num_seqs=3
     )
     assert (runner.num_blocks, runner.block_size, runner.max_blocks_per_seq) == (3, 96, 1)
-    assert runner.kv_caches[0][0].data.shape[:3] == (3, 2, 96)
+    k, v = runner.kv_caches[0]
+    assert k.data.shape[:3] == v.data.shape[:3] == (3, 2, 96)
+    assert k.interleave == v.interleave == 2  # f16 K and V side by side, as paged
+    assert runner.memory_usage().kv_bytes == _buffer_bytes(runner.kv_caches)
     kv = runner.create_kv_manager()
     h = kv.create()
     assert kv.reserve(h, 96) and not kv.can_fit(h, 97)
