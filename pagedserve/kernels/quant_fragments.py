@@ -69,11 +69,13 @@ group's partial scores in f32, where per-value dequantization took a subtraction
 multiplication per pair (and rounded each value to f16). sm_90 loop, ragged q4_0 paged:
 1406 -> 1277 instructions, 1998 -> 1766 stall cycles; contiguous 1353 -> 1223. On the
 H200 (docs/benchmarks/logs/probes/049a781_q4_0_grouped_*.log) ragged q4_0 paged 71.2 ->
-68.1 us, contiguous 69.7 -> 66.1; 8 x 128K paged 337-343 -> 321-324 us. The faster
-contiguous side lowers paged / contiguous (0.94-0.97 at the short and 64K points), and
-one 4K sequence's paged call is 0.3-0.5 us slower (the prologue's q conversions, issued
-after the ring's first copies). V keeps the per-value form: folding its scale into P
-needs group-pure m-tiles of ``V^T``, another label layout.
+68.1 us, contiguous 69.7 -> 66.1; 8 x 128K paged 337-343 -> 321-324 us. With K and V in
+separate buffers the faster contiguous side brought paged / contiguous down to
+0.93-0.97; with K and V side by side (``kv.formats.KVBlockStorage.allocate_pair``) it
+reads 0.972-1.014 at every uniform point (attention.md at ea80e5b). q's load goes out
+first; its conversions, which wait at barriers, come after the ring's first copies (done
+before them, they cost 0.4-0.7 us of prologue). V keeps the per-value form: folding its
+scale into P needs group-pure m-tiles of ``V^T``, another label layout.
 
 Measured on the H200, side by side (docs/benchmarks/logs/probes/), in the register design
 (below) that came first. q4_0, ragged 128K + 7 x 8K paged: 111.2 us with V's bytes
