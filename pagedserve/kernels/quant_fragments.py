@@ -316,6 +316,11 @@ def _bits(n: int, dim: int, rank: int = 4, start: int = 0) -> list[list[int]]:
     return out
 
 
+def _word_bases(bases: list[list[int]]) -> list[list[int]]:
+    """Bases ``[w, t, g, byte]`` of a byte tile -> ``[w, t, g, word]`` of its word tile."""
+    return [[b[0], b[1], b[2], b[3] // 4] for b in bases]
+
+
 @functools.cache
 def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
     """The kernel's layouts (compile-time arguments) for one storage type, ``num_warps``
@@ -329,29 +334,25 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
     warps = _warp_bases(w, 4)
     g0 = [[0, 0, 1, 0]]
     tok_hi = _bits(t, 1, start=3)  # tokens +8, (+16)
-    # K: registers walk 2 GB contiguous bytes (j, then g bit 0), then tokens +8 (+16);
-    # lanes take the other two group bits and tokens +1, +2, +4. This is the MMA B
-    # operand's own layout, relabelled by k_label_to_byte.
-    k_lanes = [[0, 0, 2, 0], [0, 0, 4, 0]] + _bits(8, 1)
-    k_bytes = gl.DistributedLinearLayout(
-        reg_bases=_bits(gb, 3) + g0 + tok_hi, lane_bases=k_lanes, warp_bases=warps,
-        block_bases=[], shape=[w, t, 8, gb])
-    k_words = gl.DistributedLinearLayout(
-        reg_bases=_bits(gb // 4, 3) + g0 + tok_hi, lane_bases=k_lanes, warp_bases=warps,
-        block_bases=[], shape=[w, t, 8, gb // 4])
-    k_reads = _bits(gb, 3, start=2) + g0 + tok_hi
     if geo.halves:
         # q4_0, grouped (``_tile_scores_grouped``): a thread holds word ``lane % 4`` of
-        # every group of its token rows; k-steps walk the groups.
+        # every group of its token rows (lanes take the byte bits 2, 3 and tokens +1, +2,
+        # +4); k-steps walk the groups, then tokens +8, +16.
         k_lanes = [[0, 0, 0, 4], [0, 0, 0, 8]] + _bits(8, 1)
-        k_bytes = gl.DistributedLinearLayout(
-            reg_bases=_bits(4, 3) + _bits(8, 2) + tok_hi, lane_bases=k_lanes,
-            warp_bases=warps, block_bases=[], shape=[w, t, 8, gb])
-        k_words = gl.DistributedLinearLayout(
-            reg_bases=_bits(8, 2) + tok_hi,
-            lane_bases=[[0, 0, 0, 1], [0, 0, 0, 2]] + _bits(8, 1), warp_bases=warps,
-            block_bases=[], shape=[w, t, 8, gb // 4])
         k_reads = _bits(8, 2) + tok_hi
+    else:
+        # q8_0: registers walk 2 GB contiguous bytes (j, then g bit 0), then tokens +8;
+        # lanes take the other two group bits and tokens +1, +2, +4. This is the MMA B
+        # operand's own layout, relabelled by k_label_to_byte.
+        k_lanes = [[0, 0, 2, 0], [0, 0, 4, 0]] + _bits(8, 1)
+        k_reads = _bits(gb, 3, start=2) + g0 + tok_hi
+    # ``k_reads``: the register bases at word starts; a word's 4 bytes are registers too.
+    k_bytes = gl.DistributedLinearLayout(
+        reg_bases=_bits(4, 3) + k_reads, lane_bases=k_lanes, warp_bases=warps,
+        block_bases=[], shape=[w, t, 8, gb])
+    k_words = gl.DistributedLinearLayout(
+        reg_bases=_word_bases(k_reads), lane_bases=_word_bases(k_lanes), warp_bases=warps,
+        block_bases=[], shape=[w, t, 8, gb // 4])
     # V: one group (GB contiguous bytes) of each of its rows; registers then take tokens
     # +1, +8 (+16), lanes tokens +2, +4 and the three group bits.
     v_lanes = [[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]]
