@@ -49,6 +49,7 @@ import _report  # noqa: E402
 from pagedserve.kernels import paged_decode, reference  # noqa: E402
 from pagedserve.kernels.decode_plan import (  # noqa: E402
     CONTIGUOUS_TILE_TOKENS,
+    WIDE_Q8_MAX_BATCH,
     DecodeConfig,
     DecodeWorkspace,
     default_config,
@@ -208,16 +209,18 @@ class Launch:
 
 def library_launch(kv_type: str) -> tuple[Launch, dict]:
     """The library's launch for ``kv_type`` K and V, and its description: per layout, the
-    config from each size on where ``default_config`` changes it."""
+    config from each batch and size on where ``default_config`` changes it (``occupancy``:
+    the workspace's, which a config's own lowers)."""
     occupancy = default_occupancy(kv_type, kv_type)
     desc: dict = {}
     for paged, layout in ((True, "paged"), (False, "contiguous")):
         last = None
-        for n in (0, CONTIGUOUS_TILE_TOKENS):
-            cfg = default_config(kv_type, kv_type, n, paged=paged)
-            if cfg != last:
-                desc[f"{layout}, tokens >= {n}"] = asdict(cfg)
-                last = cfg
+        for batch in (1, WIDE_Q8_MAX_BATCH + 1):
+            for n in (0, CONTIGUOUS_TILE_TOKENS):
+                cfg = default_config(kv_type, kv_type, n, paged=paged, batch=batch)
+                if cfg != last:
+                    desc[f"{layout}, batch >= {batch}, tokens >= {n}"] = asdict(cfg)
+                    last = cfg
     configs = list(desc.values())
     if all(c == configs[0] for c in configs):  # one launch for every case
         desc = configs[0]

@@ -130,7 +130,8 @@ def trace_case(kv_type: str, lens: tuple[int, ...], layout: str = "paged") -> di
             inp.q, inp.k, inp.v, inp.tables, inp.lens, ba.SCALE, workspace=ws, out=inp.out,
             validate=False, trace=trace)
 
-    grid = paged_decode.decode_grid(ws, len(lens))
+    cfg = paged_decode.resolve_config(None, inputs[0].k, inputs[0].v, inputs[0].tables)
+    grid = paged_decode.decode_grid(ws, len(lens), cfg)
     trace = torch.zeros(math.prod(grid), 8, dtype=torch.int64, device="cuda")
     for _ in range(3):  # compile both variants, warm up
         call(inputs[0])

@@ -71,6 +71,9 @@ DEFAULT_OCCUPANCY = 2.0
 # Size (tokens a launch's tables can address: batch x table columns x block size) from
 # which contiguous f16/bf16 decode changes launch (``default_config``).
 CONTIGUOUS_TILE_TOKENS = 1 << 19
+# Most sequences for which q8_0 K and V take 128-row tiles at one program per SM
+# (``default_config``).
+WIDE_Q8_MAX_BATCH = 4
 # SM count assumed for CPU tensors (the Triton interpreter): small, so that plans split.
 INTERPRETER_NUM_SMS = 4
 
@@ -112,9 +115,13 @@ class DecodeConfig:
         maxnreg: registers per thread the compiler may use (``None``: its own choice,
             up to 255). Fewer registers let more programs share an SM; a quantized tile
             loop is latency-bound, so more resident warps can pay for a few spills.
+        occupancy: programs per SM this launch's chunk budget aims for, when fewer fit
+            on an SM than the workspace was sized for (``DecodeWorkspace.budget_for``);
+            ``None``: the workspace's budget.
 
-    The chunk budget W is not here: it sizes the grid and the buffers, so it belongs to
-    the ``DecodeWorkspace``.
+    The workspace owns the largest chunk budget W: it sizes the buffers. A launch whose
+    programs are larger (more warps, more shared memory) asks for fewer chunks through
+    ``occupancy``, never for more.
     """
 
     block_n: int = 64
@@ -125,8 +132,11 @@ class DecodeConfig:
     maxnreg: int | None = None
     table_read: str = "row"
     table_ahead: bool = True
+    occupancy: float | None = None
 
     def __post_init__(self) -> None:
+        if self.occupancy is not None and not 0.0 < self.occupancy <= 64.0:
+            raise ValueError(f"occupancy must be None or in (0, 64], got {self.occupancy}")
         if not (_is_pow2(self.block_n) and 16 <= self.block_n <= 256):
             raise ValueError(f"block_n must be a power of 2 in [16, 256], got {self.block_n}")
         if self.num_warps not in (1, 2, 4, 8, 16):
@@ -159,8 +169,8 @@ class DecodeConfig:
             )
 
 
-def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
-                   ) -> DecodeConfig:
+def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True,
+                   batch: int = 0) -> DecodeConfig:
     """The launch choice per K/V type pair, layout and size, from H200 runs of
     ``bench_attention.py``'s sweep and side-by-side probes (docs/benchmarks/attention.md).
 
@@ -168,9 +178,23 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
     block size), which the host knows without a sync; it bounds the live tokens from
     above. ``paged``: the paged layout (else the contiguous one, whose launch is chosen for
     its own speed, so that it stays an honest baseline). Only f16/bf16 use them (below).
+    ``batch``: sequences in the launch (0: unknown); only q8_0 uses it (below).
 
-    - q8_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of 16
-      tokens, its shared-memory ring of two stages (68 KB; block ids ride the copies),
+    - q8_0 K and V, at most ``WIDE_Q8_MAX_BATCH`` (4) sequences: ``fragment`` with 8 warps
+      of 16 tokens (128-row tiles), the same ring of two stages (136 KB), one program per
+      SM (``occupancy=1``: half the workspace's chunks, each twice as long). Side by side
+      on the H200 against the launch below, both layouts, every uniform point
+      (docs/benchmarks/logs/probes/8b9423f_q8_0_wide_tiles.log): faster on both layouts at
+      each of the 12 points with n <= 4 (paged one 4K sequence 11.4 us against 13.4, 2 x 4K
+      14.1 against 14.9, one 16K sequence 18.4 against 19.3, 4 x 128K 267.1 against 275.0;
+      contiguous 11.9 against 13.1, 14.1 against 14.1, 18.5 against 18.6, 265.0 against
+      273.7), paged / contiguous 0.991-1.046 against 0.949-0.999. It is faster at n = 8
+      too, but not on the ragged case (paged 118.9 us against 109.3): with 33 chunks
+      per head for 8 sequences the plan's largest chunk there is 7040 tokens against a
+      mean of 5710 (one 8K sequence cut 7040 + 1152), where 66 chunks keep it within 5%.
+      At most 4 sequences leave 8 or more chunks per sequence on average.
+    - Other q8_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of
+      16 tokens, its shared-memory ring of two stages (68 KB; block ids ride the copies),
       two programs per SM (205 registers paged). Side by side on the H200 against the
       kernel's register double buffer (``num_stages=1``, ids a tile ahead), both layouts
       (docs/benchmarks/logs/probes/2582e1a_ring_grid.log): paged ragged 107.9 us against
@@ -225,6 +249,8 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
 
     The minimum chunk is 128 tokens for all (the sweep's choice, for 4K contexts).
     """
+    if k_type == v_type == "q8_0" and 0 < batch <= WIDE_Q8_MAX_BATCH:
+        return _Q8_WIDE
     if formats.spec(k_type).quantized or formats.spec(v_type).quantized:
         return _quantized_config(k_type, v_type)
     if k_type == v_type == "f16":
@@ -249,6 +275,9 @@ _FLOAT_128 = DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=
 _FLOAT_PAGED_64 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128,
                                table_read="block")
 _FLOAT_CONTIGUOUS_64 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128)
+# q8_0 K and V in 128-row tiles, one program per SM, for small batches (``default_config``).
+_Q8_WIDE = DecodeConfig(block_n=128, num_warps=8, num_stages=2, min_partition=128,
+                        quant_dot="fragment", table_read="block", occupancy=1.0)
 
 
 @functools.cache
@@ -358,6 +387,15 @@ class DecodeWorkspace:
         self.seq_counters = torch.zeros(
             (max_batch, num_kv_heads), dtype=torch.int32, device=self.device
         )
+
+    def budget_for(self, config: DecodeConfig) -> int:
+        """Chunks per K/V head a launch of ``config`` plans: the workspace's W, or fewer
+        when ``config.occupancy`` asks for fewer programs per SM (never more: W sizes
+        the buffers)."""
+        if config.occupancy is None:
+            return self.chunk_budget
+        own = max(1, math.ceil(config.occupancy * self.num_sms / self.num_kv_heads))
+        return min(self.chunk_budget, own)
 
     def counters_clear(self) -> bool:
         """Whether every merge counter is back to zero (true between launches)."""

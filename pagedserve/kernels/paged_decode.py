@@ -312,10 +312,25 @@ def launch_constants(
     )
 
 
-def decode_grid(workspace: DecodeWorkspace, batch: int) -> tuple[int, int]:
-    """The launch grid: ``max(W, B)`` chunks per K/V head (the plan never makes more;
-    ``decode_plan``), by the K/V heads."""
-    return max(workspace.chunk_budget, batch), workspace.num_kv_heads
+def resolve_config(config: DecodeConfig | None, cache_k: KVBlockStorage,
+                   cache_v: KVBlockStorage, block_tables: torch.Tensor) -> DecodeConfig:
+    """``config``, or the library's launch for these storages and tables
+    (``default_config`` by types, the tokens the tables address, layout and batch)."""
+    if config is not None:
+        return config
+    batch, max_blocks = block_tables.shape
+    return default_config(cache_k.kv_type, cache_v.kv_type,
+                          batch * max_blocks * cache_k.block_size, paged=max_blocks > 1,
+                          batch=batch)
+
+
+def decode_grid(workspace: DecodeWorkspace, batch: int,
+                config: DecodeConfig | None = None) -> tuple[int, int]:
+    """The launch grid: ``max(W, B)`` chunks per K/V head, W the launch's budget
+    (``DecodeWorkspace.budget_for``; the workspace's own without a ``config``; the plan
+    never makes more chunks, ``decode_plan``), by the K/V heads."""
+    budget = workspace.chunk_budget if config is None else workspace.budget_for(config)
+    return max(budget, batch), workspace.num_kv_heads
 
 
 def paged_decode_attention(
@@ -340,7 +355,8 @@ def paged_decode_attention(
             capturing CUDA graphs. ``None`` uses a cached one for this device and shape.
         out: ``[B, Hq, D]`` in ``q.dtype`` to write into (a CUDA graph's static output).
         config: tile choices; default ``default_config`` of the K and V types, the
-            tokens the tables address (``B * capacity``) and the layout.
+            tokens the tables address (``B * capacity``), the layout and ``B``
+            (``resolve_config``).
         validate: full check of block ids and lengths (one sync); default from
             ``PAGEDSERVE_VALIDATE``.
         trace: diagnostics: int64 ``[programs, 8]`` (programs: the product of
@@ -367,8 +383,7 @@ def paged_decode_attention(
             B, Hq, Hkv, D, q.device, default_occupancy(cache_k.kv_type, cache_v.kv_type))
     else:
         workspace.check_fits(B, Hq, Hkv, D, q.device)
-    cfg = config or default_config(cache_k.kv_type, cache_v.kv_type, B * capacity,
-                                   paged=max_blocks > 1)
+    cfg = resolve_config(config, cache_k, cache_v, block_tables)
     if out is None:
         out = torch.empty_like(q)
     if B == 0:
@@ -397,12 +412,13 @@ def paged_decode_attention(
     vs = cache_v.scales if cache_v.scales is not None else cache_v.data
     # Both kernels take the same grid and run-time arguments; untraced, the trace pointer
     # is a placeholder (the output), never written.
-    grid = decode_grid(workspace, B)
+    budget = workspace.budget_for(cfg)
+    grid = decode_grid(workspace, B, cfg)
     args = (
         q, out, cache_k.data, ks, cache_v.data, vs, block_tables, seq_lens,
         workspace.part_acc, workspace.part_ml, workspace.group_counters,
         workspace.seq_counters,
-        B, num_blocks, capacity, workspace.chunk_budget, workspace.max_chunks, Hkv,
+        B, num_blocks, capacity, budget, workspace.max_chunks, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         scale * LOG2E, out if trace is None else trace,
     )

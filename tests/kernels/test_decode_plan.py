@@ -82,6 +82,10 @@ def test_config_and_workspace_reject_bad_values():
         DecodeConfig(table_read="page")
     with pytest.raises(ValueError, match="occupancy must be in"):
         DecodeWorkspace(1, 8, 2, 64, "cpu", occupancy=0.0)
+    for bad in (0.0, -1.0, 65.0):
+        with pytest.raises(ValueError, match=rf"occupancy must be None or in \(0, 64\], "
+                                             rf"got {bad}"):
+            DecodeConfig(occupancy=bad)
     with pytest.raises(ValueError, match=r"num_q_heads \(6\) must be a positive multiple"):
         DecodeWorkspace(1, 6, 4, 64, "cpu")
 
@@ -96,6 +100,18 @@ def test_workspace_sizes():
     assert DecodeWorkspace(100, 24, 4, 256, "cpu", num_sms=132).max_chunks == 100
     with pytest.raises(ValueError, match="batch 9 exceeds"):
         ws.check_fits(9, 24, 4, 256, torch.device("cpu"))
+
+
+def test_launch_budget_never_exceeds_the_workspace():
+    """A config's ``occupancy`` lowers the chunk budget of its launches (larger programs,
+    fewer per SM); the workspace's W sizes the buffers, so no launch plans more."""
+    ws = DecodeWorkspace(8, 24, 4, 256, "cpu", occupancy=2.0, num_sms=132)
+    assert ws.budget_for(DecodeConfig()) == 66
+    assert ws.budget_for(DecodeConfig(occupancy=1.0)) == 33
+    assert ws.budget_for(DecodeConfig(occupancy=0.5)) == 17  # ceil(66 / 4)
+    assert ws.budget_for(DecodeConfig(occupancy=4.0)) == 66
+    forced = DecodeWorkspace(8, 24, 4, 256, "cpu", chunks_per_head=9, num_sms=132)
+    assert forced.budget_for(DecodeConfig(occupancy=1.0)) == 9
 
 
 @triton.jit

@@ -31,6 +31,7 @@ from pagedserve.kernels import guards, ops
 from pagedserve.kernels.decode_plan import (
     CONTIGUOUS_TILE_TOKENS,
     MERGE_GROUP,
+    WIDE_Q8_MAX_BATCH,
     DecodeConfig,
     DecodeWorkspace,
     default_config,
@@ -204,6 +205,34 @@ def test_default_config_by_layout_and_size(k_type, v_type):
         return
     assert [tiles(n, True) for n in sizes] == [(64, 3, "block")] * 4
     assert [tiles(n, False) for n in sizes] == [(64, 3, "row")] * 3 + [(128, 2, "row")]
+
+
+def test_q8_0_small_batches_take_wide_tiles():
+    """q8_0 K and V with at most WIDE_Q8_MAX_BATCH sequences: 8 warps of 16 tokens at one
+    program per SM (``occupancy=1``), on both layouts; more sequences, or a batch not
+    given, keep 4 warps at the workspace's budget. Other types do not look at the batch."""
+    def shape(batch, paged=True):
+        c = default_config("q8_0", "q8_0", 4096 * max(batch, 1), paged=paged, batch=batch)
+        return c.block_n, c.num_warps, c.num_stages, c.quant_dot, c.occupancy
+
+    wide, narrow = (128, 8, 2, "fragment", 1.0), (64, 4, 2, "fragment", None)
+    for paged in (True, False):
+        assert [shape(b, paged) for b in range(1, WIDE_Q8_MAX_BATCH + 1)] == (
+            [wide] * WIDE_Q8_MAX_BATCH)
+        assert [shape(b, paged) for b in (0, WIDE_Q8_MAX_BATCH + 1, 8, 64)] == [narrow] * 4
+    for k_type, v_type in [("q4_0", "q4_0"), ("f16", "f16"), ("q8_0", "f16"),
+                           ("q8_0", "q4_0"), ("bf16", "bf16")]:
+        assert default_config(k_type, v_type, 4096, batch=1) == default_config(
+            k_type, v_type, 4096)
+
+
+@needs_triton
+def test_q8_0_wide_launch_runs_exactly_off_the_gpu():
+    """The small-batch q8_0 launch (``occupancy=1``, fewer chunks than the workspace's
+    budget) off the GPU: the Triton kernel runs its tiles, the plan of its own budget,
+    exact against the oracle and with every merge counter reset."""
+    out, ref = run("q8_0", "q8_0", [150, 0, 33], config=None, chunks_per_head=None)
+    assert rel_error(out, ref) <= bound("q8_0", "q8_0")
 
 
 @needs_triton

@@ -38,6 +38,10 @@ REGISTERS = dataclasses.replace(FRAGMENT, num_stages=1)
 REGISTERS_Q8 = dataclasses.replace(FRAGMENT_Q8, num_stages=1)
 FRAGMENT_F16 = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=128,
                             quant_dot="fragment", table_read="block")
+# q8_0 for at most four sequences (``decode_plan.default_config``): 8 warps, one program
+# per SM.
+WIDE_Q8 = DecodeConfig(block_n=128, num_warps=8, num_stages=2, min_partition=128,
+                       quant_dot="fragment", table_read="block", occupancy=1.0)
 FRAGMENT_CONFIGS = {"q4_0": FRAGMENT, "q8_0": FRAGMENT_Q8, "f16": FRAGMENT_F16}
 FRAGMENT_TYPES = list(FRAGMENT_CONFIGS)
 # The Triton kernel's paged f16 launch (``decode_plan.triton_float_config``).
@@ -133,6 +137,25 @@ def test_f16_default_runs_the_gluon_ring(monkeypatch, paged):
     assert layouts == [paged]
 
 
+@pytest.mark.parametrize("lens", [[4096, 16], [131072, 8192, 33, 0]],
+                         ids=["two", "ragged-four"])
+def test_q8_0_small_batches_take_the_wide_launch(monkeypatch, lens):
+    """At most four q8_0 sequences: the library's launch runs the Gluon kernel with 8
+    warps, its plan at one program per SM over a workspace sized for two, exactly."""
+    from pagedserve.kernels import quant_fragments
+
+    warps = []
+    launch = quant_fragments.launch
+    monkeypatch.setattr(quant_fragments, "launch", lambda grid, args, constants, kv_type,
+                        num_warps, *rest: (warps.append((grid[0], num_warps)),
+                                           launch(grid, args, constants, kv_type, num_warps,
+                                                  *rest)))
+    check("q8_0", "q8_0", lens)
+    # 132 SMs / 4 K/V heads at one program per SM (the H200); the workspace holds 66.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert warps == [(max(math.ceil(sms / 4), len(lens)), 8)]
+
+
 def check_contiguous(k_type, v_type, lens, order, config=None, paired=True):
     """The contiguous layout (one block per sequence, padded to the longest), the pool's
     blocks assigned to the sequences in ``order``, against the oracle."""
@@ -154,9 +177,9 @@ def check_contiguous(k_type, v_type, lens, order, config=None, paired=True):
     ("f16", "f16", None), ("f16", "f16", TRITON_F16), ("q4_0", "q4_0", None),
     ("q4_0", "q4_0", FRAGMENT), ("q8_0", "q8_0", FRAGMENT_Q8),
     ("q4_0", "q4_0", REGISTERS), ("q8_0", "q8_0", REGISTERS_Q8),
-    ("f16", "f16", dataclasses.replace(FRAGMENT_F16, num_stages=3)),
+    ("f16", "f16", dataclasses.replace(FRAGMENT_F16, num_stages=3)), ("q8_0", "q8_0", None),
 ], ids=["f16", "triton-f16", "q4_0", "fragment-q4_0", "fragment-q8_0", "registers-q4_0",
-        "registers-q8_0", "fragment-f16-s3"])
+        "registers-q8_0", "fragment-f16-s3", "q8_0-four"])
 def test_contiguous_layout(k_type, v_type, config):
     check_contiguous(k_type, v_type, [4096, 1, 0, 2500], [3, 1, 0, 2], config)
 
@@ -258,6 +281,7 @@ def test_fragment_kernel_gqa(hkv, group, kv_type):
     ("q8_0", REGISTERS_Q8),
     ("q8_0", DecodeConfig(block_n=32, num_warps=2, num_stages=3, min_partition=64,
                           quant_dot="fragment")),
+    ("q8_0", WIDE_Q8),
     ("f16", FRAGMENT_F16),
     ("f16", dataclasses.replace(FRAGMENT_F16, num_stages=3)),
     ("f16", DecodeConfig(block_n=32, num_warps=2, num_stages=4, min_partition=64,
@@ -265,7 +289,7 @@ def test_fragment_kernel_gqa(hkv, group, kv_type):
     ("f16", DecodeConfig(block_n=128, num_warps=8, num_stages=1, min_partition=128,
                          quant_dot="fragment")),
 ], ids=["q4-w4", "q4-w4-s1", "q4-w4-s3", "q4-w2-s1", "q4-w8", "q4-w4-t16", "q8-w4",
-        "q8-w4-s1", "q8-w2-s3", "f16-w4-s2", "f16-w4-s3", "f16-w2-s4", "f16-w8-s1"])
+        "q8-w4-s1", "q8-w2-s3", "q8-w8", "f16-w4-s2", "f16-w4-s3", "f16-w2-s4", "f16-w8-s1"])
 def test_fragment_kernel_many_partitions(kv_type, config):
     check(kv_type, kv_type, EDGE_LENS, config=config, ws_kwargs=dict(chunks_per_head=1024))
 

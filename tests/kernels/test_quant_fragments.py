@@ -208,6 +208,32 @@ def test_q8_0_issues_the_next_k_tile_before_the_pv_products(paged):
     assert stats["loads_before_pv"] == 8
 
 
+def test_small_q8_0_batches_launch_wide_tiles_at_their_own_budget(monkeypatch):
+    """The library's q8_0 launch for 2 sequences (``default_config``: 8 warps of 16
+    tokens, one program per SM) over a workspace sized for two per SM: the grid and the
+    plan's budget are the launch's (33 chunks per K/V head on 132 SMs), not the
+    workspace's 66; for 5 sequences, 4 warps at the workspace's budget."""
+    from pagedserve.kernels import ops
+    from pagedserve.kernels.decode_plan import DecodeWorkspace
+    from pagedserve.kv.formats import KVBlockStorage
+
+    budget_arg = qf.fragment_decode_kernel.arg_names.index("chunk_budget")
+    recorder = LaunchRecorder()
+    monkeypatch.setattr(qf, "fragment_decode_kernel", recorder)
+    monkeypatch.setattr(qf, "supports", lambda q, ck, cv: True)
+    ck, cv = KVBlockStorage.allocate_pair("q8_0", "q8_0", 8, 16, 4, 256)
+    ws = DecodeWorkspace(8, 24, 4, 256, "cpu", occupancy=2.0, num_sms=132)
+    for batch, grid, budget, warps in [(2, (33, 4), 33, 8), (5, (66, 4), 66, 4)]:
+        ops.paged_decode_attention(
+            torch.zeros(batch, 24, 256, dtype=torch.float16), ck, cv,
+            torch.zeros(batch, 2, dtype=torch.int32), torch.full((batch,), 20, dtype=torch.int32),
+            0.0625, backend="triton", workspace=ws)
+        seen = recorder.seen
+        assert seen["grid"] == grid
+        assert seen["args"][budget_arg] == budget
+        assert seen["kwargs"]["num_warps"] == seen["kwargs"]["W"] == warps
+
+
 def test_launcher_binds_every_kernel_argument(monkeypatch):
     """The Gluon kernel runs only on a GPU; on the CPU, check that the launcher's
     arguments (shared with the Triton kernel) bind the kernel's signature exactly: each
