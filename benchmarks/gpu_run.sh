@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
 # Stages: tests-kernels (or tests-kernels-grid + tests-kernels-small) tests-packed
 #         tests-fragment (the Gluon q4_0 / q8_0 kernel's GPU tests) tests-triton (the rest)
+#         tests-select (pytest $TEST_ARGS)
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve probe-decode
@@ -70,6 +71,8 @@ for spec in "$@"; do
                      -k "fragment" ;;
     tests-triton)  run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      -k "not fragment" ;;
+    # Any pytest selection: $TEST_ARGS holds its arguments (paths, -k EXPR).
+    tests-select)  run_stage "$stage" "$limit" bash -c "$PYTEST $TEST_ARGS" ;;
     tests-trace)   run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      -k "trace" ;;
     tests-graph)   run_stage "$stage" "$limit" $PYTEST \
