@@ -50,6 +50,7 @@ from pagedserve.kernels import paged_decode, reference  # noqa: E402
 from pagedserve.kernels.decode_plan import (  # noqa: E402
     CONTIGUOUS_TILE_TOKENS,
     WIDE_Q8_MAX_BATCH,
+    WIDE_Q8_MAX_TOKENS,
     DecodeConfig,
     DecodeWorkspace,
     default_config,
@@ -216,7 +217,7 @@ def library_launch(kv_type: str) -> tuple[Launch, dict]:
     for paged, layout in ((True, "paged"), (False, "contiguous")):
         last = None
         for batch in (1, WIDE_Q8_MAX_BATCH + 1):
-            for n in (0, CONTIGUOUS_TILE_TOKENS):
+            for n in (0, WIDE_Q8_MAX_TOKENS + 1, CONTIGUOUS_TILE_TOKENS):
                 cfg = default_config(kv_type, kv_type, n, paged=paged, batch=batch)
                 if cfg != last:
                     desc[f"{layout}, batch >= {batch}, tokens >= {n}"] = asdict(cfg)

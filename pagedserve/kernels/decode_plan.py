@@ -71,9 +71,10 @@ DEFAULT_OCCUPANCY = 2.0
 # Size (tokens a launch's tables can address: batch x table columns x block size) from
 # which contiguous f16/bf16 decode changes launch (``default_config``).
 CONTIGUOUS_TILE_TOKENS = 1 << 19
-# Most sequences for which q8_0 K and V take 128-row tiles at one program per SM
-# (``default_config``).
+# Most sequences, and most tokens their tables address, for which q8_0 K and V take
+# 128-row tiles at one program per SM (``default_config``).
 WIDE_Q8_MAX_BATCH = 4
+WIDE_Q8_MAX_TOKENS = 1 << 17
 # SM count assumed for CPU tensors (the Triton interpreter): small, so that plans split.
 INTERPRETER_NUM_SMS = 4
 
@@ -178,21 +179,27 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
     block size), which the host knows without a sync; it bounds the live tokens from
     above. ``paged``: the paged layout (else the contiguous one, whose launch is chosen for
     its own speed, so that it stays an honest baseline). Only f16/bf16 use them (below).
-    ``batch``: sequences in the launch (0: unknown); only q8_0 uses it (below).
+    ``batch``: sequences in the launch (0: unknown); only q8_0 uses it, with ``tokens``
+    (below).
 
-    - q8_0 K and V, at most ``WIDE_Q8_MAX_BATCH`` (4) sequences: ``fragment`` with 8 warps
-      of 16 tokens (128-row tiles), the same ring of two stages (136 KB), one program per
-      SM (``occupancy=1``: half the workspace's chunks, each twice as long). Side by side
-      on the H200 against the launch below, both layouts, every uniform point
-      (docs/benchmarks/logs/probes/8b9423f_q8_0_wide_tiles.log): faster on both layouts at
-      each of the 12 points with n <= 4 (paged one 4K sequence 11.4 us against 13.4, 2 x 4K
-      14.1 against 14.9, one 16K sequence 18.4 against 19.3, 4 x 128K 267.1 against 275.0;
-      contiguous 11.9 against 13.1, 14.1 against 14.1, 18.5 against 18.6, 265.0 against
-      273.7), paged / contiguous 0.991-1.046 against 0.949-0.999. It is faster at n = 8
-      too, but not on the ragged case (paged 118.9 us against 109.3): with 33 chunks
-      per head for 8 sequences the plan's largest chunk there is 7040 tokens against a
-      mean of 5710 (one 8K sequence cut 7040 + 1152), where 66 chunks keep it within 5%.
-      At most 4 sequences leave 8 or more chunks per sequence on average.
+    - q8_0 K and V, at most ``WIDE_Q8_MAX_BATCH`` (4) sequences whose tables address at
+      most ``WIDE_Q8_MAX_TOKENS`` (128K) tokens: ``fragment`` with 8 warps of 16 tokens
+      (128-row tiles), the same ring of two stages (136 KB), one program per SM
+      (``occupancy=1``: half the workspace's chunks, each twice as long). Side by side on
+      the H200 against the launch below, both layouts, every uniform point
+      (docs/benchmarks/logs/probes/8b9423f_q8_0_wide_tiles.log): at the 8 points with
+      n <= 4 and at most 128K tokens, faster on both layouts (paged one 4K sequence 11.4
+      us against 13.4, 2 x 4K 14.1 against 14.9, one 16K sequence 18.4 against 19.3;
+      contiguous 11.9 against 13.1, 14.1 against 14.1, 18.5 against 18.6), paged /
+      contiguous 0.997-1.044 against 0.949-0.996. Beyond 128K tokens both launches
+      stream at 95-100% of the copy bandwidth, and the wide one's paged side reads the
+      scattered blocks less well: 0.991-0.992 against 0.995-0.999 in the probe, and
+      0.954-0.972 at 4 x 64K, 2 x 128K and 4 x 128K in ``bench_attention.py``'s run
+      (``logs/probes/e912aef_attention_wide_q8_0.md``). It is faster at n = 8 too, but
+      not on the ragged case (paged 118.9 us against 109.3): with 33 chunks per head for
+      8 sequences the plan's largest chunk there is 7040 tokens against a mean of 5710
+      (one 8K sequence cut 7040 + 1152), where 66 chunks keep it within 5%. At most 4
+      sequences leave 8 or more chunks per sequence on average.
     - Other q8_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of
       16 tokens, its shared-memory ring of two stages (68 KB; block ids ride the copies),
       two programs per SM (205 registers paged). Side by side on the H200 against the
@@ -249,7 +256,8 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
 
     The minimum chunk is 128 tokens for all (the sweep's choice, for 4K contexts).
     """
-    if k_type == v_type == "q8_0" and 0 < batch <= WIDE_Q8_MAX_BATCH:
+    if (k_type == v_type == "q8_0" and 0 < batch <= WIDE_Q8_MAX_BATCH
+            and tokens <= WIDE_Q8_MAX_TOKENS):
         return _Q8_WIDE
     if formats.spec(k_type).quantized or formats.spec(v_type).quantized:
         return _quantized_config(k_type, v_type)

@@ -32,6 +32,7 @@ from pagedserve.kernels.decode_plan import (
     CONTIGUOUS_TILE_TOKENS,
     MERGE_GROUP,
     WIDE_Q8_MAX_BATCH,
+    WIDE_Q8_MAX_TOKENS,
     DecodeConfig,
     DecodeWorkspace,
     default_config,
@@ -208,18 +209,22 @@ def test_default_config_by_layout_and_size(k_type, v_type):
 
 
 def test_q8_0_small_batches_take_wide_tiles():
-    """q8_0 K and V with at most WIDE_Q8_MAX_BATCH sequences: 8 warps of 16 tokens at one
-    program per SM (``occupancy=1``), on both layouts; more sequences, or a batch not
-    given, keep 4 warps at the workspace's budget. Other types do not look at the batch."""
-    def shape(batch, paged=True):
-        c = default_config("q8_0", "q8_0", 4096 * max(batch, 1), paged=paged, batch=batch)
+    """q8_0 K and V with at most WIDE_Q8_MAX_BATCH sequences whose tables address at most
+    WIDE_Q8_MAX_TOKENS tokens: 8 warps of 16 tokens at one program per SM
+    (``occupancy=1``), on both layouts; more sequences or tokens, or a batch not given,
+    keep 4 warps at the workspace's budget. Other types do not look at the batch."""
+    def shape(batch, tokens, paged=True):
+        c = default_config("q8_0", "q8_0", tokens, paged=paged, batch=batch)
         return c.block_n, c.num_warps, c.num_stages, c.quant_dot, c.occupancy
 
     wide, narrow = (128, 8, 2, "fragment", 1.0), (64, 4, 2, "fragment", None)
     for paged in (True, False):
-        assert [shape(b, paged) for b in range(1, WIDE_Q8_MAX_BATCH + 1)] == (
-            [wide] * WIDE_Q8_MAX_BATCH)
-        assert [shape(b, paged) for b in (0, WIDE_Q8_MAX_BATCH + 1, 8, 64)] == [narrow] * 4
+        assert [shape(b, n, paged) for b in range(1, WIDE_Q8_MAX_BATCH + 1)
+                for n in (4096 * b, WIDE_Q8_MAX_TOKENS)] == [wide] * 2 * WIDE_Q8_MAX_BATCH
+        assert [shape(b, n, paged) for b, n in [(0, 4096), (WIDE_Q8_MAX_BATCH + 1, 20480),
+                                                 (8, 32768), (64, 1 << 20),
+                                                 (1, WIDE_Q8_MAX_TOKENS + 16),
+                                                 (4, 4 * 131072)]] == [narrow] * 6
     for k_type, v_type in [("q4_0", "q4_0"), ("f16", "f16"), ("q8_0", "f16"),
                            ("q8_0", "q4_0"), ("bf16", "bf16")]:
         assert default_config(k_type, v_type, 4096, batch=1) == default_config(
