@@ -49,8 +49,8 @@ import _report  # noqa: E402
 from pagedserve.kernels import paged_decode, reference  # noqa: E402
 from pagedserve.kernels.decode_plan import (  # noqa: E402
     CONTIGUOUS_TILE_TOKENS,
-    WIDE_Q8_MAX_BATCH,
-    WIDE_Q8_MAX_TOKENS,
+    WIDE_MAX_BATCH,
+    WIDE_MAX_TOKENS,
     DecodeConfig,
     DecodeWorkspace,
     default_config,
@@ -216,8 +216,9 @@ def library_launch(kv_type: str) -> tuple[Launch, dict]:
     desc: dict = {}
     for paged, layout in ((True, "paged"), (False, "contiguous")):
         last = None
-        for batch in (1, WIDE_Q8_MAX_BATCH + 1):
-            for n in (0, WIDE_Q8_MAX_TOKENS + 1, CONTIGUOUS_TILE_TOKENS):
+        for batch in (1, WIDE_MAX_BATCH + 1):
+            for n in sorted({0, *(t + 1 for t in WIDE_MAX_TOKENS.values()),
+                             CONTIGUOUS_TILE_TOKENS}):
                 cfg = default_config(kv_type, kv_type, n, paged=paged, batch=batch)
                 if cfg != last:
                     desc[f"{layout}, batch >= {batch}, tokens >= {n}"] = asdict(cfg)

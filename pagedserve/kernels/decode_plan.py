@@ -71,10 +71,11 @@ DEFAULT_OCCUPANCY = 2.0
 # Size (tokens a launch's tables can address: batch x table columns x block size) from
 # which contiguous f16/bf16 decode changes launch (``default_config``).
 CONTIGUOUS_TILE_TOKENS = 1 << 19
-# Most sequences, and most tokens their tables address, for which q8_0 K and V take
-# 128-row tiles at one program per SM (``default_config``).
-WIDE_Q8_MAX_BATCH = 4
-WIDE_Q8_MAX_TOKENS = 1 << 17
+# Small, short batches of q8_0 or q4_0 K and V take wide programs, 8 warps at one program
+# per SM (``default_config``): at most this many sequences, whose tables address at most
+# this many tokens per type.
+WIDE_MAX_BATCH = 4
+WIDE_MAX_TOKENS = {"q8_0": 1 << 17, "q4_0": 1 << 15}
 # SM count assumed for CPU tensors (the Triton interpreter): small, so that plans split.
 INTERPRETER_NUM_SMS = 4
 
@@ -182,8 +183,8 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
     ``batch``: sequences in the launch (0: unknown); only q8_0 uses it, with ``tokens``
     (below).
 
-    - q8_0 K and V, at most ``WIDE_Q8_MAX_BATCH`` (4) sequences whose tables address at
-      most ``WIDE_Q8_MAX_TOKENS`` (128K) tokens: ``fragment`` with 8 warps of 16 tokens
+    - q8_0 K and V, at most ``WIDE_MAX_BATCH`` (4) sequences whose tables address at
+      most ``WIDE_MAX_TOKENS`` (128K) tokens: ``fragment`` with 8 warps of 16 tokens
       (128-row tiles), the same ring of two stages (136 KB), one program per SM
       (``occupancy=1``: half the workspace's chunks, each twice as long). Side by side on
       the H200 against the launch below, both layouts, every uniform point
@@ -200,6 +201,14 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
       8 sequences the plan's largest chunk there is 7040 tokens against a mean of 5710
       (one 8K sequence cut 7040 + 1152), where 66 chunks keep it within 5%. At most 4
       sequences leave 8 or more chunks per sequence on average.
+    - q4_0 K and V, at most 4 sequences over at most 32K table tokens: ``fragment`` with
+      8 warps of 32 tokens (256-row tiles), two stages (144 KB), one program per SM. Side
+      by side (``logs/probes/8b9423f_q4_0_wide_tiles.log``), paged / contiguous us: one
+      4K sequence 11.1 / 11.7 against 12.1 / 12.3, 4 x 4K 14.3 / 14.1 against 15.9 /
+      15.4, one 16K sequence 15.6 / 15.5 against 16.5 / 16.1, 2 x 16K 20.9 / 20.4 against
+      21.2 / 20.9. Beyond, it loses on one side or both (8 x 4K 19.3 / 19.1 against
+      18.9 / 18.6, one 128K sequence 52.3 / 50.7 against 50.5 / 49.6, ragged 82.8 / 80.2
+      against 68.7 / 67.2).
     - Other q8_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of
       16 tokens, its shared-memory ring of two stages (68 KB; block ids ride the copies),
       two programs per SM (205 registers paged). Side by side on the H200 against the
@@ -256,9 +265,9 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
 
     The minimum chunk is 128 tokens for all (the sweep's choice, for 4K contexts).
     """
-    if (k_type == v_type == "q8_0" and 0 < batch <= WIDE_Q8_MAX_BATCH
-            and tokens <= WIDE_Q8_MAX_TOKENS):
-        return _Q8_WIDE
+    wide = _WIDE.get(k_type) if k_type == v_type else None
+    if wide is not None and 0 < batch <= WIDE_MAX_BATCH and tokens <= WIDE_MAX_TOKENS[k_type]:
+        return wide
     if formats.spec(k_type).quantized or formats.spec(v_type).quantized:
         return _quantized_config(k_type, v_type)
     if k_type == v_type == "f16":
@@ -283,9 +292,14 @@ _FLOAT_128 = DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=
 _FLOAT_PAGED_64 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128,
                                table_read="block")
 _FLOAT_CONTIGUOUS_64 = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=128)
-# q8_0 K and V in 128-row tiles, one program per SM, for small batches (``default_config``).
-_Q8_WIDE = DecodeConfig(block_n=128, num_warps=8, num_stages=2, min_partition=128,
-                        quant_dot="fragment", table_read="block", occupancy=1.0)
+# q8_0 and q4_0 K and V in 8-warp programs, one per SM, for small short batches
+# (``default_config``).
+_WIDE = {
+    "q8_0": DecodeConfig(block_n=128, num_warps=8, num_stages=2, min_partition=128,
+                         quant_dot="fragment", table_read="block", occupancy=1.0),
+    "q4_0": DecodeConfig(block_n=256, num_warps=8, num_stages=2, min_partition=256,
+                         quant_dot="fragment", table_read="block", occupancy=1.0),
+}
 
 
 @functools.cache

@@ -31,8 +31,8 @@ from pagedserve.kernels import guards, ops
 from pagedserve.kernels.decode_plan import (
     CONTIGUOUS_TILE_TOKENS,
     MERGE_GROUP,
-    WIDE_Q8_MAX_BATCH,
-    WIDE_Q8_MAX_TOKENS,
+    WIDE_MAX_BATCH,
+    WIDE_MAX_TOKENS,
     DecodeConfig,
     DecodeWorkspace,
     default_config,
@@ -208,36 +208,43 @@ def test_default_config_by_layout_and_size(k_type, v_type):
     assert [tiles(n, False) for n in sizes] == [(64, 3, "row")] * 3 + [(128, 2, "row")]
 
 
-def test_q8_0_small_batches_take_wide_tiles():
-    """q8_0 K and V with at most WIDE_Q8_MAX_BATCH sequences whose tables address at most
-    WIDE_Q8_MAX_TOKENS tokens: 8 warps of 16 tokens at one program per SM
-    (``occupancy=1``), on both layouts; more sequences or tokens, or a batch not given,
-    keep 4 warps at the workspace's budget. Other types do not look at the batch."""
-    def shape(batch, tokens, paged=True):
-        c = default_config("q8_0", "q8_0", tokens, paged=paged, batch=batch)
+def test_small_short_quantized_batches_take_wide_programs():
+    """q8_0 or q4_0 K and V with at most WIDE_MAX_BATCH sequences whose tables address at
+    most WIDE_MAX_TOKENS of the type: 8 warps at one program per SM (``occupancy=1``;
+    q8_0 16 tokens per warp, q4_0 32), on both layouts; more sequences or tokens, or a
+    batch not given, keep 4 warps at the workspace's budget. Other pairs do not look at
+    the batch."""
+    def shape(kv_type, batch, tokens, paged=True):
+        c = default_config(kv_type, kv_type, tokens, paged=paged, batch=batch)
         return c.block_n, c.num_warps, c.num_stages, c.quant_dot, c.occupancy
 
-    wide, narrow = (128, 8, 2, "fragment", 1.0), (64, 4, 2, "fragment", None)
-    for paged in (True, False):
-        assert [shape(b, n, paged) for b in range(1, WIDE_Q8_MAX_BATCH + 1)
-                for n in (4096 * b, WIDE_Q8_MAX_TOKENS)] == [wide] * 2 * WIDE_Q8_MAX_BATCH
-        assert [shape(b, n, paged) for b, n in [(0, 4096), (WIDE_Q8_MAX_BATCH + 1, 20480),
-                                                 (8, 32768), (64, 1 << 20),
-                                                 (1, WIDE_Q8_MAX_TOKENS + 16),
-                                                 (4, 4 * 131072)]] == [narrow] * 6
-    for k_type, v_type in [("q4_0", "q4_0"), ("f16", "f16"), ("q8_0", "f16"),
-                           ("q8_0", "q4_0"), ("bf16", "bf16")]:
+    for kv_type, wide, narrow in [
+        ("q8_0", (128, 8, 2, "fragment", 1.0), (64, 4, 2, "fragment", None)),
+        ("q4_0", (256, 8, 2, "fragment", 1.0), (128, 4, 2, "fragment", None)),
+    ]:
+        most = WIDE_MAX_TOKENS[kv_type]
+        for paged in (True, False):
+            assert [shape(kv_type, b, n, paged) for b in range(1, WIDE_MAX_BATCH + 1)
+                    for n in (4096 * b, most)] == [wide] * 2 * WIDE_MAX_BATCH
+            assert [shape(kv_type, b, n, paged)
+                    for b, n in [(0, 4096), (WIDE_MAX_BATCH + 1, 20480), (8, 32768),
+                                 (64, 1 << 20), (1, most + 16), (4, 4 * 131072)]] == (
+                [narrow] * 6)
+    assert WIDE_MAX_TOKENS == {"q8_0": 131072, "q4_0": 32768}
+    for k_type, v_type in [("f16", "f16"), ("q8_0", "f16"), ("q8_0", "q4_0"),
+                           ("q4_0", "q8_0"), ("bf16", "bf16")]:
         assert default_config(k_type, v_type, 4096, batch=1) == default_config(
             k_type, v_type, 4096)
 
 
 @needs_triton
-def test_q8_0_wide_launch_runs_exactly_off_the_gpu():
-    """The small-batch q8_0 launch (``occupancy=1``, fewer chunks than the workspace's
-    budget) off the GPU: the Triton kernel runs its tiles, the plan of its own budget,
-    exact against the oracle and with every merge counter reset."""
-    out, ref = run("q8_0", "q8_0", [150, 0, 33], config=None, chunks_per_head=None)
-    assert rel_error(out, ref) <= bound("q8_0", "q8_0")
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_wide_launch_runs_exactly_off_the_gpu(kv_type):
+    """The small-batch launches (``occupancy=1``, fewer chunks than the workspace's
+    budget) off the GPU: the Triton kernel runs their tiles, the plan of their own
+    budget, exact against the oracle and with every merge counter reset."""
+    out, ref = run(kv_type, kv_type, [150, 0, 33], config=None, chunks_per_head=None)
+    assert rel_error(out, ref) <= bound(kv_type, kv_type)
 
 
 @needs_triton

@@ -38,9 +38,11 @@ REGISTERS = dataclasses.replace(FRAGMENT, num_stages=1)
 REGISTERS_Q8 = dataclasses.replace(FRAGMENT_Q8, num_stages=1)
 FRAGMENT_F16 = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=128,
                             quant_dot="fragment", table_read="block")
-# q8_0 for at most four sequences (``decode_plan.default_config``): 8 warps, one program
-# per SM.
+# q8_0 and q4_0 for small short batches (``decode_plan.default_config``): 8 warps, one
+# program per SM.
 WIDE_Q8 = DecodeConfig(block_n=128, num_warps=8, num_stages=2, min_partition=128,
+                       quant_dot="fragment", table_read="block", occupancy=1.0)
+WIDE_Q4 = DecodeConfig(block_n=256, num_warps=8, num_stages=2, min_partition=256,
                        quant_dot="fragment", table_read="block", occupancy=1.0)
 FRAGMENT_CONFIGS = {"q4_0": FRAGMENT, "q8_0": FRAGMENT_Q8, "f16": FRAGMENT_F16}
 FRAGMENT_TYPES = list(FRAGMENT_CONFIGS)
@@ -137,12 +139,14 @@ def test_f16_default_runs_the_gluon_ring(monkeypatch, paged):
     assert layouts == [paged]
 
 
-@pytest.mark.parametrize("lens", [[4096, 16], [32768, 2048, 33, 0]],
-                         ids=["two", "ragged-four"])
-def test_q8_0_small_batches_take_the_wide_launch(monkeypatch, lens):
-    """At most four q8_0 sequences over at most 128K table tokens: the library's launch
-    runs the Gluon kernel with 8 warps, its plan at one program per SM over a workspace
-    sized for two, exactly."""
+@pytest.mark.parametrize("kv_type,lens", [
+    ("q8_0", [4096, 16]), ("q8_0", [32768, 2048, 33, 0]), ("q4_0", [4096, 16]),
+    ("q4_0", [8192, 2048, 33, 0])], ids=["q8_0-two", "q8_0-ragged-four", "q4_0-two",
+                                         "q4_0-ragged-four"])
+def test_small_batches_take_the_wide_launch(monkeypatch, kv_type, lens):
+    """At most four q8_0 (q4_0) sequences over at most 128K (32K) table tokens: the
+    library's launch runs the Gluon kernel with 8 warps, its plan at one program per SM
+    over a workspace sized for two, exactly."""
     from pagedserve.kernels import quant_fragments
 
     warps = []
@@ -151,7 +155,7 @@ def test_q8_0_small_batches_take_the_wide_launch(monkeypatch, lens):
                         num_warps, *rest: (warps.append((grid[0], num_warps)),
                                            launch(grid, args, constants, kv_type, num_warps,
                                                   *rest)))
-    check("q8_0", "q8_0", lens)
+    check(kv_type, kv_type, lens)
     # 132 SMs / 4 K/V heads at one program per SM (the H200); the workspace holds 66.
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert warps == [(max(math.ceil(sms / 4), len(lens)), 8)]
@@ -274,15 +278,15 @@ def test_fragment_kernel_gqa(hkv, group, kv_type):
     ("q4_0", dataclasses.replace(FRAGMENT, num_stages=3)),
     ("q4_0", DecodeConfig(block_n=64, num_warps=2, num_stages=1, min_partition=64,
                           quant_dot="fragment")),
-    ("q4_0", DecodeConfig(block_n=256, num_warps=8, num_stages=2, min_partition=256,
-                          quant_dot="fragment")),
+    # The wide launches without their own budget, so that the forced one splits.
+    ("q4_0", dataclasses.replace(WIDE_Q4, occupancy=None)),
     ("q4_0", DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=64,
                           quant_dot="fragment")),
     ("q8_0", FRAGMENT_Q8),
     ("q8_0", REGISTERS_Q8),
     ("q8_0", DecodeConfig(block_n=32, num_warps=2, num_stages=3, min_partition=64,
                           quant_dot="fragment")),
-    ("q8_0", WIDE_Q8),
+    ("q8_0", dataclasses.replace(WIDE_Q8, occupancy=None)),
     ("f16", FRAGMENT_F16),
     ("f16", dataclasses.replace(FRAGMENT_F16, num_stages=3)),
     ("f16", DecodeConfig(block_n=32, num_warps=2, num_stages=4, min_partition=64,
