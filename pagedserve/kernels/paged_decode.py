@@ -401,6 +401,10 @@ def paged_decode_attention(
         elif quant_fragments.supports(q, cache_k, cache_v):
             kernel = "quant_fragments"
         elif formats.spec(cache_k.kv_type).quantized or formats.spec(cache_v.kv_type).quantized:
+            # The library's own choice falls back from the types' plain launch: the wide
+            # small-batch programs are the Gluon kernel's (``default_config``).
+            if config is None:
+                cfg = default_config(cache_k.kv_type, cache_v.kv_type)
             cfg = dataclasses.replace(cfg, quant_dot="packed", table_ahead=False)
         else:
             cfg = triton_float_config(B * capacity, paged)

@@ -238,13 +238,21 @@ def test_small_short_quantized_batches_take_wide_programs():
 
 
 @needs_triton
-@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
-def test_wide_launch_runs_exactly_off_the_gpu(kv_type):
-    """The small-batch launches (``occupancy=1``, fewer chunks than the workspace's
-    budget) off the GPU: the Triton kernel runs their tiles, the plan of their own
-    budget, exact against the oracle and with every merge counter reset."""
-    out, ref = run(kv_type, kv_type, [150, 0, 33], config=None, chunks_per_head=None)
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0", "f16"])
+def test_launch_budget_below_the_workspace_is_exact(monkeypatch, kv_type):
+    """A config whose ``occupancy`` plans fewer chunks than the workspace's budget (the
+    wide launches' premise; here 2 per head against 4 on the interpreter's 4 SMs): the
+    Triton kernel runs that plan, exact against the oracle, every merge counter reset."""
+    from pagedserve.kernels import paged_decode
+
+    budgets = []
+    kernel = paged_decode._paged_decode_kernel
+    monkeypatch.setattr(paged_decode, "_paged_decode_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (budgets.append(grid), kernel[grid])[1]})())
+    cfg = DecodeConfig(block_n=16, min_partition=16, occupancy=1.0)
+    out, ref = run(kv_type, kv_type, [150], config=cfg, chunks_per_head=None)
     assert rel_error(out, ref) <= bound(kv_type, kv_type)
+    assert budgets == [(2, 2)]  # W = ceil(1 x 4 SMs / 2 heads) chunks by 2 K/V heads
 
 
 @needs_triton
