@@ -325,7 +325,8 @@ def default_occupancy(k_type: str, v_type: str) -> float:
     leaves a second wave.
 
     q8_0 or q4_0 K and V (the Gluon kernel): two (about 205 registers, and a ring of 68-72
-    KB of shared memory). Other q8_0: three (168
+    KB of shared memory); the wide small-batch launches of ``default_config`` plan one per
+    SM within that workspace (``DecodeConfig.occupancy``). Other q8_0: three (168
     registers x 128 threads). Other q4_0: two (255 registers). f16 and bf16: one (the
     Gluon f16 ring takes 128 KB of shared memory; the Triton launches' three stages of
     64-row K and V tiles 141 KB, two of 128-row tiles 143 KB, per Nsight Compute): at
