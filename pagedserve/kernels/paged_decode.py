@@ -415,14 +415,14 @@ def paged_decode_attention(
     ks = cache_k.scales if cache_k.scales is not None else cache_k.data
     vs = cache_v.scales if cache_v.scales is not None else cache_v.data
     # Both kernels take the same grid and run-time arguments; untraced, the trace pointer
-    # is a placeholder (the output), never written.
-    budget = workspace.budget_for(cfg)
+    # is a placeholder (the output), never written. The grid's chunks per head,
+    # max(W, B), are the plan's budget as the device plan takes it (``locate_chunk``).
     grid = decode_grid(workspace, B, cfg)
     args = (
         q, out, cache_k.data, ks, cache_v.data, vs, block_tables, seq_lens,
         workspace.part_acc, workspace.part_ml, workspace.group_counters,
         workspace.seq_counters,
-        B, num_blocks, capacity, budget, workspace.max_chunks, Hkv,
+        B, num_blocks, capacity, grid[0], workspace.max_chunks, Hkv,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         scale * LOG2E, out if trace is None else trace,
     )

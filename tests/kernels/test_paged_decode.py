@@ -17,6 +17,7 @@ import itertools
 
 import pytest
 import torch
+from gluon_checks import LaunchRecorder
 from kernel_oracle import (
     TRITON_DEVICE,
     bound,
@@ -245,14 +246,12 @@ def test_launch_budget_below_the_workspace_is_exact(monkeypatch, kv_type):
     Triton kernel runs that plan, exact against the oracle, every merge counter reset."""
     from pagedserve.kernels import paged_decode
 
-    budgets = []
-    kernel = paged_decode._paged_decode_kernel
-    monkeypatch.setattr(paged_decode, "_paged_decode_kernel", type("Spy", (), {
-        "__getitem__": lambda self, grid: (budgets.append(grid), kernel[grid])[1]})())
+    recorder = LaunchRecorder(paged_decode._paged_decode_kernel)
+    monkeypatch.setattr(paged_decode, "_paged_decode_kernel", recorder)
     cfg = DecodeConfig(block_n=16, min_partition=16, occupancy=1.0)
     out, ref = run(kv_type, kv_type, [150], config=cfg, chunks_per_head=None)
     assert rel_error(out, ref) <= bound(kv_type, kv_type)
-    assert budgets == [(2, 2)]  # W = ceil(1 x 4 SMs / 2 heads) chunks by 2 K/V heads
+    assert recorder.seen["grid"] == (2, 2)  # W = ceil(1 x 4 SMs / 2 heads) by 2 K/V heads
 
 
 @needs_triton
