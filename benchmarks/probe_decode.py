@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ptx-loop-barrier", action="store_true",
                     help="the q4_0/q8_0 Gluon kernel with a CTA barrier at each tile "
                          "(benchmarks/_ptx_edit.py; a what-if)")
+    ap.add_argument("--min-seconds", type=float, default=0.05,
+                    help="time each side for at least this long (bench_attention.py times "
+                         "0.15 s per side): does a sustained load, with the GPU at its power "
+                         "cap, change the ratio?")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
     if args.ptx_warp_barriers or args.ptx_loop_barrier:
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                          for name, inputs, lc in (("paged", paged, launch),
                                                   ("contig", contig, contig_launch))}
                 for name, us in _common.time_sides(sides, method, min_rounds=8,
-                                                   min_seconds=0.05).items():
+                                                   min_seconds=args.min_seconds).items():
                     row[f"{name}_us"] = us
                 for name, inputs in (("paged", paged), ("contig", contig)):
                     row[f"{name}_err"] = ba.rel_err(inputs[0].out, paged[0])

@@ -54,7 +54,7 @@ def _arange3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 @gluon.jit
 def relabel(x, PERM: gl.constexpr, shape: gl.constexpr):
     """``[A, B, 8 groups, GB bytes]`` -> the label order: the byte index's bits permuted
-    with ``PERM`` (``K_PERM``, ``Q_PERM``), reshaped to ``shape``. It only renames which
+    with ``PERM`` (``Q_PERM``), reshaped to ``shape``. It only renames which
     register or lane holds which index: no data moves."""
     n: gl.constexpr = len(PERM.value) - 2
     return gl.reshape(gl.permute(gl.reshape(x, [x.shape[0], x.shape[1]] + [2] * n), PERM.value),

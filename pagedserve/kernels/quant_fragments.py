@@ -6,10 +6,10 @@ tensor cores' operand layout. For q4_0 that staging and the register shuffles ar
 it cost more instructions than the dequantization itself, and the materialized tile
 takes all 255 registers (two programs per SM, 27% of the copy bandwidth on the ragged
 case). This kernel, written in Gluon (explicit layouts), never converts a dequantized
-value: each thread loads, as plain 16-byte vectors, exactly the payload bytes whose
-values its ``mma.sync`` fragments hold, and turns them into those fragments in place
-with a few lines of PTX (``Q8_PAIRS_ASM`` of ``kv_tiles``, ``Q4_GROUP_ASM`` and the pair
-forms below), one to two instructions per value.
+value: each thread loads, as plain 16-byte vectors or words, exactly the payload bytes
+whose values its ``mma.sync`` fragments hold, and turns them into those fragments in
+place with a few lines of PTX (``Q4_GROUP_ASM``, ``Q8_GROUP_ASM`` and the pair forms
+below), one to two instructions per value.
 
 Shape: head_dim 256, K and V both q4_0 or both q8_0, at most 8 query heads per K/V head,
 on a GPU. ``paged_decode_attention`` dispatches here for ``quant_dot="fragment"`` and
@@ -37,22 +37,23 @@ where ``S = Q . K^T`` would pad the heads to 16 rows and spend 64 of the 96 MMAs
 registers of q half on zeros.) The contraction index of ``K . Q^T`` and the row index of
 ``O^T`` are *labels*: any permutation of head_dim works if q is loaded (and the output
 stored) through the same permutation. Labels are chosen so that each fragment register's
-bytes sit next to each other in memory (``k_label_to_byte``, ``v_label_to_byte``). A
-row's 128 payload bytes are ``[group g (8)][byte j (16)]`` (``kv.formats``); byte j of
-group g holds values ``32 g + j`` (low nibble, the "lo" half) and ``32 g + 16 + j``
-(high nibble, "hi")::
+bytes sit next to each other in memory (``k_group_label_to_byte``, ``v_label_to_byte``).
+A q4_0 row's 128 payload bytes are ``[group g (8)][byte j (16)]`` (``kv.formats``); byte
+j of group g holds values ``32 g + j`` (low nibble, the "lo" half) and ``32 g + 16 + j``
+(high nibble, "hi"). A q8_0 row's 256 bytes are ``[group g (8)][byte j (32)]``, one value
+each; K takes its first and second 16 bytes of a group as the "lo" and "hi" halves, so
+that both types' K products run over the same labels::
 
-    K, q8_0, per thread: 2 groups of contiguous bytes (64) of each of its 2 token
-       rows; label c <- byte (c0, c3, c4, .., c1, c2) as bits b0.. (``k_label_to_byte``)
-    K, q4_0, per thread: word ``lane % 4`` of every group of each of its 4 token rows;
-       label c <- byte (c3, c0, c1, c2, c4, c5, c6) as bits b0..b6, so each k-step of
-       16 labels is one group (``k_group_label_to_byte``; "Grouped scores" below)
+    K, per thread: word ``lane % 4`` of every group's 16 bytes (q8_0: of both halves)
+       of each of its 4 (q4_0) or 2 (q8_0) token rows; label c of a half <- byte
+       (c3, c0, c1, c2) as bits j0..j3 of the half's 16 bytes, group c4..c6, so each
+       k-step of 16 labels is one group (``k_group_label_to_byte``; "Grouped scores")
     V, per thread: one group (16 or 32 bytes) of each of 8 or 4 token rows;
        label r <- byte (r3, r4, .., r0, r1, r2) as bits b0.. (``v_label_to_byte``)
 
 so that a thread's bytes, loaded in memory order, are already the registers of its
-fragments for K (dequantized in the B operand's arrangement, then renamed as the A
-operand: the same thread holds the same pairs). V's fragments pair two tokens in a
+fragments (K's words as the A operand's: a word is one row's four labels c, c + 1,
+c + 8, c + 9 of a k-step). V's fragments pair two tokens in a
 register: its rows split into tokens t and t + 1 (a register bit, so no data moves) and
 ``Q4_PAIRS_ASM`` (``Q8_PAIRS_ROWS_ASM``) interleaves a word of each with one ``prmt`` as
 it dequantizes (``_pair_fragments``), so no byte is repacked. Payload words, not bytes, wait in
@@ -60,13 +61,15 @@ registers for the next tile (a byte would take a register of its own); each toke
 (K's, V's, the scores') computes its own rows, since moving them between layouts goes
 through shared memory behind a barrier of all warps.
 
-Grouped scores (q4_0's K, ``_tile_scores_grouped``). A q4_0 value is ``(nibble - 8) d``
-with d per row and group, so ``S^T = sum_g d_g (sum over group g of (nibble - 8) q)``:
-the products run on the raw nibbles (``Q4_GROUP_ASM``: one ``lop3`` per pair, f16
-1024 + nibble or 64 + nibble, exact), one accumulator per group, and the offsets
+Grouped scores (K, ``_tile_scores_grouped``). A q4_0 value is ``(nibble - 8) d`` with d
+per row and group, so ``S^T = sum_g d_g (sum over group g of (nibble - 8) q)``: the
+products run on the raw nibbles (``Q4_GROUP_ASM``: one ``lop3`` per pair, f16 1024 +
+nibble or 64 + nibble, exact), one accumulator per group, and the offsets
 (``_q_group_offsets``, from q once per program) and the scale are applied to each
 group's partial scores in f32, where per-value dequantization took a subtraction and a
-multiplication per pair (and rounded each value to f16). sm_90 loop, ragged q4_0 paged:
+multiplication per pair (and rounded each value to f16). q8_0 the same way
+(``Q8_GROUP_ASM``: f16 1152 + qs, one ``lop3`` per pair); see "q8_0 grouped" below for
+what it changed. sm_90 loop, ragged q4_0 paged:
 1406 -> 1277 instructions, 1998 -> 1766 stall cycles; contiguous 1353 -> 1223. On the
 H200 (docs/benchmarks/logs/probes/049a781_q4_0_grouped_*.log) ragged q4_0 paged 71.2 ->
 68.1 us, contiguous 69.7 -> 66.1; 8 x 128K paged 337-343 -> 321-324 us. With K and V in
@@ -100,17 +103,25 @@ tile (one orders the id reads before their slot's next copy) and two in a contig
 one; warp barriers would do, but tried by editing the PTX they were slower (73.7 against
 71.6 us on ragged q4_0).
 
-The register double buffer (``num_stages=1``) loads the next tile's words into registers.
-Where those loads go out is ptxas's choice: written at the top of the loop, it
-issues them at about 65% (q8_0) or 80% (q4_0) of the loop, after the current tile's S^T
-products, so the K words have little of a tile to arrive in. For q8_0 ``issue_above``
-(a block boundary after the K loads) keeps K's eight 16-byte loads per thread ahead of
-the O^T products (``K_FIRST``; checked by tests/kernels/test_quant_fragments.py): paged
-q8_0 1-1.5% faster at the large points, paged / contiguous 0.979-1.005 at every point
-against 0.963-0.990 (attention.md at 45c1639; probes in
-docs/benchmarks/logs/probes/45c1639_q8_0_k_first_ab.log). For q4_0 the same boundary
-cost spills and 9-12% on the paged side (397ce0a_quant_load_order_*), so its loads
-stay where ptxas puts them.
+The register double buffer (``num_stages=1``, not the library's launch) loads the next
+tile's words into registers. Where those loads go out is ptxas's choice: written at the
+top of the loop, it issues them late in the loop, after the current tile's S^T
+products, so the K words have little of a tile to arrive in. (Before q8_0's grouped
+scores a block boundary after its K loads kept K's eight 16-byte loads per thread ahead
+of the O^T products, 1-1.5% faster paged, docs/benchmarks/logs/probes/45c1639_*; the
+grouped K is 32 single words per thread, which the same boundary did not move and made
+spill, so it was dropped.)
+
+q8_0 grouped (ef26dd0 -> this form; docs/benchmarks/logs/probes/ef26dd0_q8_0_grouped_*).
+sm_90 ring loop, paged 64-row tiles: 910 -> 824 instructions, 1471 -> 1246 scheduled
+stall cycles, 205 -> 230 registers (two programs per SM either way). Probed for 0.05 s
+per side, the two forms read the same (8 x 128K paged / contiguous 0.985 and 0.984
+against 0.989 and 0.988). Held for 0.5 s per side, where the H200 sits at its 700 W
+power cap and lowers the SM clock (1350-1680 MHz sampled), the per-value form's paged
+side slowed by 6% and its contiguous side by 2% (8 x 128K 565.2 / 538.0 us, 0.952; 8 x
+64K and 4 x 128K 0.953-0.954), while the grouped form held 0.979-0.992 (532.8 / 521.8
+us at 8 x 128K). The benchmark times 0.15 s per side after a minute of other points,
+which is why its large q8_0 points read 0.954-0.967 where short probes read 0.98.
 
 End of a program (``fragment_warps.finish_program``, shared with ``float_fragments``):
 the warps' states combine after one layout conversion that gives each thread every
@@ -143,14 +154,13 @@ from pagedserve.kernels.fragment_warps import (
     load_q,
     locate_program,
     q_operand,
-    relabel,
     scores_to_b_operand,
     sequence_table,
     softmax_step,
     tile_rows,
     warp_block_ids,
 )
-from pagedserve.kernels.kv_tiles import Q8_PAIRS_ASM, q4_dequant_asm
+from pagedserve.kernels.kv_tiles import q4_dequant_asm
 from pagedserve.kernels.quant_ring import copy_ids, copy_tile, id_pointers, read_ids, ring_layouts
 
 # V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
@@ -218,6 +228,24 @@ lop3.b32 $3, u, hinib, himagic, 0xea;
 LO_EXCESS = tl.constexpr(1032.0)
 HI_EXCESS = tl.constexpr(72.0)
 
+# q8_0's K for ``_tile_scores_grouped``: a word's bytes b0..b3 ($2) -> f16 1152 + qs, with
+# no offset and no scale applied (``Q8_EXCESS`` and the scale act on a group's partial
+# scores, in f32). (b & 0x00ff00ff) ^ 0x64806480 (one lop3) is the f16 pair 1024 + (qs +
+# 128) of bytes 0 and 2; b >> 8 does bytes 1 and 3. Outputs (b0, b2), (b1, b3): element
+# j holds byte j with bits j0 and j1 swapped, as Q4_GROUP_ASM's.
+Q8_GROUP_ASM = tl.constexpr("""
+{
+.reg .b32 u, lowb, magic;
+mov.b32 lowb, 0x00ff00ff;
+mov.b32 magic, 0x64806480;
+shr.b32 u, $2, 8;
+lop3.b32 $0, $2, lowb, magic, 0x6a;
+lop3.b32 $1, u, lowb, magic, 0x6a;
+}
+""")
+# What Q8_GROUP_ASM's values exceed qs by.
+Q8_EXCESS = tl.constexpr(1152.0)
+
 
 @dataclass(frozen=True)
 class Geometry:
@@ -239,47 +267,36 @@ GEOMETRY = {"q4_0": Geometry("q4_0", 16, 7, True), "q8_0": Geometry("q8_0", 32, 
 TYPES = tuple(GEOMETRY)
 
 
-def k_label_sources(label_bits: int) -> list[int]:
-    """The byte-index bit that each K label bit ``c_0 .. c_{n-1}`` is: ``c0 = b0``,
-    ``c3 = b1`` (the four labels ``c, c + 1, c + 8, c + 9`` of one thread's k-step are a
-    4-byte word), ``c4.. = b2..`` (k-steps walk the word index), and ``c1, c2`` = the top
-    two bits (the lane's quarter of the row)."""
-    n = label_bits
-    return [0, n - 2, n - 1, 1] + list(range(2, n - 2))
-
-
-def k_label_to_byte(c: int, label_bits: int = 7) -> int:
-    """Byte of a K row whose values (q8_0) or nibbles (q4_0) hold label ``c``."""
-    return sum(((c >> i) & 1) << src for i, src in enumerate(k_label_sources(label_bits)))
-
-
 def v_label_to_byte(r: int, label_bits: int = 7) -> int:
     """Byte of a V row whose values (q8_0) or nibbles (q4_0) hold output row label ``r``:
     its group is ``r & 7``, its byte in the group ``r >> 3``."""
     return ((r & 7) << (label_bits - 3)) | (r >> 3)
 
 
-# q4_0's K labels per group (``_tile_scores_grouped``): label ``16 g + c`` of a half is
-# byte ``16 g + j`` with ``j0 = c3, j1 = c0, j2 = c1, j3 = c2``: each k-step (16 labels)
-# is one group's bytes, and a thread's four labels of it (c, c + 1, c + 8, c + 9) are one
-# word, bytes 0 and 2 paired in a register (``Q4_GROUP_ASM``).
+# K's labels (``_tile_scores_grouped``): the 256 values of a row are products of two
+# halves of 128 labels, and label ``16 g + c`` of a half is byte ``j`` of that half of
+# group g, ``j0 = c3, j1 = c0, j2 = c1, j3 = c2``. A half is q4_0's low or high nibbles of
+# the group's 16 bytes, or q8_0's first or second 16 of its 32 bytes. So each k-step (16
+# labels) is one group's, and a thread's four labels of it (c, c + 1, c + 8, c + 9) are
+# one word, bytes 0 and 2 paired in a register (``Q4_GROUP_ASM``, ``Q8_GROUP_ASM``).
 K_GROUP_LABEL_SOURCES = (1, 2, 3, 0, 4, 5, 6)
-# ``_k_group_operand``'s relabel of one group's ``Q4_GROUP_ASM`` output, ``[W, T, j3, j2,
-# j1', j0']`` (output element j' holds byte j with bits j0, j1 swapped) -> ``[W, T, c3,
-# c2, c1, c0]``.
+# ``_k_group_operand``'s relabel of one group's asm output, ``[W, T, j3, j2, j1', j0']``
+# (output element j' holds byte j with bits j0, j1 swapped) -> ``[W, T, c3, c2, c1, c0]``.
 K_GROUP_PERM = tl.constexpr((0, 1, 4, 2, 3, 5))
 
 
-def k_group_label_to_byte(c: int) -> int:
-    """Byte of a q4_0 K row whose nibbles hold label ``c`` of the grouped scores."""
-    return sum(((c >> i) & 1) << src for i, src in enumerate(K_GROUP_LABEL_SOURCES))
+def k_group_label_to_byte(c: int, half: int = 0, group_bytes: int = 16) -> int:
+    """Byte of a K row whose value holds label ``c`` (0..127) of product half ``half``:
+    ``16 g + j`` for q4_0 (``group_bytes`` 16; its halves are one byte's two nibbles),
+    ``32 g + 16 half + j`` for q8_0 (32)."""
+    j = sum(((c >> i) & 1) << src for i, src in enumerate(K_GROUP_LABEL_SOURCES[:4]))
+    return group_bytes * (c >> 4) + (16 * half if group_bytes > 16 else 0) + j
 
 
-def k_perm(label_bits: int, lead: int, sources: tuple[int, ...] | None = None) -> list[int]:
+def k_perm(label_bits: int, lead: int, sources: tuple[int, ...]) -> list[int]:
     """``permute`` order taking ``[lead dims..., b_{n-1} .. b_0]`` to the labels
-    ``[lead dims..., c_{n-1} .. c_0]``: label bit i is byte bit ``sources[i]``
-    (``k_label_sources`` by default)."""
-    n, src = label_bits, sources or k_label_sources(label_bits)
+    ``[lead dims..., c_{n-1} .. c_0]``: label bit i is byte bit ``sources[i]``."""
+    n, src = label_bits, sources
     return list(range(lead)) + [lead + n - 1 - src[i] for i in reversed(range(n))]
 
 
@@ -332,20 +349,13 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
     geo = GEOMETRY[kv_type]
     w, gb, t = num_warps, geo.group_bytes, tokens
     warps = _warp_bases(w, 4)
-    g0 = [[0, 0, 1, 0]]
     tok_hi = _bits(t, 1, start=3)  # tokens +8, (+16)
-    if geo.halves:
-        # q4_0, grouped (``_tile_scores_grouped``): a thread holds word ``lane % 4`` of
-        # every group of its token rows (lanes take the byte bits 2, 3 and tokens +1, +2,
-        # +4); k-steps walk the groups, then tokens +8, +16.
-        k_lanes = [[0, 0, 0, 4], [0, 0, 0, 8]] + _bits(8, 1)
-        k_reads = _bits(8, 2) + tok_hi
-    else:
-        # q8_0: registers walk 2 GB contiguous bytes (j, then g bit 0), then tokens +8;
-        # lanes take the other two group bits and tokens +1, +2, +4. This is the MMA B
-        # operand's own layout, relabelled by k_label_to_byte.
-        k_lanes = [[0, 0, 2, 0], [0, 0, 4, 0]] + _bits(8, 1)
-        k_reads = _bits(gb, 3, start=2) + g0 + tok_hi
+    # K (``_tile_scores_grouped``): a thread holds word ``lane % 4`` of each 16 bytes of
+    # every group of its token rows (lanes take the byte bits 2, 3 and tokens +1, +2, +4;
+    # the A operand's arrangement); registers walk q8_0's second 16 bytes, the groups,
+    # then tokens +8 (+16).
+    k_lanes = [[0, 0, 0, 4], [0, 0, 0, 8]] + _bits(8, 1)
+    k_reads = _bits(gb, 3, start=4) + _bits(8, 2) + tok_hi
     # ``k_reads``: the register bases at word starts; a word's 4 bytes are registers too.
     k_bytes = gl.DistributedLinearLayout(
         reg_bases=_bits(4, 3) + k_reads, lane_bases=k_lanes, warp_bases=warps,
@@ -380,9 +390,7 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
         # Partials [8 heads, 256 labels]: 16 elements per thread, four contiguous.
         MERGE=gl.BlockedLayout([1, 4], [1, 32], [w, 1], [1, 0]),
         # Tuples: the launcher's compile-time arguments are hashed.
-        K_PERM=tuple([0] + k_perm(geo.label_bits, 2)[2:] + [1]),
-        Q_PERM=tuple(k_perm(geo.label_bits, 2,
-                            K_GROUP_LABEL_SOURCES if geo.halves else None)),
+        Q_PERM=tuple(k_perm(7, 2, K_GROUP_LABEL_SOURCES)),
         # q's per-group offsets [W, 8 heads, 8 groups] (``_q_group_offsets``): heads as
         # in the MMA accumulator, groups in registers (one picked per k-step group).
         CORR=gl.DistributedLinearLayout(
@@ -414,20 +422,6 @@ def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, layout: gl.co
 
 
 @gluon.jit
-def issue_above(never, ptr):
-    """A point the loads written before it are issued above, in the compiled loop.
-
-    ptxas schedules within basic blocks and, for the tile loop's loads of the next
-    tile, picks a late slot; a branch ends the block, so loads written above it are
-    issued above it. ``never`` is a run-time condition that is always false (the caller
-    passes ``num_blocks < 0``, which the host's checks rule out) and the branch's body a
-    store, which the compiler cannot drop or turn into a select: it keeps the branch,
-    and never runs."""
-    if never:
-        gl.store(ptr, 0.0)
-
-
-@gluon.jit
 def _bytes(words):
     """int32 words ``[W, T, 8, n]`` -> their bytes ``[W, T, 8, 4 n]`` (uint8), little
     endian; each word's bytes become the thread's next four registers."""
@@ -437,29 +431,6 @@ def _bytes(words):
     b3 = ((words >> 24) & 0xFF).to(gl.uint8)
     x = gl.join(gl.join(b0, b2), gl.join(b1, b3))  # [W, T, 8, n, 2 (byte + 2), 2 (+ 1)]
     return gl.reshape(x, [words.shape[0], words.shape[1], 8, 4 * words.shape[3]])
-
-
-@gluon.jit
-def _k_fragments(x, sc, K_PERM: gl.constexpr, layout: gl.constexpr):
-    """q8_0's K payload and scales ``[W, T, 8, GB]`` relabelled to ``[W, NL, T]``
-    (``K_PERM``) in the B operand ``layout``, dequantized: ``qs * d``, f16."""
-    W: gl.constexpr = x.shape[0]
-    T: gl.constexpr = x.shape[1]
-    NL: gl.constexpr = 8 * x.shape[3]  # one label per byte
-    sc = gl.broadcast(sc[:, :, :, None], x)[0]
-    x = gl.convert_layout(relabel(x, K_PERM, [W, NL, T]), layout, assert_trivial=True)
-    sc = gl.convert_layout(relabel(sc, K_PERM, [W, NL, T]), layout, assert_trivial=True)
-    return gl.inline_asm_elementwise(
-        Q8_PAIRS_ASM, "=r,=r,r,r,r", [x, sc], dtype=gl.float16, is_pure=True, pack=4,
-    )
-
-
-@gluon.jit
-def _as_a_operand(k, layout: gl.constexpr):
-    """K fragments ``[W, NL, T]`` (B arrangement) -> the A operand ``[W, T, NL]`` of
-    ``S^T = K . Q^T``: the same thread holds the same register pairs, so this is a
-    register renaming."""
-    return gl.convert_layout(gl.permute(k, [0, 2, 1]), layout)
 
 
 @gluon.jit
@@ -534,55 +505,64 @@ def _pick_group(x, g: gl.constexpr):
 
 
 @gluon.jit
-def _q_group_offsets(q, layout: gl.constexpr):
-    """``-(LO_EXCESS * sum of q over group g's low-nibble values + HI_EXCESS * sum over
-    its high ones)`` for each head: f32 ``[W, 8 heads, 8 groups]`` in ``layout``, from
+def _q_group_offsets(q, LO_EX: gl.constexpr, HI_EX: gl.constexpr, layout: gl.constexpr):
+    """``-(LO_EX * sum of q over group g's first product half + HI_EX * sum over its
+    second)`` for each head: f32 ``[W, 8 heads, 8 groups]`` in ``layout``, from
     ``load_q``'s f16 q (as the products see it; a thread's 32 values are one group, so
-    the sums stay in the thread). Added to a group's partial scores of
-    ``Q4_GROUP_ASM``'s values it leaves ``sum (nibble - 8) q``."""
+    the sums stay in the thread). Added to a group's partial scores of the group asm's
+    values (``LO_EXCESS``, ``HI_EXCESS`` for q4_0, ``Q8_EXCESS`` twice for q8_0) it
+    leaves ``sum (nibble - 8) q`` or ``sum qs q``. The sums of up to 32 f16 values and
+    their products by these excesses are exact in f32."""
     W: gl.constexpr = q.shape[0]
     q = gl.reshape(q.to(gl.float32), [W, MAX_GROUP, 8, 32])
     J: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, q.type.layout)))
     j = gl.arange(0, 32, layout=J)
-    excess = gl.where(j < 16, -LO_EXCESS, -HI_EXCESS)[None, None, None, :]
+    excess = gl.where(j < 16, -LO_EX, -HI_EX)[None, None, None, :]
     return gl.convert_layout(gl.sum(q * excess, axis=3), layout)
 
 
 @gluon.jit
 def _q_state(q, Q_PERM: gl.constexpr, HALVES: gl.constexpr, B_OP: gl.constexpr,
              CORR: gl.constexpr):
-    """``load_q``'s q as the loop needs it: ``(q_lo, q_hi, offsets)`` for q4_0
-    (``q_operand``, ``_q_group_offsets``); q8_0's one operand (returned three times:
-    q8_0 has no hi labels and no group offsets)."""
+    """``load_q``'s q as the loop needs it: ``(q_lo, q_hi, offsets)``, the two product
+    halves' operands (``q_operand``) and the group offsets (``_q_group_offsets``) of
+    ``_tile_scores_grouped``."""
+    q_lo, q_hi = q_operand(q, Q_PERM, True, B_OP)
     if HALVES:
-        q_lo, q_hi = q_operand(q, Q_PERM, True, B_OP)
-        offsets = _q_group_offsets(q, CORR)
+        offsets = _q_group_offsets(q, LO_EXCESS, HI_EXCESS, CORR)
     else:
-        q_lo = q_operand(q, Q_PERM, False, B_OP)
-        q_hi = q_lo
-        offsets = q_lo
+        offsets = _q_group_offsets(q, Q8_EXCESS, Q8_EXCESS, CORR)
     return q_lo, q_hi, offsets
 
 
 @gluon.jit
-def _tile_scores_grouped(kx, ks, q_lo, q_hi, offsets, K_BYTES: gl.constexpr,
-                         MMA: gl.constexpr):
-    """q4_0's ``S^T = K . Q^T`` of one tile, ``[W, T, 8]`` (MMA), a group at a time: the
-    products of K's raw nibble values (``Q4_GROUP_ASM``: no offset, no scale) with q's
-    labels of group g give the group's partial scores, exact in f32; adding q's group
-    ``offsets`` (``_q_group_offsets``) and multiplying by the rows' scale of group g
-    (``ks`` ``[W, T, 8]``) is then two f32 operations per score and group, where the
+def _tile_scores_grouped(kx, ks, q_lo, q_hi, offsets, HALVES: gl.constexpr,
+                         K_BYTES: gl.constexpr, MMA: gl.constexpr):
+    """``S^T = K . Q^T`` of one tile, ``[W, T, 8]`` (MMA), a group at a time: the
+    products of K's raw values (``Q4_GROUP_ASM``, ``Q8_GROUP_ASM``: no offset, no scale)
+    with q's labels of group g give the group's partial scores, exact in f32; adding q's
+    group ``offsets`` (``_q_group_offsets``) and multiplying by the rows' scale of group
+    g (``ks`` ``[W, T, 8]``) is then two f32 operations per score and group, where the
     per-value dequantization took two f16 operations per pair of values (and rounded
-    each value to f16). ``kx``: K's words ``[W, T, 8, 4]`` (``K_WORDS``: word ``lane %
-    4`` of every group); ``q_lo``, ``q_hi``: ``[W, 128, 8]`` (labels ``16 g + c``,
-    ``K_GROUP_LABEL_SOURCES``)."""
+    each value to f16). ``kx``: K's words ``[W, T, 8, GB / 4]`` (``K_WORDS``: word
+    ``lane % 4`` of each 16 bytes of every group); ``q_lo``, ``q_hi``: ``[W, 128, 8]``
+    (labels ``16 g + c`` of each half, ``K_GROUP_LABEL_SOURCES``)."""
     W: gl.constexpr = kx.shape[0]
     T: gl.constexpr = kx.shape[1]
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-    kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)  # [W, T, 8, 16]
-    lo, hi = gl.inline_asm_elementwise(Q4_GROUP_ASM, "=r,=r,=r,=r,r", [kb],
-                                       dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+    kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)  # [W, T, 8, GB]
+    if HALVES:
+        lo, hi = gl.inline_asm_elementwise(Q4_GROUP_ASM, "=r,=r,=r,=r,r", [kb],
+                                           dtype=(gl.float16, gl.float16), is_pure=True,
+                                           pack=4)
+    else:
+        # A group's first and second 16 bytes (a register bit): [W, T, 8, 16] each.
+        first, second = gl.split(gl.permute(gl.reshape(kb, [W, T, 8, 2, 16]), [0, 1, 2, 4, 3]))
+        lo = gl.inline_asm_elementwise(Q8_GROUP_ASM, "=r,=r,r", [first], dtype=gl.float16,
+                                       is_pure=True, pack=4)
+        hi = gl.inline_asm_elementwise(Q8_GROUP_ASM, "=r,=r,r", [second], dtype=gl.float16,
+                                       is_pure=True, pack=4)
     d = ks.to(gl.float32)  # [W, T, 8 groups]
     zeros = gl.zeros([W, T, MAX_GROUP], gl.float32, MMA)
     st = zeros
@@ -617,25 +597,6 @@ def _q_group_operand(q, g: gl.constexpr, layout: gl.constexpr):
     y = gl.reshape(y, [W, 16 * MAX_GROUP, 8])
     y = gl.reshape(_pick_group(y, g), [W, 16, MAX_GROUP])
     return gl.convert_layout(y, layout)
-
-
-@gluon.jit
-def _tile_scores(kx, ks, q_lo, q_hi, offsets, K_PERM: gl.constexpr, HALVES: gl.constexpr,
-                 K_BYTES: gl.constexpr, MMA: gl.constexpr):
-    """``S^T = K . Q^T`` of one tile, ``[W, T, 8]`` (MMA). q4_0: a group at a time
-    (``_tile_scores_grouped``). q8_0: K's payload words ``[W, T, 8, GB / 4]`` and scales
-    ``[W, T, 8]`` (``K_WORDS``) dequantized where they were loaded (the B arrangement),
-    then renamed as the A operand."""
-    if HALVES:
-        st = _tile_scores_grouped(kx, ks, q_lo, q_hi, offsets, K_BYTES, MMA)
-    else:
-        A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
-        B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
-        kb = gl.convert_layout(_bytes(kx), K_BYTES, assert_trivial=True)
-        kscale = gl.convert_layout(ks, gl.SliceLayout(3, K_BYTES))
-        zeros = gl.zeros([kx.shape[0], kx.shape[1], MAX_GROUP], gl.float32, MMA)
-        st = mma_v2(_as_a_operand(_k_fragments(kb, kscale, K_PERM, B_OP), A_OP), q_lo, zeros)
-    return st
 
 
 @gluon.jit
@@ -675,7 +636,7 @@ def fragment_decode_kernel(
     K_WORDS: gl.constexpr, K_BYTES: gl.constexpr, V_WORDS: gl.constexpr,
     V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
     MMA: gl.constexpr, MERGE: gl.constexpr,
-    K_PERM: gl.constexpr, Q_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr,
+    Q_PERM: gl.constexpr, V_PAIR_PERM: gl.constexpr,
     TRACE: gl.constexpr, STAGES: gl.constexpr,
     K_WORDS3: gl.constexpr, V_WORDS3: gl.constexpr, COPY_WORDS: gl.constexpr,
     COPY_SCALES: gl.constexpr, RING_WORDS: gl.constexpr, RING_SCALES: gl.constexpr,
@@ -780,7 +741,7 @@ def fragment_decode_kernel(
             kx = gl.convert_layout(gl.reshape(kw_ring.index(use).load(K_WORDS3),
                                               [W, T, 8, WPG]), K_WORDS, assert_trivial=True)
             ks = ks_ring.index(use).load(gl.SliceLayout(3, K_WORDS))
-            st = _tile_scores(kx, ks, q_lo, q_hi, offsets, K_PERM, HALVES, K_BYTES, MMA)
+            st = _tile_scores_grouped(kx, ks, q_lo, q_hi, offsets, HALVES, K_BYTES, MMA)
             p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
             p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
             # V is read from the ring only now: its words are not held through S^T.
@@ -806,11 +767,6 @@ def fragment_decode_kernel(
         # the rows they address, so that the table lookup's latency is not in front of
         # the payload loads.
         AHEAD: gl.constexpr = TABLE_AHEAD and WARP_IDS
-        # q8_0: the next tile's K loads go out before this tile's O^T products
-        # (``issue_above``); left to ptxas they sink, with V's, to about 65% of the loop,
-        # and the K words then arrive late for the next tile's first products. (q4_0's
-        # registers do not allow it: measured slower, with spills.)
-        K_FIRST: gl.constexpr = not HALVES
         if WARP_IDS:
             id0, id1 = warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT)
         else:
@@ -840,13 +796,11 @@ def fragment_decode_kernel(
             rows, live_k = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
                                      h, head_stride, W, T, BS, PAGED, WARP_IDS, KT)
             kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
-            if K_FIRST:
-                issue_above(num_blocks < 0, part_ml_ptr)
             rows, live_v = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
                                      h, head_stride, W, T, BS, PAGED, WARP_IDS, VT)
             vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
 
-            st = _tile_scores(kx, ks, q_lo, q_hi, offsets, K_PERM, HALVES, K_BYTES, MMA)
+            st = _tile_scores_grouped(kx, ks, q_lo, q_hi, offsets, HALVES, K_BYTES, MMA)
             p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
             p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
             live = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,

@@ -48,8 +48,9 @@ def assert_binds_signature(seen: dict, arg_names: list[str], scale: float) -> in
 
 @functools.cache
 def compile_for_sm90(spec: str, paged: bool) -> dict:
-    """Registers spilled, MMAs, memory instructions, the 16-byte global loads issued
-    before the ``O^T`` MMAs (``loads_before_pv``) and the stall cycles its control codes
+    """Registers spilled, MMAs, loop instructions and the most frequent opcodes (``ops``),
+    memory instructions, the payload's global loads issued before the ``O^T`` MMAs
+    (``loads_before_pv``) and the stall cycles its control codes
     schedule (``stall_cycles``) of the tile loop of launch ``spec``
     (``decode_sass.py``'s ``K:V:MODE:BLOCK_N:WARPS[:STAGES[:TABLE_READ]]``), compiled
     offline. A subprocess without ``TRITON_INTERPRET``: under the interpreter, Triton
@@ -65,6 +66,8 @@ def compile_for_sm90(spec: str, paged: bool) -> dict:
     return {
         "spill": int(re.search(r"(\d+) B spilled", lines[0]).group(1)),
         "mma": int(re.search(r"\((\d+) MMAs\)", lines[0]).group(1)),
+        "instructions": int(re.search(r"loop (\d+) instructions", lines[0]).group(1)),
+        "ops": dict(ast.literal_eval(lines[1].split("ops ", 1)[1])),
         "memory_ops": ast.literal_eval(lines[2].split("memory ", 1)[1]),
         "loads_before_pv": int(re.search(r"before the O\^T MMAs: (\d+)", lines[3]).group(1)),
         "stall_cycles": int(re.search(r"\(control codes\): (\d+)", lines[4]).group(1)),

@@ -68,6 +68,21 @@ def test_q4_0_group_values():
         assert out == want, b
 
 
+def test_q8_0_group_values():
+    """``Q8_GROUP_ASM`` (the Gluon kernel's q8_0 K, scaled per group after the products):
+    bytes b0..b3 -> registers (b0, b2), (b1, b3) of f16 values that exceed
+    ``formats.dequantize``'s at scale 1 (qs, exact) by exactly ``Q8_EXCESS``."""
+    from pagedserve.kernels import quant_fragments as qf
+
+    for start in range(-128, 128, 4):
+        qs = list(range(start, start + 4))
+        out = unpack_f16(run(qf.Q8_GROUP_ASM.value, [pack_bytes(qs)], 2))
+        data = torch.tensor([qs + [0] * 28], dtype=torch.int8)
+        vals = formats.dequantize(data, torch.tensor([[1.0]], dtype=torch.float16), "q8_0",
+                                  torch.float16)[0, :4].tolist()
+        assert out == [vals[k] + qf.Q8_EXCESS.value for k in (0, 2, 1, 3)], qs
+
+
 @pytest.mark.parametrize("d_pair", [(1.0, -0.0078125), (61.25, 3.5e-05), (-1024.0, 0.000123)])
 def test_q4_0_pairs(d_pair):
     """``Q4_PAIRS_ASM`` (the Gluon kernel's V): bytes 0..3 of rows t and t + 1 -> eight
