@@ -211,7 +211,8 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
       against 68.7 / 67.2).
     - Other q8_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of
       16 tokens, its shared-memory ring of two stages (68 KB; block ids ride the copies),
-      two programs per SM (205 registers paged). Side by side on the H200 against the
+      two programs per SM (230 registers paged; K scored a group at a time since
+      33de598, ``quant_fragments``, "q8_0 grouped"). Side by side on the H200 against the
       kernel's register double buffer (``num_stages=1``, ids a tile ahead), both layouts
       (docs/benchmarks/logs/probes/2582e1a_ring_grid.log): paged ragged 107.9 us against
       110.3, 8 x 128K 535.0 against 551.7, never slower at the 16 uniform points.
@@ -324,7 +325,7 @@ def default_occupancy(k_type: str, v_type: str) -> float:
     many as ``default_config``'s launch fits on an SM, since a chunk count above that
     leaves a second wave.
 
-    q8_0 or q4_0 K and V (the Gluon kernel): two (about 205 registers, and a ring of 68-72
+    q8_0 or q4_0 K and V (the Gluon kernel): two (203-238 registers, and a ring of 68-72
     KB of shared memory); the wide small-batch launches of ``default_config`` plan one per
     SM within that workspace (``DecodeConfig.occupancy``). Other q8_0: three (168
     registers x 128 threads). Other q4_0: two (255 registers). f16 and bf16: one (the

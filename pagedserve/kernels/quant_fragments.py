@@ -97,11 +97,11 @@ The ring (``num_stages`` >= 2, the library's launch for both layouts; ``quant_ri
 owns its layouts and copies). Each warp copies its own rows of tile i + STAGES - 1 with
 ``cp.async`` while tile i is computed, and reads tile i back with ``ld.shared`` straight
 into ``K_WORDS`` / ``V_WORDS``; block ids ride the copies, so the loop holds no global
-load. 203 registers (q4_0, paged; 168 contiguous) and 72 KB of shared memory (q8_0: 205,
-68 KB), two programs per SM. Gluon's barrier analysis puts three CTA barriers in a paged
-tile (one orders the id reads before their slot's next copy) and two in a contiguous
-one; warp barriers would do, but tried by editing the PTX they were slower (73.7 against
-71.6 us on ragged q4_0).
+load. 203 registers (q4_0, paged; 168 contiguous) and 72 KB of shared memory (q8_0: 205
+at the ring's introduction, 230 since its grouped scores; 68 KB), two programs per SM.
+Gluon's barrier analysis puts three CTA barriers in a paged tile (one orders the id
+reads before their slot's next copy) and two in a contiguous one; warp barriers would
+do, but tried by editing the PTX they were slower (73.7 against 71.6 us on ragged q4_0).
 
 The register double buffer (``num_stages=1``, not the library's launch) loads the next
 tile's words into registers. Where those loads go out is ptxas's choice: written at the
@@ -112,7 +112,7 @@ of the O^T products, 1-1.5% faster paged, docs/benchmarks/logs/probes/45c1639_*;
 grouped K is 32 single words per thread, which the same boundary did not move and made
 spill, so it was dropped.)
 
-q8_0 grouped (ef26dd0 -> this form; docs/benchmarks/logs/probes/ef26dd0_q8_0_grouped_*).
+q8_0 grouped (33de598; docs/benchmarks/logs/probes/ef26dd0_q8_0_grouped_*, A/B against ef26dd0).
 sm_90 ring loop, paged 64-row tiles: 910 -> 824 instructions, 1471 -> 1246 scheduled
 stall cycles, 205 -> 230 registers (two programs per SM either way). Probed for 0.05 s
 per side, the two forms read the same (8 x 128K paged / contiguous 0.985 and 0.984
@@ -121,7 +121,8 @@ power cap and lowers the SM clock (1350-1680 MHz sampled), the per-value form's 
 side slowed by 6% and its contiguous side by 2% (8 x 128K 565.2 / 538.0 us, 0.952; 8 x
 64K and 4 x 128K 0.953-0.954), while the grouped form held 0.979-0.992 (532.8 / 521.8
 us at 8 x 128K). The benchmark times 0.15 s per side after a minute of other points,
-which is why its large q8_0 points read 0.954-0.967 where short probes read 0.98.
+which is why its large q8_0 points read 0.954-0.967 where short probes read 0.98; with
+the grouped form every q8_0 point reads 0.986-1.057 (attention.md at 33de598).
 
 End of a program (``fragment_warps.finish_program``, shared with ``float_fragments``):
 the warps' states combine after one layout conversion that gives each thread every
