@@ -75,7 +75,7 @@ CONTIGUOUS_TILE_TOKENS = 1 << 19
 # per SM (``default_config``): at most this many sequences, whose tables address at most
 # this many tokens per type.
 WIDE_MAX_BATCH = 4
-WIDE_MAX_TOKENS = {"q8_0": 1 << 19, "q4_0": 1 << 15}
+WIDE_MAX_TOKENS = {"q8_0": 1 << 17, "q4_0": 1 << 15}
 # SM count assumed for CPU tensors (the Triton interpreter): small, so that plans split.
 INTERPRETER_NUM_SMS = 4
 
@@ -184,7 +184,7 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
     (below).
 
     - q8_0 K and V, at most ``WIDE_MAX_BATCH`` (4) sequences whose tables address at
-      most ``WIDE_MAX_TOKENS`` (512K) tokens: ``fragment`` with 8 warps of 16 tokens
+      most ``WIDE_MAX_TOKENS`` (128K) tokens: ``fragment`` with 8 warps of 16 tokens
       (128-row tiles), the same ring of two stages (136 KB), one program per SM
       (``occupancy=1``: half the workspace's chunks, each twice as long). Side by side on
       the H200 against the launch below, both layouts, every uniform point
@@ -192,19 +192,22 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
       n <= 4 and at most 128K tokens, faster on both layouts (paged one 4K sequence 11.4
       us against 13.4, 2 x 4K 14.1 against 14.9, one 16K sequence 18.4 against 19.3;
       contiguous 11.9 against 13.1, 14.1 against 14.1, 18.5 against 18.6), paged /
-      contiguous 0.997-1.044 against 0.949-0.996. Up to 4 x 128K since K is scored a
-      group at a time (33de598): side by side at 0.15 s per side, the benchmark's
-      timing (``logs/probes/389a3cb_q8_0_wide_larger.log``), the wide launch is 1-2%
-      faster on both layouts at 4 x 64K (paged 137.1 against 139.9 us), 2 x 128K
-      (139.9 against 141.2) and 4 x 128K (265.2 against 270.6), paged / contiguous
-      0.983-0.992. (With the per-value K it lost at those points in the benchmark,
-      0.954-0.972, ``logs/probes/e912aef_attention_wide_q8_0.md``: held at the power
-      cap its paged side slowed more; ``quant_fragments``, "q8_0 grouped".) At n = 8 it
-      is no faster (8 x 64K 265.4 us either way) and loses at 8 x 128K (paged 536.0
-      against 518.2, 0.936) and on the ragged case (paged 114.5 against 105.9): with 33
-      chunks per head for 8 sequences the plan's largest chunk there is 7040 tokens
-      against a mean of 5710 (one 8K sequence cut 7040 + 1152), where 66 chunks keep it
-      within 5%. At most 4 sequences leave 8 or more chunks per sequence on average.
+      contiguous 0.997-1.044 against 0.949-0.996. Not beyond 128K tokens, although
+      with K scored a group at a time (33de598) the wide launch is 1-2% faster there on
+      both layouts at 0.15 s per side (``logs/probes/389a3cb_q8_0_wide_larger.log``: 4 x
+      64K paged 137.1 against 139.9 us, 2 x 128K 139.9 against 141.2, 4 x 128K 265.2
+      against 270.6): held at the GPU's power cap (0.5 s per side,
+      ``logs/probes/cae97a1_q8_0_wide_at_the_cap.log``) its paged side is no faster at
+      4 x 64K and 2 x 128K (142.4 against 142.8, 145.2 against 146.3; paged / contiguous
+      0.978 and 0.973 against 0.993 and 0.982) and 4.5% slower at 4 x 128K (292.1
+      against 279.4, 0.928), and a full benchmark run with the rule at 512K tokens read
+      4 x 128K at 0.980 (graph) and 0.929 (eager, timed after the graph rounds;
+      ``logs/probes/cae97a1_attention_wide_to_512K.md``). At n = 8 it is no faster (8 x
+      64K 265.4 us either way) and loses at 8 x 128K (paged 536.0 against 518.2, 0.936)
+      and on the ragged case (paged 114.5 against 105.9): with 33 chunks per head for 8
+      sequences the plan's largest chunk there is 7040 tokens against a mean of 5710
+      (one 8K sequence cut 7040 + 1152), where 66 chunks keep it within 5%. At most 4
+      sequences leave 8 or more chunks per sequence on average.
     - q4_0 K and V, at most 4 sequences over at most 32K table tokens: ``fragment`` with
       8 warps of 32 tokens (256-row tiles), two stages (144 KB), one program per SM. Side
       by side (``logs/probes/8b9423f_q4_0_wide_tiles.log``), paged / contiguous us: one

@@ -231,8 +231,7 @@ def test_small_short_quantized_batches_take_wide_programs():
                     for b, n in [(0, 4096), (WIDE_MAX_BATCH + 1, 20480), (8, 32768),
                                  (64, 1 << 20), (1, most + 16), (4, most + 16)]] == (
                 [narrow] * 6)
-    # q8_0 up to 4 x 128K (the benchmark's largest uniform points), q4_0 up to 32K.
-    assert WIDE_MAX_TOKENS == {"q8_0": 4 * 131072, "q4_0": 32768}
+    assert WIDE_MAX_TOKENS == {"q8_0": 131072, "q4_0": 32768}
     for k_type, v_type in [("f16", "f16"), ("q8_0", "f16"), ("q8_0", "q4_0"),
                            ("q4_0", "q8_0"), ("bf16", "bf16")]:
         assert default_config(k_type, v_type, 4096, batch=1) == default_config(

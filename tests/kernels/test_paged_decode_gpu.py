@@ -144,7 +144,7 @@ def test_f16_default_runs_the_gluon_ring(monkeypatch, paged):
     ("q4_0", [8192, 2048, 33, 0])], ids=["q8_0-two", "q8_0-ragged-four", "q4_0-two",
                                          "q4_0-ragged-four"])
 def test_small_batches_take_the_wide_launch(monkeypatch, kv_type, lens):
-    """At most four q8_0 (q4_0) sequences over at most 512K (32K) table tokens: the
+    """At most four q8_0 (q4_0) sequences over at most 128K (32K) table tokens: the
     library's launch runs the Gluon kernel with 8 warps, its plan at one program per SM
     over a workspace sized for two, exactly."""
     from pagedserve.kernels import quant_fragments
