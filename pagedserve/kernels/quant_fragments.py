@@ -16,7 +16,8 @@ on a GPU. ``paged_decode_attention`` dispatches here for ``quant_dot="fragment"`
 falls back to the Triton kernel's ``packed`` mode otherwise (the interpreter runs no
 Gluon). One kernel serves both types; ``Geometry`` holds what differs: a q4_0 row is 8
 groups of 16 bytes, each byte two values (a "lo" and a "hi" label row, so every product
-runs twice); a q8_0 row is 8 groups of 32 bytes, one value each.
+runs twice); a q8_0 row is 8 groups of 32 bytes, one value each (its K products also run
+in two halves of 128 labels, its V products over all 256).
 
 Work split. Program ``(c, h)`` takes chunk ``c`` of the partition plan (``decode_plan``)
 for K/V head ``h``, as the Triton kernel does. Each of its W warps walks its own T
@@ -25,7 +26,7 @@ tile with its own online softmax (no cross-warp traffic in the loop); the warps'
 merge once at the end. The next tiles' bytes are in flight while the current tile is
 computed, in one of two ways (``num_stages``; "The ring" below)::
 
-    per warp, per T-token tile (NL = 128 labels x2 halves for q4_0, 256 for q8_0)
+    per warp, per T-token tile (NL = 128 labels x2 halves; q8_0's V: 256 labels)
     S^T  = K . Q^T   mma m16n8k16: A = K [T tokens, NL],
                                    B = q^T [NL, 8 heads (G, then zeros)]
     P^T  = softmax of S^T over tokens, in registers; one movmatrix per 8 x 8 tile turns
