@@ -118,10 +118,11 @@ sm_90 ring loop, paged 64-row tiles: 910 -> 824 instructions, 1471 -> 1246 sched
 stall cycles, 205 -> 230 registers (two programs per SM either way). Probed for 0.05 s
 per side, the two forms read the same (8 x 128K paged / contiguous 0.985 and 0.984
 against 0.989 and 0.988). Held for 0.5 s per side, where the H200 sits at its 700 W
-power cap and lowers the SM clock (1350-1680 MHz sampled), the per-value form's paged
-side slowed by 6% and its contiguous side by 2% (8 x 128K 565.2 / 538.0 us, 0.952; 8 x
-64K and 4 x 128K 0.953-0.954), while the grouped form held 0.979-0.992 (532.8 / 521.8
-us at 8 x 128K). The benchmark times 0.15 s per side after a minute of other points,
+power cap and lowers the SM clock (1350-1965 MHz in 100 ms samples), the per-value
+form's paged side slowed by 6% and its contiguous side by 2% (8 x 128K 565.2 / 538.0
+us, 0.952; 8 x 64K and 4 x 128K 0.953-0.954), while the grouped form held 0.979-0.992
+(532.8 / 521.8 us at 8 x 128K). The benchmark times 0.15 s per side after a minute of
+other points,
 which is why its large q8_0 points read 0.954-0.967 where short probes read 0.98; with
 the grouped form every q8_0 point reads 0.986-1.057 (attention.md at 33de598).
 
