@@ -122,9 +122,9 @@ power cap and lowers the SM clock (1350-1965 MHz in 100 ms samples), the per-val
 form's paged side slowed by 6% and its contiguous side by 2% (8 x 128K 565.2 / 538.0
 us, 0.952; 8 x 64K and 4 x 128K 0.953-0.954), while the grouped form held 0.979-0.992
 (532.8 / 521.8 us at 8 x 128K). The benchmark times 0.15 s per side after a minute of
-other points,
-which is why its large q8_0 points read 0.954-0.967 where short probes read 0.98; with
-the grouped form every q8_0 point reads 0.986-1.057 (attention.md at 33de598).
+other points, which is why its large q8_0 points read 0.954-0.967 where short probes
+read 0.98; with the grouped form every q8_0 point reads 0.986-1.057 (attention.md at
+33de598).
 
 End of a program (``fragment_warps.finish_program``, shared with ``float_fragments``):
 the warps' states combine after one layout conversion that gives each thread every
