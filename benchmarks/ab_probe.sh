@@ -7,7 +7,9 @@
 #   here:   git archive REV pagedserve benchmarks | (mkdir -p ab_base && tar -x -C ab_base)
 #           echo ab_base/ >> .git/info/exclude     # never committed; carried instead
 #   device: KV=q8_0 CASES="131072x8 ragged" MIN_SECONDS="0.05 0.5" ROUNDS=2 \
-#             bash benchmarks/ab_probe.sh          # with carry [".whl", "ab_base"]
+#             bash benchmarks/gpu_run.sh ab-probe:300   # carry [".whl", "ab_base"]
+#
+# gpu_run.sh installs the wheels and runs this as its ab-probe stage.
 #
 # The base tree's probe_decode.py must take --min-seconds (33de598 on); for an older
 # base, copy this tree's benchmarks/probe_decode.py into it.
@@ -15,16 +17,13 @@
 # Writes $OUT/ab_$KV.log (the probes' rows, each headed by tree, round and seconds) and
 # $OUT/clocks_$KV.csv (time, SM clock, power, temperature, throttle reasons; 0x4 = power
 # cap; every 100 ms). The twentieth session's logs (docs/benchmarks/logs/probes/
-# ef26dd0_q8_0_grouped_*) came from this script.
+# ef26dd0_q8_0_grouped_*) came from its scratch form, run by hand in the same way.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BASE=${BASE:-ab_base}
+SITE=${SITE:-/tmp/site}  # gpu_run.sh's wheels
 [ -d "$BASE/pagedserve" ] || { echo "no base tree at $BASE (see the header)"; exit 2; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-unset TRITON_INTERPRET
-export PYTHONUNBUFFERED=1
 KV=${KV:-q8_0}
 CASES=${CASES:-"131072x8 65536x8 131072x4 ragged"}
 ROUNDS=${ROUNDS:-2}
@@ -38,7 +37,7 @@ for round in $(seq "$ROUNDS"); do
     for tree in new base; do
       if [ "$tree" = new ]; then root=$PWD; else root=$PWD/$BASE; fi
       echo "== round $round $tree min-seconds $secs $(date +%T.%N | cut -c1-12)"
-      PYTHONPATH=/tmp/site:$root python3 "$root/benchmarks/probe_decode.py" --kv-type "$KV" \
+      PYTHONPATH=$SITE:$root python3 "$root/benchmarks/probe_decode.py" --kv-type "$KV" \
         --cases $CASES --launch default --min-seconds "$secs" 2>&1 | grep -v Warning
     done
   done

@@ -136,9 +136,8 @@ def loop_stats(kernel) -> dict:
                  if any("HMMA" in text for a, text in code if loop[1] <= a <= loop[2])]
     size, lo, hi = max(mma_loops or loops)
     ops, mem = collections.Counter(), collections.Counter()
-    # Where the payload's global loads (16-byte vectors, or q4_0 / q8_0 K's single words)
-    # are issued: how many come before the second half of the loop's MMAs (the O^T
-    # products, after S^T's), i.e. early in the iteration.
+    # Where the 16-byte global loads are issued: how many come before the second half of
+    # the loop's MMAs (the O^T products, after S^T's), i.e. early in the iteration.
     mma_total = sum(1 for a, text in code if lo <= a <= hi and "HMMA" in text)
     loads_early = 0
     for addr, text in code:
@@ -147,7 +146,7 @@ def loop_stats(kernel) -> dict:
             m = re.search(r"\b((?:LDG|LDGSTS|STS|LDS|STSM|LDSM)\S*)", text)
             if m:
                 mem[m.group(1)] += 1
-            if m and m.group(1) in ("LDG.E.128", "LDG.E") and 2 * ops["HMMA"] <= mma_total:
+            if m and m.group(1) == "LDG.E.128" and 2 * ops["HMMA"] <= mma_total:
                 loads_early += 1
     return {"registers": int(regs), "spill_bytes": int(stack), "loop_instructions": size,
             "stall_cycles": sum(stall[a] for a, _ in code if lo <= a <= hi),
@@ -179,7 +178,7 @@ def main(argv: list[str]) -> int:
               "values/thread")
         print(f"    ops {st['top_ops']}")
         print(f"    memory {st['memory_ops']}")
-        print(f"    payload loads before the O^T MMAs: {st['loads_before_pv']}")
+        print(f"    16-byte global loads before the O^T MMAs: {st['loads_before_pv']}")
         print(f"    stall cycles scheduled in the loop (control codes): {st['stall_cycles']}")
     return 0
 

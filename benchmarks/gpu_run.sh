@@ -7,7 +7,7 @@
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve probe-decode
-#         trace-decode probe-pieces.
+#         trace-decode probe-pieces ab-probe.
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/probe_decode.py with the
 # arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default"),
@@ -130,6 +130,9 @@ for spec in "$@"; do
                      run_stage "trace-decode-$i" "$limit" python3 benchmarks/trace_decode.py \
                        ${traces[$i]} --out "$OUT/trace-$i"
                    done ;;
+    # The working tree against another commit's tree (ab_base/, carried), probe_decode
+    # alternating between them (benchmarks/ab_probe.sh; $KV $CASES $ROUNDS $MIN_SECONDS).
+    ab-probe)      run_stage "$stage" "$limit" bash benchmarks/ab_probe.sh ;;
     # Random pieces against one run, memory only (benchmarks/probe_pieces.py); $PIECES_ARGS
     # are its arguments (default: its own cases and block sizes).
     probe-pieces)  run_stage "$stage" "$limit" python3 benchmarks/probe_pieces.py ${PIECES_ARGS:-} ;;

@@ -260,13 +260,19 @@ class Geometry:
     group_bytes: int  # 16 (q4_0) or 32 (q8_0)
     label_bits: int  # 7 (128 labels per nibble half) or 8 (256 labels)
     halves: bool  # q4_0: each byte feeds a lo and a hi label row
+    # What K's raw values (the group asm's) exceed the stored value by, in its first and
+    # second product half (``_q_group_offsets``).
+    k_excess: tuple[float, float]
 
     @property
     def labels(self) -> int:
         return 1 << self.label_bits
 
 
-GEOMETRY = {"q4_0": Geometry("q4_0", 16, 7, True), "q8_0": Geometry("q8_0", 32, 8, False)}
+GEOMETRY = {
+    "q4_0": Geometry("q4_0", 16, 7, True, (LO_EXCESS.value, HI_EXCESS.value)),
+    "q8_0": Geometry("q8_0", 32, 8, False, (Q8_EXCESS.value, Q8_EXCESS.value)),
+}
 TYPES = tuple(GEOMETRY)
 
 
@@ -525,17 +531,13 @@ def _q_group_offsets(q, LO_EX: gl.constexpr, HI_EX: gl.constexpr, layout: gl.con
 
 
 @gluon.jit
-def _q_state(q, Q_PERM: gl.constexpr, HALVES: gl.constexpr, B_OP: gl.constexpr,
-             CORR: gl.constexpr):
+def _q_state(q, Q_PERM: gl.constexpr, K_LO_EXCESS: gl.constexpr, K_HI_EXCESS: gl.constexpr,
+             B_OP: gl.constexpr, CORR: gl.constexpr):
     """``load_q``'s q as the loop needs it: ``(q_lo, q_hi, offsets)``, the two product
-    halves' operands (``q_operand``) and the group offsets (``_q_group_offsets``) of
-    ``_tile_scores_grouped``."""
+    halves' operands (``q_operand``) and the group offsets (``_q_group_offsets``, with
+    the type's ``Geometry.k_excess``) of ``_tile_scores_grouped``."""
     q_lo, q_hi = q_operand(q, Q_PERM, True, B_OP)
-    if HALVES:
-        offsets = _q_group_offsets(q, LO_EXCESS, HI_EXCESS, CORR)
-    else:
-        offsets = _q_group_offsets(q, Q8_EXCESS, Q8_EXCESS, CORR)
-    return q_lo, q_hi, offsets
+    return q_lo, q_hi, _q_group_offsets(q, K_LO_EXCESS, K_HI_EXCESS, CORR)
 
 
 @gluon.jit
@@ -636,6 +638,7 @@ def fragment_decode_kernel(
     B_PAD: gl.constexpr, MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr,
     MERGE_UNROLL: gl.constexpr, MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr,
     W: gl.constexpr, T: gl.constexpr, GB: gl.constexpr, HALVES: gl.constexpr,
+    K_LO_EXCESS: gl.constexpr, K_HI_EXCESS: gl.constexpr,
     K_WORDS: gl.constexpr, K_BYTES: gl.constexpr, V_WORDS: gl.constexpr,
     V_LOAD: gl.constexpr, V_PAIR: gl.constexpr,
     MMA: gl.constexpr, MERGE: gl.constexpr,
@@ -723,7 +726,7 @@ def fragment_decode_kernel(
             id1 = block0
             mid0 = block0
             mid1 = block0
-        q_lo, q_hi, offsets = _q_state(q, Q_PERM, HALVES, B_OP, CORR)
+        q_lo, q_hi, offsets = _q_state(q, Q_PERM, K_LO_EXCESS, K_HI_EXCESS, B_OP, CORR)
         stamp(trace_ptr, slot, 2, TRACE)
         for it in range(gl.cdiv(tok_hi - tok_lo, BLOCK_N)):
             ahead = tok_lo + (it + STAGES - 1) * BLOCK_N
@@ -785,7 +788,7 @@ def fragment_decode_kernel(
                          head_stride, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
         if AHEAD:
             id0, id1 = warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
-        q_lo, q_hi, offsets = _q_state(q, Q_PERM, HALVES, B_OP, CORR)
+        q_lo, q_hi, offsets = _q_state(q, Q_PERM, K_LO_EXCESS, K_HI_EXCESS, B_OP, CORR)
         stamp(trace_ptr, slot, 2, TRACE)
         for start in range(tok_lo, tok_hi, BLOCK_N):
             nxt = start + BLOCK_N
@@ -834,7 +837,7 @@ def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int,
     eager decode launches per layer per step; callers must not modify the dict)."""
     geo = GEOMETRY[kv_type]
     return dict(W=num_warps, T=tokens_per_warp, GB=geo.group_bytes, HALVES=geo.halves,
-                STAGES=stages,
+                K_LO_EXCESS=geo.k_excess[0], K_HI_EXCESS=geo.k_excess[1], STAGES=stages,
                 **fragment_layouts(kv_type, num_warps, tokens_per_warp))
 
 

@@ -49,7 +49,7 @@ def assert_binds_signature(seen: dict, arg_names: list[str], scale: float) -> in
 @functools.cache
 def compile_for_sm90(spec: str, paged: bool) -> dict:
     """Registers spilled, MMAs, loop instructions and the most frequent opcodes (``ops``),
-    memory instructions, the payload's global loads issued before the ``O^T`` MMAs
+    memory instructions, the 16-byte global loads issued before the ``O^T`` MMAs
     (``loads_before_pv``) and the stall cycles its control codes
     schedule (``stall_cycles``) of the tile loop of launch ``spec``
     (``decode_sass.py``'s ``K:V:MODE:BLOCK_N:WARPS[:STAGES[:TABLE_READ]]``), compiled
