@@ -7,6 +7,7 @@
 #   here:   git archive REV pagedserve benchmarks | (mkdir -p ab_base && tar -x -C ab_base)
 #           echo ab_base/ >> .git/info/exclude     # never committed; carried instead
 #   device: KV=q8_0 CASES="131072x8 ragged" MIN_SECONDS="0.05 0.5" ROUNDS=2 \
+#             LAUNCHES="default fragment:128:4:3:128:-:2:block" \
 #             bash benchmarks/gpu_run.sh ab-probe:300   # carry [".whl", "ab_base"]
 #
 # gpu_run.sh installs the wheels and runs this as its ab-probe stage.
@@ -28,6 +29,7 @@ KV=${KV:-q8_0}
 CASES=${CASES:-"131072x8 65536x8 131072x4 ragged"}
 ROUNDS=${ROUNDS:-2}
 MIN_SECONDS=${MIN_SECONDS:-0.05}
+LAUNCHES=${LAUNCHES:-default}  # probe_decode.py's --launch list, the same for both trees
 nvidia-smi --format=csv,noheader -lms 100 \
   --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
   > "$OUT/clocks_${KV}.csv" &
@@ -38,7 +40,7 @@ for round in $(seq "$ROUNDS"); do
       if [ "$tree" = new ]; then root=$PWD; else root=$PWD/$BASE; fi
       echo "== round $round $tree min-seconds $secs $(date +%T.%N | cut -c1-12)"
       PYTHONPATH=$SITE:$root python3 "$root/benchmarks/probe_decode.py" --kv-type "$KV" \
-        --cases $CASES --launch default --min-seconds "$secs" 2>&1 | grep -v Warning
+        --cases $CASES --launch $LAUNCHES --min-seconds "$secs" 2>&1 | grep -v Warning
     done
   done
 done 2>&1 | tee -a "$OUT/ab_${KV}.log"
