@@ -71,8 +71,9 @@ from pagedserve.kernels.fragment_warps import (
     SHARED_CONSTANTS,
     finish_program,
     initial_state,
-    load_q_operand,
+    load_q,
     locate_program,
+    q_operand,
     scores_to_b_operand,
     sequence_table,
     softmax_step,
@@ -162,8 +163,16 @@ def float_fragment_kernel(
     stamp(trace_ptr, slot, 1, TRACE)
     record_program(trace_ptr, slot, pid, gl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
 
-    q = load_q_operand(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, W, Q_PERM,
-                       False, B_OP)  # q^T [W, D, 8]
+    # q's load goes out first. Its conversion into the operand layout waits for it at a
+    # barrier: paged, after the first tiles' copies are issued, so that the block ids'
+    # round trip does not wait behind q's; contiguous, before them. Each order is its
+    # layout's faster (H200, one call alternating both orders, 4 x 4K: paged 24.4
+    # against 24.7 us, contiguous 23.7-23.9 against 24.0; docs/benchmarks/README.md,
+    # "Twenty-first session"). The quantized kernel issues its copies first on both
+    # layouts: its contiguous side was 1.3 us slower with q's conversion first.
+    q_rows = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, W)
+    if not PAGED:
+        q = q_operand(q_rows, Q_PERM, False, B_OP)  # q^T [W, D, 8]
     acc = gl.zeros([W, D, MAX_GROUP], gl.float32, MMA)  # O^T
     m_i, l_i = initial_state(W, HEADS)
 
@@ -180,6 +189,8 @@ def float_fragment_kernel(
     ids_next = _tile_ids(table_row, tok_lo + (STAGES - 1) * BLOCK_N, tok_hi, W, BS, PAGED,
                          block0, ROWS)
     ids_mask = _tile_ids(table_row, tok_lo, tok_hi, W, BS, PAGED, block0, TOKENS)
+    if PAGED:
+        q = q_operand(q_rows, Q_PERM, False, B_OP)
     stamp(trace_ptr, slot, 2, TRACE)
     num_tiles = gl.cdiv(tok_hi - tok_lo, BLOCK_N)
     for i in range(num_tiles):

@@ -92,13 +92,6 @@ def q_operand(q, Q_PERM: gl.constexpr, HALVES: gl.constexpr, layout: gl.constexp
 
 
 @gluon.jit
-def load_q_operand(q_base, row_stride, G: gl.constexpr, W: gl.constexpr,
-                   Q_PERM: gl.constexpr, HALVES: gl.constexpr, layout: gl.constexpr):
-    """``q_operand`` of ``load_q``."""
-    return q_operand(load_q(q_base, row_stride, G, W), Q_PERM, HALVES, layout)
-
-
-@gluon.jit
 def scores_to_b_operand(p, layout: gl.constexpr):
     """``P^T`` f16 ``[W, T tokens, 8 heads]`` in the accumulator layout of ``S^T`` ->
     the same values in the B operand ``layout`` of ``O^T += V^T . P^T``: one ``movmatrix``
