@@ -169,7 +169,7 @@ def float_fragment_kernel(
     # layout's faster (H200, one call alternating both orders, 4 x 4K: paged 24.4
     # against 24.7 us, contiguous 23.7-23.9 against 24.0; docs/benchmarks/README.md,
     # "Twenty-first session"). The quantized kernel issues its copies first on both
-    # layouts: its contiguous side was 1.3 us slower with q's conversion first.
+    # layouts: its contiguous side was 0.3-1.4 us slower with q's conversion first.
     q_rows = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, W)
     if not PAGED:
         q = q_operand(q_rows, Q_PERM, False, B_OP)  # q^T [W, D, 8]
