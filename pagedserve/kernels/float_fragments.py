@@ -8,8 +8,9 @@ instead of loaded (blocks in order, probe at e88da92) the same Triton loop read 
 f16 points at 0.988-1.007 of the contiguous layout, against 0.956-0.987 with the table.
 Here the schedule is explicit:
 
-    prologue      ids of tiles 0 .. S-2 -> copies of those tiles (one commit group each);
-                  ids of tile S - 1 (its copies) and of tile 0 (its mask)
+    prologue      q's load; ids of tiles 0 .. S-2 -> copies of those tiles (one commit
+                  group each); ids of tile S - 1 (its copies) and of tile 0 (its mask);
+                  q -> its operand layout (contiguous: before the copies)
     tile i        copies of tile i + S - 1 from ids in registers, commit
                   table loads used only by the next iteration: the ids of tile i + S
                   (its copies) and of tile i + 1 (its mask)
@@ -49,8 +50,12 @@ replay: paged 2 x 4K 17.2 us against 18.1 for the Triton kernel's launch, one 16
 sequence 26.4 against 27.4, ragged 128K + 7 x 8K 190.0 against 196.2 (e922d37's run);
 paged / contiguous with this kernel on both layouts 0.960-0.968 at five points of 32K
 tokens or fewer and 0.974-1.006 elsewhere, against 0.939-0.963 at six points before.
-What is left of the gap is the placement: with each sequence's blocks in order the short
-points read 0.977-0.988, with 32-token blocks 0.985-1.003. sm_90 loop
+Most of what was left of the gap is the placement: with each sequence's blocks in order
+the short points read 0.977-0.988, with 32-token blocks 0.985-1.003. The rest was the
+prologue's order: with q converted before the first copies, the paged block ids' round
+trip waited behind q's. Since 3e5d8e8 paged programs issue their copies first: 4 x 4K,
+1 x 16K and 2 x 4K read 0.977, 0.982 and 0.976 (attention.md at 3e5d8e8), against
+0.9675, 0.9676 and 0.9695 at 33de598. sm_90 loop
 (``benchmarks/decode_sass.py``): 559 instructions paged, 540 contiguous, 225 registers,
 no spills.
 """
