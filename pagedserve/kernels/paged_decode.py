@@ -325,12 +325,11 @@ def resolve_config(config: DecodeConfig | None, cache_k: KVBlockStorage,
 
 
 def decode_grid(workspace: DecodeWorkspace, batch: int,
-                config: DecodeConfig | None = None) -> tuple[int, int]:
-    """The launch grid: ``max(W, B)`` chunks per K/V head, W the launch's budget
-    (``DecodeWorkspace.budget_for``; the workspace's own without a ``config``; the plan
-    never makes more chunks, ``decode_plan``), by the K/V heads."""
-    budget = workspace.chunk_budget if config is None else workspace.budget_for(config)
-    return max(budget, batch), workspace.num_kv_heads
+                config: DecodeConfig) -> tuple[int, int]:
+    """The grid of a launch of ``config``: ``max(W, B)`` chunks per K/V head, W its
+    budget (``DecodeWorkspace.budget_for``; the plan never makes more chunks,
+    ``decode_plan``), by the K/V heads."""
+    return max(workspace.budget_for(config), batch), workspace.num_kv_heads
 
 
 def paged_decode_attention(

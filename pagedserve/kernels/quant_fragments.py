@@ -305,8 +305,8 @@ def k_group_label_to_byte(c: int, half: int = 0, group_bytes: int = 16) -> int:
 def k_perm(label_bits: int, lead: int, sources: tuple[int, ...]) -> list[int]:
     """``permute`` order taking ``[lead dims..., b_{n-1} .. b_0]`` to the labels
     ``[lead dims..., c_{n-1} .. c_0]``: label bit i is byte bit ``sources[i]``."""
-    n, src = label_bits, sources
-    return list(range(lead)) + [lead + n - 1 - src[i] for i in reversed(range(n))]
+    n = label_bits
+    return list(range(lead)) + [lead + n - 1 - sources[i] for i in reversed(range(n))]
 
 
 def v_pair_perm(label_bits: int, tokens: int) -> list[int]:

@@ -401,7 +401,7 @@ def test_kernel_trace_records(kv_type):
     ws = DecodeWorkspace(len(lens), 24, hkv, 256, "cuda", chunks_per_head=9)
     plain = ops.paged_decode_attention(q, ck, cv, table, seq_lens, 0.0625, workspace=ws,
                                        config=cfg)
-    trace = torch.zeros(math.prod(paged_decode.decode_grid(ws, len(lens))), 8,
+    trace = torch.zeros(math.prod(paged_decode.decode_grid(ws, len(lens), cfg)), 8,
                         dtype=torch.int64, device="cuda")
     traced = paged_decode.paged_decode_attention(q, ck, cv, table, seq_lens, 0.0625,
                                                  workspace=ws, config=cfg, trace=trace)

@@ -263,7 +263,7 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     from pagedserve.kernels.decode_plan import DecodeWorkspace
     ws = DecodeWorkspace(3, 12, 2, 256, "cpu", chunks_per_head=5)
     cfg = DecodeConfig(block_n=128, num_warps=4, min_partition=128, quant_dot="fragment")
-    trace = torch.zeros(math.prod(paged_decode.decode_grid(ws, 3)), 8, dtype=torch.int64)
+    trace = torch.zeros(math.prod(paged_decode.decode_grid(ws, 3, cfg)), 8, dtype=torch.int64)
     assert trace.shape[0] == 10  # max(W = 5, B = 3) chunks x 2 K/V heads
     paged_decode.paged_decode_attention(q, ck, cv, table, lens, 0.0625, workspace=ws,
                                         config=cfg, trace=trace)
