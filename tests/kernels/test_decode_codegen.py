@@ -9,23 +9,19 @@ itself was not ruled out as the cause). So a change that moves a loop is measure
 H200 before its new size is recorded here (``benchmarks/ab_probe.sh`` against the
 previous commit, then the full ``bench_attention.py`` run).
 
-Triton compiles each library launch (``decode_plan.default_config``) for
-``GPUTarget("cuda", 90, 32)`` and its wheel's ``cuobjdump`` disassembles it
-(``benchmarks/decode_sass.py``); no GPU is needed.
+Each library launch (``decode_plan.default_config``) is compiled for sm_90 by
+``gluon_checks.compile_for_sm90`` (``benchmarks/decode_sass.py``, Triton's own ptxas and
+``cuobjdump``); no GPU is needed.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 triton = pytest.importorskip("triton")
-ROOT = Path(__file__).resolve().parents[2]
+from gluon_checks import compile_for_sm90  # noqa: E402
+
+from pagedserve.kernels.decode_plan import default_config  # noqa: E402
 
 # The sizes below come from this release's ptxas; another compiler schedules differently.
 RECORDED_WITH = "3.6.0"
@@ -53,42 +49,26 @@ LOOP_INSTRUCTIONS = {
 }
 
 
-# Compiles in a child process: under TRITON_INTERPRET=1 (the suite's setting) the kernels
-# are interpreter objects, which Triton cannot compile for a GPU.
-_COMPILE_ALL = """
-import json, sys
-sys.path.insert(0, "benchmarks")
-import decode_sass
-from pagedserve.kernels.decode_plan import default_config
-out = {}
-for name, (kv, tokens, batch) in json.loads(sys.argv[1]).items():
-    for paged in (True, False):
-        cfg = default_config(kv, kv, tokens, paged=paged, batch=batch)
-        st = decode_sass.loop_stats(decode_sass.compile_decode(kv, kv, cfg, paged))
-        out[f"{name}|{paged}"] = dict(mode=cfg.quant_dot, spill=st["spill_bytes"],
-                                      loop=st["loop_instructions"])
-print(json.dumps(out))
-"""
-
-
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _COMPILE_ALL, json.dumps(LAUNCHES)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+def launch_spec(kv_type: str, tokens: int, batch: int, paged: bool) -> str:
+    """``decode_sass.py``'s spec of ``default_config``'s launch, checked to compile the
+    same kernel (the spec fixes ``min_partition`` at ``max(128, block_n)``, no register
+    cap; ``occupancy`` only sizes the grid)."""
+    cfg = default_config(kv_type, kv_type, tokens, paged=paged, batch=batch)
+    assert cfg.quant_dot == "fragment"  # the Gluon kernels, the library's GPU launches
+    assert cfg.min_partition == max(128, cfg.block_n) and cfg.maxnreg is None
+    table = cfg.table_read + ("" if cfg.table_ahead else "-now")
+    return (f"{kv_type}:{kv_type}:{cfg.quant_dot}:{cfg.block_n}:{cfg.num_warps}:"
+            f"{cfg.num_stages}:{table}")
 
 
 @pytest.mark.parametrize("paged", [True, False], ids=["paged", "contiguous"])
 @pytest.mark.parametrize("launch", sorted(LAUNCHES))
-def test_tile_loop_is_the_measured_one(compiled, launch, paged):
-    stats = compiled[f"{launch}|{paged}"]
-    assert stats["mode"] == "fragment"  # the Gluon kernels, the library's GPU launches
+def test_tile_loop_is_the_measured_one(launch, paged):
+    stats = compile_for_sm90(launch_spec(*LAUNCHES[launch], paged), paged)
     assert stats["spill"] == 0, f"{launch}: the tile loop's kernel spills"
     want = LOOP_INSTRUCTIONS[launch][0 if paged else 1]
-    assert stats["loop"] == want, (
-        f"{launch} {'paged' if paged else 'contiguous'}: the tile loop is {stats['loop']} "
-        f"SASS instructions, measured at {want}; measure the change on an H200 before "
-        "recording the new size (see this module's docstring)"
+    assert stats["instructions"] == want, (
+        f"{launch} {'paged' if paged else 'contiguous'}: the tile loop is "
+        f"{stats['instructions']} SASS instructions, measured at {want}; measure the "
+        "change on an H200 before recording the new size (see this module's docstring)"
     )
