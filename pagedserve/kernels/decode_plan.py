@@ -479,6 +479,16 @@ def plan_chunks(
     return part, chunks
 
 
+def program_chunk(pid: int, head: int, num_kv_heads: int, num_chunks: int,
+                  upper_heads_reversed: bool) -> int:
+    """Host mirror of the chunk that program ``(pid, head)`` takes (``locate_chunk``'s
+    ``reverse``, as ``fragment_warps.locate_program`` sets it for a kernel whose
+    ``UPPER_HEADS_REVERSED`` is on); ``>= num_chunks`` means no work."""
+    if upper_heads_reversed and head >= num_kv_heads // 2 and pid < num_chunks:
+        return num_chunks - 1 - pid
+    return pid
+
+
 @triton.jit
 def _round_part_dev(x, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr):
     return tl.maximum(tl.cdiv(tl.maximum(x, 1), BLOCK_N) * BLOCK_N, MIN_PARTITION)
@@ -486,10 +496,10 @@ def _round_part_dev(x, BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr):
 
 @triton.jit
 def locate_chunk(
-    lens_ptr, batch, capacity, chunk_budget, pid, idx,
-    BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr,
+    lens_ptr, batch, capacity, chunk_budget, pid, idx, reverse,
+    BLOCK_N: tl.constexpr, MIN_PARTITION: tl.constexpr, ALIGNED_START: tl.constexpr,
 ):
-    """The device plan: chunk ``pid`` -> its sequence and token range.
+    """The device plan: program ``pid`` -> its chunk, that chunk's sequence and tokens.
 
     Every program runs this on the same ``seq_lens`` and gets the same plan. Lengths are
     clamped to ``[0, capacity]`` so that no program reads past its block table.
@@ -498,10 +508,16 @@ def locate_chunk(
         idx: ``arange(0, B_PAD)``, ``B_PAD >= batch`` a power of 2 (sequence slots). The
             caller makes it, so that Triton and Gluon kernels (whose aranges carry a
             layout) share this plan; only 1-D operations touch it.
+        reverse: program ``p`` takes chunk ``num_chunks - 1 - p`` (else chunk ``p``).
+            Same chunks, another order of dispatch; ``fragment_warps.locate_program``
+            says who uses it.
+        ALIGNED_START: compute ``tok_lo`` as a visible multiple of ``BLOCK_N`` (the
+            same value: ``P`` is one): the paged tile loops' block addressing is then a
+            few instructions shorter, which only some kernels gain from.
 
     Returns:
-        ``(num_chunks, seq, seq_chunks, first_chunk, tok_lo, tok_hi)``, int32 scalars;
-        ``pid >= num_chunks`` means the program has no work.
+        ``(num_chunks, chunk, seq, seq_chunks, first_chunk, tok_lo, tok_hi)``, int32
+        scalars; ``chunk >= num_chunks`` means the program has no work.
     """
     live = idx < batch
     lens = tl.load(lens_ptr + idx, mask=live, other=0)
@@ -527,15 +543,19 @@ def locate_chunk(
     n = tl.where(live, tl.maximum(tl.cdiv(lens, part), 1), 0)
     cum = tl.cumsum(n, axis=0)  # inclusive
     num_chunks = tl.sum(n, axis=0)
-    # Entries past the batch hold cum == num_chunks > pid, so they never count here.
-    seq = tl.sum((cum <= pid).to(tl.int32), axis=0)
+    chunk = tl.where(reverse & (pid < num_chunks), num_chunks - 1 - pid, pid)
+    # Entries past the batch hold cum == num_chunks > chunk, so they never count here.
+    seq = tl.sum((cum <= chunk).to(tl.int32), axis=0)
     mine = idx == seq
     seq_len = tl.sum(tl.where(mine, lens, 0), axis=0)
     seq_chunks = tl.sum(tl.where(mine, n, 0), axis=0)
     first_chunk = tl.sum(tl.where(mine, cum - n, 0), axis=0)
-    tok_lo = (pid - first_chunk) * part
+    if ALIGNED_START:
+        tok_lo = (chunk - first_chunk) * (part // BLOCK_N) * BLOCK_N
+    else:
+        tok_lo = (chunk - first_chunk) * part
     tok_hi = tl.minimum(tok_lo + part, seq_len)
-    return num_chunks, seq, seq_chunks, first_chunk, tok_lo, tok_hi
+    return num_chunks, chunk, seq, seq_chunks, first_chunk, tok_lo, tok_hi
 
 
 def _with_index(device: torch.device) -> torch.device:

@@ -88,6 +88,12 @@ from pagedserve.kernels.fragment_warps import (
 
 TOKENS_PER_WARP = 16
 
+# The plan's options for this kernel (fragment_warps.locate_program says what each does
+# and what the H200 measured): every head takes its chunks in program order; chunk starts
+# written as visible multiples of the tile.
+UPPER_HEADS_REVERSED = gl.constexpr(False)
+ALIGNED_START = gl.constexpr(True)
+
 
 @functools.cache
 def float_layouts(num_warps: int) -> dict:
@@ -160,13 +166,13 @@ def float_fragment_kernel(
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8] per-head state
     TOKENS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, T], S^T's m
     ROWS: gl.constexpr = gl.SliceLayout(2, COPY)  # [W, T], the copies' rows
-    pid, h, slot, num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_program(
+    chunk, h, slot, num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_program(
         lens_ptr, batch, capacity, chunk_budget, trace_ptr, W, BLOCK_N, B_PAD, MIN_PARTITION,
-        TRACE)
-    if pid >= num_chunks:
+        UPPER_HEADS_REVERSED, ALIGNED_START, TRACE)
+    if chunk >= num_chunks:
         return
     stamp(trace_ptr, slot, 1, TRACE)
-    record_program(trace_ptr, slot, pid, gl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
+    record_program(trace_ptr, slot, chunk, gl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
 
     # q's load goes out first. Its conversion into the operand layout waits for it at a
     # barrier: paged, after the first tiles' copies are issued, so that the block ids'
@@ -225,7 +231,7 @@ def float_fragment_kernel(
     async_copy.wait_group(0)
 
     finish_program(acc, acc, m_i, l_i, out_ptr, stride_ob, stride_oh, part_acc_ptr, part_ml_ptr,
-                   group_counter_ptr, seq_counter_ptr, max_chunks, num_kv_heads, pid, h, b,
+                   group_counter_ptr, seq_counter_ptr, max_chunks, num_kv_heads, chunk, h, b,
                    first, seq_chunks, trace_ptr, slot, G, GP, False, False, MERGE,
                    MERGE_UNROLL, MERGE_GROUP, TRACE)
 

@@ -215,19 +215,29 @@ def _store_labels(ptr, row_stride, o_lo, o_hi, row_scale, G: gl.constexpr,
 @gluon.jit
 def locate_program(lens_ptr, batch, capacity, chunk_budget, trace_ptr, W: gl.constexpr,
                    BLOCK_N: gl.constexpr, B_PAD: gl.constexpr, MIN_PARTITION: gl.constexpr,
+                   UPPER_HEADS_REVERSED: gl.constexpr, ALIGNED_START: gl.constexpr,
                    TRACE: gl.constexpr):
     """This program's place in the plan (``decode_plan.locate_chunk``), its trace record
-    ``slot`` stamped at entry: ``(pid, h, slot, num_chunks, b, seq_chunks, first,
-    tok_lo, tok_hi)``; ``pid >= num_chunks`` means no work."""
+    ``slot`` stamped at entry: ``(chunk, h, slot, num_chunks, b, seq_chunks, first,
+    tok_lo, tok_hi)``; ``chunk >= num_chunks`` means no work.
+
+    ``UPPER_HEADS_REVERSED``: K/V heads ``h >= Hkv / 2`` take their chunks in reverse
+    order. Measured on the H200 (``docs/benchmarks/README.md``, twenty-second and
+    twenty-third sessions): the quantized kernels' paged side gains at 8 x 128K and
+    4 x 64K, f16's short points lose; hence a per-kernel choice. The guess at why: in
+    program order an SM's resident programs read one sequence's blocks for heads h and
+    h + 2, a few KB apart in the paged pool; reversed, they read different sequences.
+    ``ALIGNED_START``: see ``locate_chunk``."""
     pid = gl.program_id(0)
     h = gl.program_id(1)
     slot = h * gl.num_programs(0) + pid
     stamp(trace_ptr, slot, 0, TRACE)
     PLAN: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
-    num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
+    reverse = UPPER_HEADS_REVERSED and h >= gl.num_programs(1) // 2
+    num_chunks, chunk, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
         lens_ptr, batch, capacity, chunk_budget, pid,
-        gl.arange(0, B_PAD, layout=PLAN), BLOCK_N, MIN_PARTITION)
-    return pid, h, slot, num_chunks, b, seq_chunks, first, tok_lo, tok_hi
+        gl.arange(0, B_PAD, layout=PLAN), reverse, BLOCK_N, MIN_PARTITION, ALIGNED_START)
+    return chunk, h, slot, num_chunks, b, seq_chunks, first, tok_lo, tok_hi
 
 
 @gluon.jit
@@ -272,7 +282,7 @@ def softmax_step(st, live, qk_scale, m_i, l_i):
 @gluon.jit
 def finish_program(
     acc_lo, acc_hi, m_i, l_i, out_ptr, stride_ob, stride_oh, part_acc_ptr, part_ml_ptr,
-    group_counter_ptr, seq_counter_ptr, max_chunks, num_kv_heads, pid, h, b, first,
+    group_counter_ptr, seq_counter_ptr, max_chunks, num_kv_heads, chunk, h, b, first,
     seq_chunks, trace_ptr, slot, G: gl.constexpr, GP: gl.constexpr, HALVES: gl.constexpr,
     TO_D: gl.constexpr, MERGE: gl.constexpr, MERGE_UNROLL: gl.constexpr,
     MERGE_GROUP: gl.constexpr, TRACE: gl.constexpr,
@@ -310,14 +320,14 @@ def finish_program(
         # 16-byte store); the merge's output store maps labels to head_dim.
         head_acc = part_acc_ptr + h * max_chunks * G * D
         head_ml = part_ml_ptr + h * max_chunks * G * 2
-        _store_labels(head_acc + pid * G * D, D, o_lo, o_hi, l_sum * 0.0 + 1.0, G, HALVES,
+        _store_labels(head_acc + chunk * G * D, D, o_lo, o_hi, l_sum * 0.0 + 1.0, G, HALVES,
                       False)
-        store_stats(head_ml + pid * G * 2, m, l_sum, gl.arange(0, MAX_GROUP, layout=STATS), G)
+        store_stats(head_ml + chunk * G * 2, m, l_sum, gl.arange(0, MAX_GROUP, layout=STATS), G)
         stamp(trace_ptr, slot, 4, TRACE)
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, MERGE))
         finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
                      head_ml, group_counter_ptr + h * max_chunks,
-                     seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
+                     seq_counter_ptr + b * num_kv_heads + h, chunk, first, seq_chunks,
                      gl.arange(0, GP, layout=gl.SliceLayout(1, MERGE)), cols,
                      label_column(cols, TO_D), G, D, MERGE_UNROLL, MERGE_GROUP)
     stamp(trace_ptr, slot, 5, TRACE)

@@ -115,14 +115,14 @@ def _paged_decode_kernel(
     slot = h * tl.num_programs(0) + pid
     stamp(trace_ptr, slot, 0, TRACE)
     NG: tl.constexpr = D // 32
-    num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
-        lens_ptr, batch, capacity, chunk_budget, pid, tl.arange(0, B_PAD), BLOCK_N,
-        MIN_PARTITION
+    num_chunks, chunk, b, seq_chunks, first, tok_lo, tok_hi = locate_chunk(
+        lens_ptr, batch, capacity, chunk_budget, pid, tl.arange(0, B_PAD), False, BLOCK_N,
+        MIN_PARTITION, False
     )
-    if pid >= num_chunks:
+    if chunk >= num_chunks:
         return
     stamp(trace_ptr, slot, 1, TRACE)
-    record_program(trace_ptr, slot, pid, tl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
+    record_program(trace_ptr, slot, chunk, tl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
 
     if K_TYPE == "bf16":
         q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
@@ -232,12 +232,12 @@ def _paged_decode_kernel(
         head_acc = part_acc_ptr + h * max_chunks * G * D
         head_ml = part_ml_ptr + h * max_chunks * G * 2
         ones = tl.full([G_PAD], 1.0, tl.float32)
-        store_rows(head_acc + pid * G * D, D, acc, ones, G, G_PAD, D, NG, ACC)
-        store_stats(head_ml + pid * G * 2, m_i, l_i, tl.arange(0, G_PAD), G)
+        store_rows(head_acc + chunk * G * D, D, acc, ones, G, G_PAD, D, NG, ACC)
+        store_stats(head_ml + chunk * G * 2, m_i, l_i, tl.arange(0, G_PAD), G)
         stamp(trace_ptr, slot, 4, TRACE)
         finish_split(out_ptr + b * stride_ob + h * G * stride_oh, stride_oh, head_acc,
                      head_ml, group_counter_ptr + h * max_chunks,
-                     seq_counter_ptr + b * num_kv_heads + h, pid, first, seq_chunks,
+                     seq_counter_ptr + b * num_kv_heads + h, chunk, first, seq_chunks,
                      tl.arange(0, GP), tl.arange(0, D), tl.arange(0, D), G, D, MERGE_UNROLL,
                      MERGE_GROUP)
     stamp(trace_ptr, slot, 5, TRACE)

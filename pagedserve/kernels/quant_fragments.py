@@ -231,6 +231,12 @@ lop3.b32 $3, u, hinib, himagic, 0xea;
 LO_EXCESS = tl.constexpr(1032.0)
 HI_EXCESS = tl.constexpr(72.0)
 
+# The plan's options for this kernel (fragment_warps.locate_program says what each does
+# and what the H200 measured): the upper half of the K/V heads take their chunks in
+# reverse; chunk starts as the plan computes them.
+UPPER_HEADS_REVERSED = tl.constexpr(True)
+ALIGNED_START = tl.constexpr(False)
+
 # q8_0's K for ``_tile_scores_grouped``: a word's bytes b0..b3 ($2) -> f16 1152 + qs, with
 # no offset and no scale applied (``Q8_EXCESS`` and the scale act on a group's partial
 # scores, in f32). (b & 0x00ff00ff) ^ 0x64806480 (one lop3) is the f16 pair 1024 + (qs +
@@ -654,13 +660,13 @@ def fragment_decode_kernel(
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     HEADS: gl.constexpr = gl.SliceLayout(1, MMA)  # [W, 8] per-head state, as S^T's n
     TOKENS: gl.constexpr = gl.SliceLayout(2, MMA)  # [W, T], as S^T's m
-    pid, h, slot, num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_program(
+    chunk, h, slot, num_chunks, b, seq_chunks, first, tok_lo, tok_hi = locate_program(
         lens_ptr, batch, capacity, chunk_budget, trace_ptr, W, BLOCK_N, B_PAD, MIN_PARTITION,
-        TRACE)
-    if pid >= num_chunks:
+        UPPER_HEADS_REVERSED, ALIGNED_START, TRACE)
+    if chunk >= num_chunks:
         return
     stamp(trace_ptr, slot, 1, TRACE)
-    record_program(trace_ptr, slot, pid, gl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
+    record_program(trace_ptr, slot, chunk, gl.cdiv(tok_hi - tok_lo, BLOCK_N), TRACE)
 
     # q's load goes out first (beside the table's); its conversions, which wait at
     # barriers, come after the first tiles' copies are issued (``_q_state``).
@@ -819,7 +825,7 @@ def fragment_decode_kernel(
         acc_hi = acc_lo
     finish_program(acc_lo, acc_hi, m_i, l_i, out_ptr, stride_ob, stride_oh, part_acc_ptr,
                    part_ml_ptr, group_counter_ptr, seq_counter_ptr, max_chunks, num_kv_heads,
-                   pid, h, b, first, seq_chunks, trace_ptr, slot, G, GP, HALVES, True, MERGE,
+                   chunk, h, b, first, seq_chunks, trace_ptr, slot, G, GP, HALVES, True, MERGE,
                    MERGE_UNROLL, MERGE_GROUP, TRACE)
 
 

@@ -13,6 +13,7 @@ from pagedserve.kernels.decode_plan import (
     DecodeWorkspace,
     locate_chunk,
     plan_chunks,
+    program_chunk,
 )
 
 RAGGED = [131072] + [8192] * 7
@@ -115,19 +116,24 @@ def test_launch_budget_never_exceeds_the_workspace():
 
 
 @triton.jit
-def _plan_probe(lens_ptr, out_ptr, batch, capacity, budget,
-                B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_P: tl.constexpr):
+def _plan_probe(lens_ptr, out_ptr, batch, capacity, budget, reverse,
+                B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_P: tl.constexpr,
+                ALIGNED: tl.constexpr):
     pid = tl.program_id(0)
-    n, seq, seq_chunks, first, lo, hi = locate_chunk(
-        lens_ptr, batch, capacity, budget, pid, tl.arange(0, B_PAD), BLOCK_N, MIN_P)
-    row = out_ptr + pid * 4
+    n, chunk, seq, seq_chunks, first, lo, hi = locate_chunk(
+        lens_ptr, batch, capacity, budget, pid, tl.arange(0, B_PAD), reverse != 0, BLOCK_N,
+        MIN_P, ALIGNED)
+    row = out_ptr + pid * 5
     tl.store(row, n)
-    tl.store(row + 1, tl.where(pid < n, seq, -1))
-    tl.store(row + 2, tl.where(pid < n, lo, -1))
-    tl.store(row + 3, tl.where(pid < n, hi, -1))
+    tl.store(row + 1, tl.where(chunk < n, chunk, -1))
+    tl.store(row + 2, tl.where(chunk < n, seq, -1))
+    tl.store(row + 3, tl.where(chunk < n, lo, -1))
+    tl.store(row + 4, tl.where(chunk < n, hi, -1))
 
 
 @needs_triton
+@pytest.mark.parametrize("reverse,aligned", [(False, False), (True, False), (False, True)],
+                         ids=["program-order", "reversed", "aligned-start"])
 @pytest.mark.parametrize("lens,capacity,budget", [
     ([1, 15, 16, 17, 31, 32, 33], 64, 5),
     ([0, 200, 3, 0], 256, 9),
@@ -135,15 +141,23 @@ def _plan_probe(lens_ptr, out_ptr, batch, capacity, budget,
     ([4000] + [3] * 9, 4096, 12),
     ([640] * 4, 640, 10),
 ])
-def test_device_plan_equals_host_plan(lens, capacity, budget):
+def test_device_plan_equals_host_plan(lens, capacity, budget, reverse, aligned):
+    """Every program finds the host mirror's chunk: program p takes chunk p, or chunk
+    n - 1 - p reversed; the aligned start computes the same token ranges."""
     block_n, min_p = 16, 16
     b_pad = max(2, triton.next_power_of_2(len(lens)))
     grid = max(budget, len(lens))
-    out = torch.full((grid, 4), -9, dtype=torch.int32, device=TRITON_DEVICE)
+    out = torch.full((grid, 5), -9, dtype=torch.int32, device=TRITON_DEVICE)
     _plan_probe[(grid,)](torch.tensor(lens, dtype=torch.int32, device=TRITON_DEVICE), out,
-                         len(lens), capacity, budget, B_PAD=b_pad, BLOCK_N=block_n, MIN_P=min_p)
+                         len(lens), capacity, budget, int(reverse), B_PAD=b_pad,
+                         BLOCK_N=block_n, MIN_P=min_p, ALIGNED=aligned)
     _, chunks = plan_chunks(lens, capacity, budget, block_n, min_p)
     got = out.cpu().tolist()
     assert all(row[0] == len(chunks) for row in got)
-    assert [tuple(r[1:]) for r in got[:len(chunks)]] == chunks
-    assert all(r[1:] == [-1, -1, -1] for r in got[len(chunks):])
+    order = list(range(len(chunks)))[::-1] if reverse else list(range(len(chunks)))
+    # The host mirror that trace readers use, for a head in the upper half of two.
+    assert [program_chunk(p, 1, 2, len(chunks), reverse) for p in range(grid)] == (
+        order + list(range(len(chunks), grid)))
+    assert [r[1] for r in got[:len(chunks)]] == order
+    assert [tuple(r[2:]) for r in got[:len(chunks)]] == [chunks[c] for c in order]
+    assert all(r[1:] == [-1, -1, -1, -1] for r in got[len(chunks):])

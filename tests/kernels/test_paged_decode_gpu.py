@@ -384,15 +384,17 @@ def test_kernel_trace_records(kv_type):
     """``trace=`` (benchmarks/trace_decode.py; the Gluon kernels for q4_0, q8_0 and f16,
     the Triton kernel's f16 launch) changes the output by rounding at most (a separate
     compile; within one f16 ulp of the largest output), and each program's record agrees
-    with the
-    host mirror of the plan: its tile count, the order of its six timestamps, an SM in
+    with the host mirror of the plan (the chunk it takes, reversed for the upper heads
+    where the kernel says so): its tile count, the order of its six timestamps, an SM in
     range; programs beyond the plan record only their entry."""
-    from pagedserve.kernels import paged_decode
-    from pagedserve.kernels.decode_plan import plan_chunks
+    from pagedserve.kernels import float_fragments, paged_decode, quant_fragments
+    from pagedserve.kernels.decode_plan import plan_chunks, program_chunk
     from pagedserve.kernels.decode_trace import TRACE_FIELDS
 
     lens, hkv, block_size = [3000, 0, 700, 129, 16], 4, 16
     cfg = FRAGMENT_CONFIGS.get(kv_type, TRITON_F16)
+    kernel = {"q4_0": quant_fragments, "q8_0": quant_fragments, "f16": float_fragments}
+    reversed_upper = kv_type in kernel and bool(kernel[kv_type].UPPER_HEADS_REVERSED)
     kv_type = kv_type.removeprefix("triton-")
     ck, cv, table, _ = build_pool(kv_type, kv_type, lens, num_kv_heads=hkv, head_dim=256,
                                   block_size=block_size, device="cuda")
@@ -419,10 +421,11 @@ def test_kernel_trace_records(kv_type):
         for pid in range(per_head):
             rec = trace[h * per_head + pid].tolist()
             assert rec[fields["entry"]] > 0
-            if pid >= len(chunks):
+            chunk = program_chunk(pid, h, hkv, len(chunks), reversed_upper)
+            if chunk >= len(chunks):
                 assert rec[1:] == [0] * 7, (h, pid, rec)
                 continue
-            _, lo, hi = chunks[pid]
+            _, lo, hi = chunks[chunk]
             assert rec[fields["tiles"]] == -(-(hi - lo) // cfg.block_n), (h, pid, rec)
             times = [rec[i] for i in stamps]
             assert times == sorted(times), (h, pid, rec)
