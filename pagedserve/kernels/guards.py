@@ -27,22 +27,21 @@ def validate_requested(validate: bool | None) -> bool:
     return os.environ.get(VALIDATE_ENV, "0") == "1"
 
 
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
+# Every check below is written ``if not ok: raise ValueError(f"...")``, so that the
+# message, with its shape tuples, is formatted only when a check fails: eager decode runs
+# these per layer per step, and formatting every message cost more than the checks.
 
 
 def check_storage(cache: KVBlockStorage, name: str) -> None:
-    data = cache.data
-    _require(data.dim() == 4, f"{name}.data must be [num_blocks, Hkv, block_size, W], "
-             f"got shape {tuple(data.shape)}")
-    _require(data.stride(-1) == 1, f"{name}.data must have a contiguous last dim")
-    if cache.scales is not None:
-        _require(
-            cache.scales.shape[:3] == data.shape[:3] and cache.scales.stride(-1) == 1,
-            f"{name}.scales {tuple(cache.scales.shape)} must match data "
-            f"{tuple(data.shape[:3])} with a contiguous last dim",
-        )
+    data, scales = cache.data, cache.scales
+    if data.dim() != 4:
+        raise ValueError(f"{name}.data must be [num_blocks, Hkv, block_size, W], "
+                         f"got shape {tuple(data.shape)}")
+    if data.stride(-1) != 1:
+        raise ValueError(f"{name}.data must have a contiguous last dim")
+    if scales is not None and (scales.shape[:3] != data.shape[:3] or scales.stride(-1) != 1):
+        raise ValueError(f"{name}.scales {tuple(scales.shape)} must match data "
+                         f"{tuple(data.shape[:3])} with a contiguous last dim")
 
 
 def _row_strides(shape: torch.Size, interleave: int) -> tuple[int, ...]:
@@ -62,11 +61,12 @@ def check_row_layout(cache: KVBlockStorage, name: str) -> None:
     for part, t in (("data", cache.data), ("scales", cache.scales)):
         if t is None:
             continue
-        accepted = [_row_strides(t.shape, i) for i in (1, 2)]
-        _require(interleave in (1, 2) and t.stride() == _row_strides(t.shape, interleave),
-                 f"{name}.{part} {tuple(t.shape)} has strides {t.stride()}; decode takes "
-                 f"strides {accepted[0]} (its own buffer) or {accepted[1]} (K and V side "
-                 f"by side, KVBlockStorage.allocate_pair), scales like data")
+        if interleave not in (1, 2) or t.stride() != _row_strides(t.shape, interleave):
+            accepted = [_row_strides(t.shape, i) for i in (1, 2)]
+            raise ValueError(
+                f"{name}.{part} {tuple(t.shape)} has strides {t.stride()}; decode takes "
+                f"strides {accepted[0]} (its own buffer) or {accepted[1]} (K and V side "
+                f"by side, KVBlockStorage.allocate_pair), scales like data")
 
 
 def check_decode_args(
@@ -74,52 +74,63 @@ def check_decode_args(
     block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None,
 ) -> None:
     """Host-known checks of ``paged_decode_attention``'s arguments (no sync)."""
-    _require(q.dim() == 3, f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
     B, Hq, D = q.shape
-    _require(q.dtype in (torch.float16, torch.bfloat16, torch.float32),
-             f"q dtype {q.dtype} not supported; accepted: float16, bfloat16, float32")
-    _require(q.stride(-1) == 1, "q must have a contiguous last dim")
-    for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q dtype {q.dtype} not supported; accepted: float16, bfloat16, "
+                         "float32")
+    if q.stride(-1) != 1:
+        raise ValueError("q must have a contiguous last dim")
+    caches = (("cache_k", cache_k), ("cache_v", cache_v))
+    for name, c in caches:
         check_storage(c, name)
         check_row_layout(c, name)
-    for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
-        _require(c.head_dim == D, f"{name}.head_dim {c.head_dim} != q head_dim {D}")
-    _require(D in SUPPORTED_HEAD_DIMS,
-             f"head_dim {D} not supported; accepted: {SUPPORTED_HEAD_DIMS}")
-    _require(cache_k.data.shape[:3] == cache_v.data.shape[:3],
-             f"K and V pools differ: [num_blocks, Hkv, block_size] "
-             f"{tuple(cache_k.data.shape[:3])} vs {tuple(cache_v.data.shape[:3])}")
-    _require(cache_k.num_blocks >= 1, "the K/V pool has no blocks")
-    _require(cache_k.interleave == cache_v.interleave,
-             f"K and V must share their buffers alike: cache_k interleave "
-             f"{cache_k.interleave}, cache_v interleave {cache_v.interleave} (allocate K "
-             f"and V with KVBlockStorage.allocate_pair, or each with allocate)")
-    for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
-        # The kernel addresses rows by one int32 index (``check_row_layout``), and points
-        # rows outside a sequence at row 0 (so the pool must have one).
-        rows = c.num_blocks * c.num_kv_heads * c.interleave * c.block_size
-        _require(rows < 2**31, f"{name} spans {rows} rows; decode addresses at most "
-                 f"2**31 - 1")
-    Hkv = cache_k.num_kv_heads
-    _require(Hq % Hkv == 0, f"Hq ({Hq}) must be a multiple of Hkv ({Hkv})")
-    _require(block_tables.dtype == torch.int32 and block_tables.dim() == 2,
-             f"block_tables must be int32 [B, max_blocks], got {block_tables.dtype} "
-             f"{tuple(block_tables.shape)}")
-    _require(block_tables.shape[0] == B and block_tables.shape[1] >= 1,
-             f"block_tables has shape {tuple(block_tables.shape)}; need [{B}, >= 1]")
-    _require(block_tables.stride(-1) == 1, "block_tables must have a contiguous last dim")
-    _require(seq_lens.dtype == torch.int32 and tuple(seq_lens.shape) == (B,)
-             and seq_lens.is_contiguous(),
-             f"seq_lens must be contiguous int32 [{B}], got {seq_lens.dtype} "
-             f"{tuple(seq_lens.shape)}")
-    tensors = [cache_k.data, cache_v.data, block_tables, seq_lens]
-    if out is not None:
-        _require(out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1,
-                 f"out must be {q.dtype} {tuple(q.shape)} with a contiguous last dim, got "
-                 f"{out.dtype} {tuple(out.shape)}")
-        tensors.append(out)
-    for t in tensors:
-        _require(t.device == q.device, f"all tensors must be on {q.device}; found {t.device}")
+        if c.head_dim != D:
+            raise ValueError(f"{name}.head_dim {c.head_dim} != q head_dim {D}")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {D} not supported; accepted: {SUPPORTED_HEAD_DIMS}")
+    k_shape, v_shape = cache_k.data.shape[:3], cache_v.data.shape[:3]
+    if k_shape != v_shape:
+        raise ValueError(f"K and V pools differ: [num_blocks, Hkv, block_size] "
+                         f"{tuple(k_shape)} vs {tuple(v_shape)}")
+    num_blocks, Hkv, block_size = k_shape
+    if num_blocks < 1:
+        raise ValueError("the K/V pool has no blocks")
+    interleave = cache_k.interleave
+    if interleave != cache_v.interleave:
+        raise ValueError(
+            f"K and V must share their buffers alike: cache_k interleave {interleave}, "
+            f"cache_v interleave {cache_v.interleave} (allocate K and V with "
+            "KVBlockStorage.allocate_pair, or each with allocate)")
+    # The kernel addresses rows by one int32 index (``check_row_layout``), and points rows
+    # outside a sequence at row 0 (so the pool must have one). K and V share the count.
+    rows = num_blocks * Hkv * interleave * block_size
+    if rows >= 2**31:
+        raise ValueError(f"cache_k spans {rows} rows; decode addresses at most 2**31 - 1 "
+                         "(cache_v, of the same shape, as many)")
+    if Hq % Hkv != 0:
+        raise ValueError(f"Hq ({Hq}) must be a multiple of Hkv ({Hkv})")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError(f"block_tables must be int32 [B, max_blocks], got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.shape[0] != B or block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables has shape {tuple(block_tables.shape)}; need "
+                         f"[{B}, >= 1]")
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables must have a contiguous last dim")
+    if (seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or seq_lens.shape[0] != B
+            or not seq_lens.is_contiguous()):
+        raise ValueError(f"seq_lens must be contiguous int32 [{B}], got {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype
+                            or out.stride(-1) != 1):
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with a contiguous last "
+                         f"dim, got {out.dtype} {tuple(out.shape)}")
+    device = q.device
+    for t in (cache_k.data, cache_v.data, block_tables, seq_lens, out):
+        if t is not None and t.device != device:
+            raise ValueError(f"all tensors must be on {device}; found {t.device}")
 
 
 def check_block_tables(
@@ -159,19 +170,21 @@ def check_kv_write_args(
     """Host-known checks of ``kv_write``'s arguments (no sync)."""
     check_storage(cache, "cache")
     Hkv, D = cache.num_kv_heads, cache.head_dim
-    _require(rows.dim() == 3 and rows.shape[1:] == (Hkv, D),
-             f"rows must be [T, {Hkv}, {D}], got shape {tuple(rows.shape)}")
-    _require(rows.dtype in (torch.float16, torch.bfloat16, torch.float32),
-             f"rows dtype {rows.dtype} not supported; accepted: float16, bfloat16, float32")
-    _require(rows.stride(-1) == 1, "rows must have a contiguous last dim")
-    _require(slot_mapping.dtype == torch.int64
-             and tuple(slot_mapping.shape) == (rows.shape[0],)
-             and slot_mapping.is_contiguous(),
-             f"slot_mapping must be contiguous int64 [{rows.shape[0]}], got "
-             f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    if rows.dim() != 3 or rows.shape[1:] != (Hkv, D):
+        raise ValueError(f"rows must be [T, {Hkv}, {D}], got shape {tuple(rows.shape)}")
+    if rows.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"rows dtype {rows.dtype} not supported; accepted: float16, "
+                         "bfloat16, float32")
+    if rows.stride(-1) != 1:
+        raise ValueError("rows must have a contiguous last dim")
+    if (slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1
+            or slot_mapping.shape[0] != rows.shape[0] or not slot_mapping.is_contiguous()):
+        raise ValueError(f"slot_mapping must be contiguous int64 [{rows.shape[0]}], got "
+                         f"{slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    device = cache.data.device
     for t in (rows, slot_mapping):
-        _require(t.device == cache.data.device,
-                 f"all tensors must be on {cache.data.device}; found {t.device}")
+        if t.device != device:
+            raise ValueError(f"all tensors must be on {device}; found {t.device}")
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
