@@ -19,6 +19,8 @@ launch needs no host sync and a CUDA graph replays it for any lengths.
                                                    S / (budget - j * ceil(B / 3)), j=0..3
                                                    max_len / floor(budget / live seqs)
                                                    max_len (one chunk each: always fits)
+                                             program p -> chunk c = p (or n - 1 - p for
+                                                 the quantized kernels' upper K/V heads)
                                              chunk c -> sequence b by prefix sums of n_b
                                              programs with c >= sum_b n_b exit at once
 
