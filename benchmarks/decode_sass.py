@@ -4,8 +4,10 @@ No GPU needed: Triton compiles the kernel for an H100/H200 target (``GPUTarget("
 32)``) with the launch's divisibility hints (pointers and 16-divisible strides, as the JIT
 would see them for the Qwen3.5 shape), and ``cuobjdump`` from Triton's wheel disassembles
 it. For each configuration it prints registers, spill bytes, the instruction count of
-the main tile loop (the largest backward branch) and its most frequent opcodes and memory
-instructions: a quick way to compare tile formulations before spending device time.
+the main tile loop (the largest backward branch), its most frequent opcodes and memory
+instructions, its barriers, and what each forward branch inside it skips (the body of a
+rarely taken ``if`` counts in the loop's size, not in its usual path): a quick way to
+compare tile formulations before spending device time.
 
     python benchmarks/decode_sass.py [--contiguous] [--separate]
         [K:V:MODE:BLOCK_N:WARPS[:STAGES[:TABLE_READ]] ...]
@@ -148,7 +150,17 @@ def loop_stats(kernel) -> dict:
                 mem[m.group(1)] += 1
             if m and m.group(1) == "LDG.E.128" and 2 * ops["HMMA"] <= mma_total:
                 loads_early += 1
+    # Forward branches inside the loop and how many instructions each skips: an ``if``
+    # whose body runs rarely (say, a rescale) is counted in the loop's size but not in
+    # its usual path.
+    skips = []
+    for addr, text in code:
+        target = re.search(r"BRA .*0x([0-9a-f]+)", text)
+        if lo <= addr <= hi and target and addr < int(target.group(1), 16) <= hi:
+            end = int(target.group(1), 16)
+            skips.append(sum(1 for a, _ in code if addr < a < end))
     return {"registers": int(regs), "spill_bytes": int(stack), "loop_instructions": size,
+            "branch_skips": skips, "barriers": ops["BAR"],
             "stall_cycles": sum(stall[a] for a, _ in code if lo <= a <= hi),
             "mma": ops["HMMA"], "top_ops": ops.most_common(8),
             "memory_ops": dict(mem.most_common(6)), "loads_before_pv": loads_early}
@@ -180,6 +192,8 @@ def main(argv: list[str]) -> int:
         print(f"    memory {st['memory_ops']}")
         print(f"    16-byte global loads before the O^T MMAs: {st['loads_before_pv']}")
         print(f"    stall cycles scheduled in the loop (control codes): {st['stall_cycles']}")
+        print(f"    barriers {st['barriers']}; forward branches in the loop skip "
+              f"{st['branch_skips']} instructions")
     return 0
 
 
