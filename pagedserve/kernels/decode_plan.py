@@ -513,9 +513,10 @@ def locate_chunk(
         reverse: program ``p`` takes chunk ``num_chunks - 1 - p`` (else chunk ``p``).
             Same chunks, another order of dispatch; ``fragment_warps.locate_program``
             says who uses it.
-        ALIGNED_START: compute ``tok_lo`` as a visible multiple of ``BLOCK_N`` (the
-            same value: ``P`` is one): the paged tile loops' block addressing is then a
-            few instructions shorter, which only some kernels gain from.
+        ALIGNED_START: compute ``tok_lo`` so that the compiler sees a multiple of
+            ``BLOCK_N`` (the same value, as ``P`` is a multiple of ``BLOCK_N``): the
+            paged tile loops' block addressing is then a few instructions shorter, which
+            only some kernels gain from.
 
     Returns:
         ``(num_chunks, chunk, seq, seq_chunks, first_chunk, tok_lo, tok_hi)``, int32
