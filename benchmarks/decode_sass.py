@@ -142,23 +142,22 @@ def loop_stats(kernel) -> dict:
     # the loop's MMAs (the O^T products, after S^T's), i.e. early in the iteration.
     mma_total = sum(1 for a, text in code if lo <= a <= hi and "HMMA" in text)
     loads_early = 0
+    # Forward branches inside the loop and how many instructions each skips: an ``if``
+    # whose body runs rarely (say, a rescale) is counted in the loop's size but not in
+    # its usual path.
+    skips = []
     for addr, text in code:
         if lo <= addr <= hi:
+            target = re.search(r"BRA .*0x([0-9a-f]+)", text)
+            if target and addr < int(target.group(1), 16) <= hi:
+                end = int(target.group(1), 16)
+                skips.append(sum(1 for a, _ in code if addr < a < end))
             ops[re.match(r"(@!?U?P\w+\s+)?([A-Z0-9_]+)", text).group(2)] += 1
             m = re.search(r"\b((?:LDG|LDGSTS|STS|LDS|STSM|LDSM)\S*)", text)
             if m:
                 mem[m.group(1)] += 1
             if m and m.group(1) == "LDG.E.128" and 2 * ops["HMMA"] <= mma_total:
                 loads_early += 1
-    # Forward branches inside the loop and how many instructions each skips: an ``if``
-    # whose body runs rarely (say, a rescale) is counted in the loop's size but not in
-    # its usual path.
-    skips = []
-    for addr, text in code:
-        target = re.search(r"BRA .*0x([0-9a-f]+)", text)
-        if lo <= addr <= hi and target and addr < int(target.group(1), 16) <= hi:
-            end = int(target.group(1), 16)
-            skips.append(sum(1 for a, _ in code if addr < a < end))
     return {"registers": int(regs), "spill_bytes": int(stack), "loop_instructions": size,
             "branch_skips": skips, "barriers": ops["BAR"],
             "stall_cycles": sum(stall[a] for a, _ in code if lo <= a <= hi),

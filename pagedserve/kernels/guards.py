@@ -52,11 +52,11 @@ def _row_strides(shape: torch.Size, interleave: int) -> tuple[int, ...]:
     return (hkv * interleave * bs * width, interleave * bs * width, width, 1)
 
 
-def check_row_layout(cache: KVBlockStorage, name: str) -> None:
+def check_row_layout(cache: KVBlockStorage, name: str) -> int:
     """The strides the decode kernels assume (after ``check_storage``): row ``(b, h,
     t)`` of ``data`` and of ``scales`` at row ``(b * Hkv + h) * (I * block_size) + t``
     from their own pointers, I = ``interleave``, 1 (own buffers) or 2
-    (``allocate_pair``)."""
+    (``allocate_pair``). Returns I."""
     interleave = cache.interleave
     for part, t in (("data", cache.data), ("scales", cache.scales)):
         if t is None:
@@ -67,6 +67,7 @@ def check_row_layout(cache: KVBlockStorage, name: str) -> None:
                 f"{name}.{part} {tuple(t.shape)} has strides {t.stride()}; decode takes "
                 f"strides {accepted[0]} (its own buffer) or {accepted[1]} (K and V side "
                 f"by side, KVBlockStorage.allocate_pair), scales like data")
+    return interleave
 
 
 def check_decode_args(
@@ -82,10 +83,10 @@ def check_decode_args(
                          "float32")
     if q.stride(-1) != 1:
         raise ValueError("q must have a contiguous last dim")
-    caches = (("cache_k", cache_k), ("cache_v", cache_v))
-    for name, c in caches:
+    interleaves = []
+    for name, c in (("cache_k", cache_k), ("cache_v", cache_v)):
         check_storage(c, name)
-        check_row_layout(c, name)
+        interleaves.append(check_row_layout(c, name))
         if c.head_dim != D:
             raise ValueError(f"{name}.head_dim {c.head_dim} != q head_dim {D}")
     if D not in SUPPORTED_HEAD_DIMS:
@@ -97,11 +98,11 @@ def check_decode_args(
     num_blocks, Hkv, block_size = k_shape
     if num_blocks < 1:
         raise ValueError("the K/V pool has no blocks")
-    interleave = cache_k.interleave
-    if interleave != cache_v.interleave:
+    interleave, v_interleave = interleaves
+    if interleave != v_interleave:
         raise ValueError(
             f"K and V must share their buffers alike: cache_k interleave {interleave}, "
-            f"cache_v interleave {cache_v.interleave} (allocate K and V with "
+            f"cache_v interleave {v_interleave} (allocate K and V with "
             "KVBlockStorage.allocate_pair, or each with allocate)")
     # The kernel addresses rows by one int32 index (``check_row_layout``), and points rows
     # outside a sequence at row 0 (so the pool must have one). K and V share the count.
