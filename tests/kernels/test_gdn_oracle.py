@@ -7,6 +7,7 @@ itself checked against transformers' torch fallbacks below.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import pytest
@@ -158,13 +159,20 @@ def hf_qwen3_5():
     return pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
 
+def hf_torch(name: str):
+    """transformers' own torch implementation of a Qwen3.5 GDN helper, by name. Where
+    fla-core (or causal-conv1d) is installed, transformers routes these names to that
+    package's kernels, which take CUDA tensors only and are not the reference meant here;
+    ``functools.wraps`` keeps the torch function as ``__wrapped__``."""
+    return inspect.unwrap(getattr(hf_qwen3_5(), name))
+
+
 def test_oracle_rule_matches_hf_recurrent():
-    hf = hf_qwen3_5()
     b = make_batch([9], 0, hk=2, hv=4, dk=16, dv=8)
     slot = b.state_slots[0].item()
     o, state = oracle_rule(b.q, b.k, b.v, b.g, b.beta, b.rec_state[slot])
     rep = 2
-    ho, hs = hf.torch_recurrent_gated_delta_rule(
+    ho, hs = hf_torch("torch_recurrent_gated_delta_rule")(
         b.q[None].repeat_interleave(rep, 2), b.k[None].repeat_interleave(rep, 2), b.v[None],
         b.g[None], b.beta[None], initial_state=b.rec_state[slot][None].clone(),
         output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -174,14 +182,14 @@ def test_oracle_rule_matches_hf_recurrent():
 
 
 def test_oracle_conv_matches_hf_update():
-    hf = hf_qwen3_5()
+    conv1d_update = hf_torch("causal_conv1d_update")
     b = make_batch([6], 0)
     slot = b.state_slots[0].item()
     y, state = oracle_conv(b.x, b.conv_w, b.conv_state[slot])
     # HF's decode helper keeps a K-wide window; feed the same tokens one at a time.
     hf_state = torch.cat([torch.zeros(b.x.shape[1], 1), b.conv_state[slot]], dim=-1)[None]
     ys = [
-        hf.causal_conv1d_update(b.x[t][None, :, None], hf_state, b.conv_w, None, "silu")[0, :, 0]
+        conv1d_update(b.x[t][None, :, None], hf_state, b.conv_w, None, "silu")[0, :, 0]
         for t in range(b.x.shape[0])
     ]
     torch.testing.assert_close(y.float(), torch.stack(ys), atol=1e-5, rtol=1e-5)

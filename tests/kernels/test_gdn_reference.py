@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_gdn_oracle import (
+    hf_torch,
     make_batch,
     oracle_conv,
     oracle_rule,
@@ -50,7 +51,8 @@ def test_rule_matches_hf_chunk_and_recurrent(length, hk, hv):
         b.q[None].repeat_interleave(rep, 2), b.k[None].repeat_interleave(rep, 2), b.v[None],
         b.g[None], b.beta[None],
     )
-    for fn in (hf.torch_chunk_gated_delta_rule, hf.torch_recurrent_gated_delta_rule):
+    for fn in (hf_torch("torch_chunk_gated_delta_rule"),
+               hf_torch("torch_recurrent_gated_delta_rule")):
         ho, hs = fn(*args, initial_state=h0[None].clone(), output_final_state=True,
                     use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(o, ho[0], atol=1e-4, rtol=1e-4)
@@ -63,13 +65,13 @@ def test_conv_matches_hf_prefill_from_zero_state_and_decode_update():
     b.conv_state[slot].zero_()
     y = run_conv(b)
     # A fresh prompt: HF's causal_conv1d_fn pads with zeros, our zero state is the same.
-    hy = hf.causal_conv1d_fn(b.x.t()[None], b.conv_w, None, activation="silu")[0].t()
+    hy = hf_torch("causal_conv1d_fn")(b.x.t()[None], b.conv_w, None, activation="silu")[0].t()
     torch.testing.assert_close(y, hy, **TOL)
     torch.testing.assert_close(b.conv_state[slot], b.x[-3:].t())
     # Then one decode step against HF's single-token update (K-wide window).
     x1 = torch.randn(1, 24)
     window = b.x[-4:].t()[None].clone()  # [1, C, K]: HF keeps the last K inputs
-    hy1 = hf.causal_conv1d_update(x1[..., None], window, b.conv_w, None, "silu")[..., 0]
+    hy1 = hf_torch("causal_conv1d_update")(x1[..., None], window, b.conv_w, None, "silu")[..., 0]
     y1 = gdn.causal_conv1d_varlen(
         x1, b.conv_w, b.conv_state, torch.tensor([0, 1], dtype=torch.int32), [0, 1],
         b.state_slots, 1,

@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 from gluon_checks import LaunchRecorder, assert_binds_signature, compile_for_sm90
+from kernel_oracle import TRITON_DEVICE
 
 from pagedserve.kernels import quant_fragments as qf
 
@@ -218,12 +219,14 @@ def test_small_q8_0_batches_launch_wide_tiles_at_their_own_budget(monkeypatch):
     recorder = LaunchRecorder()
     monkeypatch.setattr(qf, "fragment_decode_kernel", recorder)
     monkeypatch.setattr(qf, "supports", lambda q, ck, cv: True)
-    ck, cv = KVBlockStorage.allocate_pair("q8_0", "q8_0", 8, 16, 4, 256)
-    ws = DecodeWorkspace(8, 24, 4, 256, "cpu", occupancy=2.0, num_sms=132)
+    dev = TRITON_DEVICE
+    ck, cv = KVBlockStorage.allocate_pair("q8_0", "q8_0", 8, 16, 4, 256, dev)
+    ws = DecodeWorkspace(8, 24, 4, 256, dev, occupancy=2.0, num_sms=132)
     for batch, grid, budget, warps in [(2, (33, 4), 33, 8), (5, (66, 4), 66, 4)]:
         ops.paged_decode_attention(
-            torch.zeros(batch, 24, 256, dtype=torch.float16), ck, cv,
-            torch.zeros(batch, 2, dtype=torch.int32), torch.full((batch,), 20, dtype=torch.int32),
+            torch.zeros(batch, 24, 256, dtype=torch.float16, device=dev), ck, cv,
+            torch.zeros(batch, 2, dtype=torch.int32, device=dev),
+            torch.full((batch,), 20, dtype=torch.int32, device=dev),
             0.0625, backend="triton", workspace=ws)
         seen = recorder.seen
         assert seen["grid"] == grid
@@ -244,10 +247,11 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     seen = recorder.seen
     monkeypatch.setattr(qf, "fragment_decode_kernel", recorder)
     monkeypatch.setattr(qf, "supports", lambda q, ck, cv: True)
-    ck, cv = KVBlockStorage.allocate_pair("q4_0", "q4_0", 8, 16, 2, 256)
-    q = torch.zeros(3, 12, 256, dtype=torch.float16)
-    table = torch.zeros(3, 2, dtype=torch.int32)
-    lens = torch.tensor([5, 0, 20], dtype=torch.int32)
+    dev = TRITON_DEVICE
+    ck, cv = KVBlockStorage.allocate_pair("q4_0", "q4_0", 8, 16, 2, 256, dev)
+    q = torch.zeros(3, 12, 256, dtype=torch.float16, device=dev)
+    table = torch.zeros(3, 2, dtype=torch.int32, device=dev)
+    lens = torch.tensor([5, 0, 20], dtype=torch.int32, device=dev)
     ops.paged_decode_attention(q, ck, cv, table, lens, 0.0625, backend="triton",
                                config=DecodeConfig(block_n=128, num_warps=4,
                                                    min_partition=128, quant_dot="fragment"))
@@ -261,9 +265,10 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
     # one of the wrong shape is refused before launch, naming the shape it needs.
     from pagedserve.kernels import paged_decode
     from pagedserve.kernels.decode_plan import DecodeWorkspace
-    ws = DecodeWorkspace(3, 12, 2, 256, "cpu", chunks_per_head=5)
+    ws = DecodeWorkspace(3, 12, 2, 256, dev, chunks_per_head=5)
     cfg = DecodeConfig(block_n=128, num_warps=4, min_partition=128, quant_dot="fragment")
-    trace = torch.zeros(math.prod(paged_decode.decode_grid(ws, 3, cfg)), 8, dtype=torch.int64)
+    trace = torch.zeros(math.prod(paged_decode.decode_grid(ws, 3, cfg)), 8, dtype=torch.int64,
+                        device=dev)
     assert trace.shape[0] == 10  # max(W = 5, B = 3) chunks x 2 K/V heads
     paged_decode.paged_decode_attention(q, ck, cv, table, lens, 0.0625, workspace=ws,
                                         config=cfg, trace=trace)
@@ -273,9 +278,10 @@ def test_launcher_binds_every_kernel_argument(monkeypatch):
                                             config=cfg, trace=trace[:9])
     # The Triton kernel's traced variant needs a GPU (its own GPU test); on the CPU the
     # request is refused by name instead of failing inside the interpreter.
-    with pytest.raises(ValueError, match="trace= needs a GPU"):
-        paged_decode.paged_decode_attention(q, ck, cv, table, lens, 0.0625, workspace=ws,
-                                            config=dataclasses.replace(cfg, quant_dot="packed"),
-                                            trace=trace)
+    if dev == "cpu":
+        with pytest.raises(ValueError, match="trace= needs a GPU"):
+            paged_decode.paged_decode_attention(
+                q, ck, cv, table, lens, 0.0625, workspace=ws,
+                config=dataclasses.replace(cfg, quant_dot="packed"), trace=trace)
     assert seen["grid"][1] == 2 and seen["kwargs"]["G"] == 6 and seen["kwargs"]["PAGED"]
     assert seen["kwargs"]["INTERLEAVE"] == 2  # K and V side by side
