@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the H200 runs, in named stages, in one call of the device tool:
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
-# Stages: tests-kernels (or tests-kernels-grid + tests-kernels-small) tests-packed
+# Stages: tests-gpu (every test that runs on the GPU, in parallel: the one to run before
+#           calling kernel work done) tests-kernels (or tests-kernels-grid +
+#           tests-kernels-small) tests-packed
 #         tests-fragment (the Gluon q4_0 / q8_0 kernel's GPU tests) tests-triton (the rest)
 #         tests-select (pytest $TEST_ARGS)
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
@@ -56,6 +58,17 @@ for spec in "$@"; do
   stage=${spec%%:*}; limit=${spec##*:}
   echo "=== $stage (limit ${limit}s)"
   case $stage in
+    # All of tests/kernels (the decode grid at real sizes, and the interpreter files, which
+    # run their Triton cases on CUDA here) with the engine's and the model's GPU tests:
+    # 160 gpu-marked tests and 327 others. pytest-xdist (in the GPU image) runs 8 workers
+    # on the one GPU, so that Triton's compiles overlap. Not yet run as one stage: run in
+    # two parts at f6b0383 / af0e8be (tests-select, the same options), the decode grid with
+    # the kv_write, interpreter-decode, GDN, engine and model files took 430 s (the model's
+    # tests end last) and the rest of tests/kernels 118 s; one process took more than
+    # 360 s for the decode grid alone (tests-kernels-grid_15ec4bb.log).
+    # -v names each test as it ends, so a stage cut short by its limit still shows them.
+    tests-gpu)     run_stage "$stage" "$limit" $PYTEST -n 8 -v --maxfail=1000 tests/kernels \
+                     tests/engine/test_engine_gpu.py tests/model/test_gpu.py ;;
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
     # The same, in two parts (139 and 166 tests at ea80e5b; most of their time is Triton
