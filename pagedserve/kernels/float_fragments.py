@@ -56,8 +56,8 @@ prologue's order: with q converted before the first copies, the paged block ids'
 trip waited behind q's. Since 3e5d8e8 paged programs issue their copies first: 4 x 4K,
 1 x 16K and 2 x 4K read 0.977, 0.982 and 0.976 (attention.md at 3e5d8e8), against
 0.9675, 0.9676 and 0.9695 at 33de598. sm_90 loop
-(``benchmarks/decode_sass.py``): 559 instructions paged, 540 contiguous, 225 registers,
-no spills.
+(``benchmarks/decode_sass.py``): 553 instructions paged (559 before the aligned chunk
+starts of f4b569a), 540 contiguous, 224 and 217 registers, no spills.
 """
 
 from __future__ import annotations
