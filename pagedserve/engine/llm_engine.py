@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.config import CacheConfig
+from pagedserve.engine.batch_builder import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.lookahead import InflightStep, TokenReadback, lookahead_chunks
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
 from pagedserve.engine.sampler import SamplerOutput, SamplingTensors, plain_argmax, sample
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from pagedserve.model.forward_batch import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.model.loader import LoadedModel, load_model
 
 

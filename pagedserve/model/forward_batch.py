@@ -1,13 +1,13 @@
-"""``ForwardBatch``: everything one forward step needs, passed explicitly (no globals)."""
+"""``ForwardBatch``: everything one forward step needs, passed explicitly (no globals).
+
+The step contract between the engine and the model; ``engine/batch_builder.py`` builds it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
-from pagedserve.kv.handles import Handle
-from pagedserve.kv.kv_manager import KVCacheManager
 
 
 @dataclass
@@ -59,127 +59,3 @@ class ForwardBatch:
     def context_lens_cpu(self) -> list[int]:
         """Tokens cached before this step, per sequence."""
         return [s - n for s, n in zip(self.seq_lens_cpu, self.query_lens_cpu())]
-
-
-@dataclass(frozen=True)
-class SeqChunk:
-    """One sequence's share of a step: ``token_ids`` written at ``start_pos`` onwards.
-
-    The K/V rows ``[start_pos, start_pos + len(token_ids))`` must already be reserved in
-    the ``KVCacheManager`` (``reserve``), so that their slots exist.
-    """
-
-    kv_handle: Handle
-    state_slot: int
-    token_ids: tuple[int, ...]
-    start_pos: int
-
-
-class HostStaging:
-    """Reusable host buffers for a step's host->device copies, pinned on CUDA.
-
-    From pageable memory the driver stages a copy while the host waits; from pinned memory
-    it is an asynchronous DMA. (On the H200, building a 128K + 7 x 8K decode batch took
-    0.78 ms of host time against 0.24 ms for one 8K sequence, most of the difference
-    presumably the 256 KB block table's pageable copy: docs/benchmarks/logs/
-    profile_engine_b974b77.log. Not yet re-measured with these buffers.) The buffers are
-    rewritten every step, so each step's copies are fenced by an event that the next
-    step waits on before writing (a step normally ends in a device sync: the wait is free).
-
-    Args:
-        device: where the batches go; buffers are pinned only for CUDA.
-        max_tokens: most tokens in one step; max_seqs: most sequences; max_blocks: most
-            block-table columns. Larger batches bypass the staging (plain copies).
-    """
-
-    def __init__(self, device: str | torch.device, max_tokens: int, max_seqs: int,
-                 max_blocks: int) -> None:
-        self.device = torch.device(device)
-        pin = self.device.type == "cuda"
-        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
-        self._longs = torch.empty(3 * max_tokens + max_seqs, dtype=torch.long, pin_memory=pin)
-        self._ints = torch.empty(3 * max_seqs + 1, dtype=torch.int32, pin_memory=pin)
-        self._tables = torch.empty(max_seqs * max_blocks, dtype=torch.int32, pin_memory=pin)
-        self._copied = torch.cuda.Event() if pin else None
-
-    def fits(self, num_tokens: int, num_seqs: int, num_cols: int) -> bool:
-        return (num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
-                and num_cols <= self.max_blocks)
-
-    def to_device(self, *host: torch.Tensor) -> list[torch.Tensor]:
-        """Copy each host tensor (int64, int32, int32 2-D: the longs, ints and tables of
-        ``build_forward_batch``) to the device through its buffer."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copies have left the buffers
-        out = []
-        for src, buf in zip(host, (self._longs, self._ints, self._tables)):
-            staged = buf[: src.numel()].view(src.shape)
-            staged.copy_(src)
-            out.append(staged.to(self.device, non_blocking=True))
-        if self._copied is not None:
-            self._copied.record()
-        return out
-
-
-def build_forward_batch(
-    chunks: list[SeqChunk], kv: KVCacheManager, device: str | torch.device = "cpu",
-    num_table_cols: int | None = None, staging: HostStaging | None = None,
-) -> ForwardBatch:
-    """Assemble a ``ForwardBatch`` from per-sequence chunks (decode chunks first).
-
-    ``num_table_cols`` fixes the block-table width (default: the widest table in the batch).
-    ``staging``: reusable (pinned) host buffers for the copies; ``None`` copies from
-    temporaries.
-    """
-    if not chunks:
-        raise ValueError("a forward batch needs at least one sequence")
-    num_decode = 0
-    while num_decode < len(chunks) and len(chunks[num_decode].token_ids) == 1:
-        num_decode += 1
-    if any(len(c.token_ids) == 0 for c in chunks):
-        raise ValueError("every sequence in a batch needs at least one new token")
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []  # the leading decode rows
-    prefill_slots: list[torch.Tensor] = []  # then the other chunks, in order
-    qsl = [0]
-    seq_lens: list[int] = []
-    for i, c in enumerate(chunks):
-        n = len(c.token_ids)
-        ids.extend(c.token_ids)
-        positions.extend(range(c.start_pos, c.start_pos + n))
-        if i < num_decode:
-            slots.append(kv.slot_of(c.kv_handle, c.start_pos))
-        else:
-            prefill_slots.append(kv.slot_mapping(c.kv_handle, c.start_pos, c.start_pos + n))
-        qsl.append(qsl[-1] + n)
-        seq_lens.append(c.start_pos + n)
-    handles = [c.kv_handle for c in chunks]
-    width = max(len(kv.block_table(h)) for h in handles)
-    tables, _ = kv.batch_view(handles, num_table_cols or width)
-    B, T = len(chunks), len(ids)
-
-    # Two host->device copies for all the small vectors (each copy has a fixed cost):
-    #   int64 [3T + B]:     input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [B]
-    #   int32 [3B + 1]:     query_start_loc [B + 1] | seq_lens [B] | state_slots [B]
-    longs = torch.cat([torch.tensor(ids + positions + slots, dtype=torch.long),
-                       *prefill_slots, torch.tensor(qsl[1:], dtype=torch.long) - 1])
-    ints = torch.tensor(qsl + seq_lens + [c.state_slot for c in chunks], dtype=torch.int32)
-    if staging is not None and staging.fits(T, B, tables.shape[1]):
-        longs, ints, tables = staging.to_device(longs, ints, tables)
-    else:
-        longs, ints, tables = (t.contiguous().to(device, non_blocking=True)
-                               for t in (longs, ints, tables))
-    return ForwardBatch(
-        input_ids=longs[:T],
-        positions=longs[T:2 * T],
-        slot_mapping=longs[2 * T:3 * T],
-        logits_indices=longs[3 * T:],
-        query_start_loc=ints[:B + 1],
-        seq_lens=ints[B + 1:2 * B + 1],
-        state_slots=ints[2 * B + 1:],
-        block_tables=tables,
-        num_decode_seqs=num_decode,
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-    )

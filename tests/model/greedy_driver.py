@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch
 from pagedserve.engine.runner import ModelRunner
 from pagedserve.kv.handles import Handle
 from pagedserve.kv.kv_manager import KVCacheManager
-from pagedserve.model.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
+from pagedserve.model.forward_batch import ForwardBatch
 
 
 @dataclass

@@ -7,10 +7,10 @@ import torch
 from greedy_driver import GreedyDriver, Sequence
 
 from pagedserve.config import CacheConfig
+from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch
 from pagedserve.engine.decode_graphs import DecodeGraphs, graph_batch_sizes
 from pagedserve.engine.runner import RunnerConfig
 from pagedserve.kv import formats
-from pagedserve.model.forward_batch import SeqChunk, build_forward_batch
 
 
 @pytest.mark.parametrize(

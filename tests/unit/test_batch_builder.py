@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.engine.batch_builder import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.kv.block_pool import BlockPool
 from pagedserve.kv.kv_manager import KVCacheManager
-from pagedserve.model.forward_batch import HostStaging, SeqChunk, build_forward_batch
 
 FIELDS = ("input_ids", "positions", "query_start_loc", "seq_lens", "block_tables",
           "slot_mapping", "state_slots", "logits_indices")
