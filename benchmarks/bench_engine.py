@@ -137,10 +137,8 @@ def time_ttft(engine: LLMEngine, prompt_len: int) -> float:
 def capacity(model_cfg, cache_cfg, budget: int, ctx: int, max_len: int) -> dict:
     """Most concurrent ``ctx``-token sequences in ``budget`` bytes of K/V + state: paged
     (allocated for real in a pool of that many blocks) vs padded to ``max_len``."""
-    from pagedserve.kv.state_pool import StateShapes
-
     kv = footprint(model_cfg, cache_cfg)
-    state = StateShapes.for_model(model_cfg, torch.bfloat16).bytes_per_slot
+    state = model_cfg.state_shapes(torch.bfloat16).bytes_per_slot
     padded = budget // (max_len * kv.bytes_per_token + state)
     # Paged: every admitted sequence takes a slot first, then its blocks.
     n = 0

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from pagedserve.kv import formats
+from pagedserve.kv.state_pool import StateShapes
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -138,6 +141,19 @@ class ModelConfig:
     def conv_dim(self) -> int:
         """Channels of the causal depthwise conv: q, k and v of the GDN layer together."""
         return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def state_shapes(self, conv_dtype: torch.dtype) -> StateShapes:
+        """The per-slot shapes of the GDN layers' conv and recurrent states."""
+        return StateShapes(
+            num_layers=self.num_linear_attention_layers,
+            conv=(self.conv_dim, self.linear_conv_kernel_dim - 1),
+            recurrent=(
+                self.linear_num_value_heads,
+                self.linear_key_head_dim,
+                self.linear_value_head_dim,
+            ),
+            conv_dtype=conv_dtype,
+        )
 
     # ---- construction ---------------------------------------------------------------
     @classmethod

@@ -14,7 +14,6 @@ import torch
 
 from pagedserve.config import CacheConfig, ModelConfig
 from pagedserve.kv.memory import GiB, KVFootprint, MiB
-from pagedserve.kv.state_pool import StateShapes
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": 1 << 40, "t": 1e12, "tb": 1e12}
@@ -95,7 +94,7 @@ def plan_capacity(
         raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
     cache.check_head_dim(model.head_dim)
     kv = footprint(model, cache)
-    state = StateShapes.for_model(model, state_dtype).bytes_per_slot
+    state = model.state_shapes(state_dtype).bytes_per_slot
     per_seq = max_model_len * kv.bytes_per_token + state
     if per_seq > budget_bytes:
         raise ValueError(

@@ -27,13 +27,13 @@ import torch
 
 from pagedserve.config import CacheConfig
 from pagedserve.engine.decode_graphs import DecodeGraphs
-from pagedserve.kernels.decode_plan import DecodeWorkspace, default_occupancy
+from pagedserve.kernels.ops import DecodeWorkspace, default_occupancy
 from pagedserve.kv import formats
 from pagedserve.kv.block_pool import BlockPool
 from pagedserve.kv.formats import KVBlockStorage
 from pagedserve.kv.kv_manager import BlockCopy, KVCacheManager
 from pagedserve.kv.memory import KVFootprint
-from pagedserve.kv.state_pool import StatePool, StateShapes
+from pagedserve.kv.state_pool import StatePool
 from pagedserve.model import elementwise
 from pagedserve.model.forward_batch import ForwardBatch
 from pagedserve.model.qwen3_5 import ModelCaches, Qwen3_5Model
@@ -132,7 +132,7 @@ class ModelRunner:
         self.block_size = config.max_model_len if contiguous else cache_config.block_size
         self.max_blocks_per_seq = 1 if contiguous else -(-config.max_model_len // self.block_size)
         self.state_pool = StatePool(
-            StateShapes.for_model(cfg, self.dtype), config.max_num_seqs, self.device
+            cfg.state_shapes(self.dtype), config.max_num_seqs, self.device
         )
         self.num_blocks = config.max_num_seqs if contiguous else self._paged_num_blocks()
         # One (K, V) storage pair per full-attention layer, all over the same block ids;

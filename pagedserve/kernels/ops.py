@@ -13,9 +13,15 @@ import os
 import torch
 
 from pagedserve.kernels import guards, reference
-from pagedserve.kernels.decode_plan import DecodeConfig, DecodeWorkspace
+from pagedserve.kernels.decode_plan import DecodeConfig, DecodeWorkspace, default_occupancy
 from pagedserve.kv import formats
 from pagedserve.kv.formats import KVBlockStorage
+
+# The public op API: the engine and the model import kernels only through this module.
+__all__ = [
+    "BACKENDS", "DecodeConfig", "DecodeWorkspace", "default_occupancy", "kv_write",
+    "paged_decode_attention",
+]
 
 BACKENDS = ("triton", "reference")
 

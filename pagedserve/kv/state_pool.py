@@ -19,32 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.config import ModelConfig
 from pagedserve.kv.handles import Handle, HandleTable
 
 
 @dataclass(frozen=True)
 class StateShapes:
-    """Per-slot, per-layer shapes and dtypes of the two states."""
+    """Per-slot, per-layer shapes and dtypes of the two states (``ModelConfig.state_shapes``)."""
 
     num_layers: int
     conv: tuple[int, int]  # (conv_dim, conv_kernel - 1)
     recurrent: tuple[int, int, int]  # (Hv, Dk, Dv)
     conv_dtype: torch.dtype
     recurrent_dtype: torch.dtype = torch.float32
-
-    @classmethod
-    def for_model(cls, cfg: ModelConfig, conv_dtype: torch.dtype) -> StateShapes:
-        return cls(
-            num_layers=cfg.num_linear_attention_layers,
-            conv=(cfg.conv_dim, cfg.linear_conv_kernel_dim - 1),
-            recurrent=(
-                cfg.linear_num_value_heads,
-                cfg.linear_key_head_dim,
-                cfg.linear_value_head_dim,
-            ),
-            conv_dtype=conv_dtype,
-        )
 
     @property
     def bytes_per_slot(self) -> int:

@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedserve.config import ModelConfig
 from pagedserve.kernels import ops
-from pagedserve.kernels.decode_plan import DecodeWorkspace
+from pagedserve.kernels.ops import DecodeWorkspace
 from pagedserve.kernels.prefill_attention import prefill_attention
 from pagedserve.kv.formats import KVBlockStorage
 from pagedserve.model.elementwise import EAGER, ElementwiseOps

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.config import FULL_ATTENTION, ModelConfig
-from pagedserve.kernels.decode_plan import DecodeWorkspace
+from pagedserve.kernels.ops import DecodeWorkspace
 from pagedserve.kv.formats import KVBlockStorage
 from pagedserve.model.attention import GatedAttention
 from pagedserve.model.elementwise import ElementwiseOps
