@@ -171,7 +171,7 @@ class ModelConfig:
             f"{SUPPORTED_MODEL_TYPES}",
         )
         if model_type == "qwen3_5":
-            text = dict(raw.get("text_config") or {})
+            text: dict[str, Any] = dict(raw.get("text_config") or {})
             _require(bool(text), "config of model_type 'qwen3_5' has no text_config")
             prefix = "model.language_model."
             eos = raw.get("eos_token_id", text.get("eos_token_id"))
@@ -193,7 +193,7 @@ class ModelConfig:
                 LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION
                 for i in range(num_layers)
             ]
-        rope = dict(text.get("rope_parameters") or {})
+        rope: dict[str, Any] = dict(text.get("rope_parameters") or {})
         rope_type = rope.get("rope_type", "default")
         _require(
             rope_type == "default",

@@ -127,7 +127,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _benchmark(url: str, args: argparse.Namespace, settings: dict[str, Any]) -> int:
-    from pagedserve.bench.client import get_json, run_level
+    from pagedserve.bench.client import LevelRun, get_json, run_level
     from pagedserve.bench.report import results_table, write_report
     from pagedserve.bench.stats import summarize
     from pagedserve.bench.workload import LengthDistribution, Workload
@@ -139,7 +139,7 @@ def _benchmark(url: str, args: argparse.Namespace, settings: dict[str, Any]) -> 
                         settings["output_len"], info["vocab_size"], info["max_model_len"],
                         args.seed)
 
-    def level(concurrency: int, num: int, seed_key: int):
+    def level(concurrency: int, num: int, seed_key: int) -> LevelRun:
         prompts = workload.prompts(seed_key, num)
         return asyncio.run(run_level(url, info["model"], prompts, workload.output_len,
                                      concurrency, args.temperature, args.api_key))

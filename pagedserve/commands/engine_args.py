@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from pagedserve.engine.llm_engine import EngineConfig
 from pagedserve.kv import formats
@@ -35,7 +36,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
                    help="seed for requests that bring none")
 
 
-def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     fields = dict(
         model=args.model, device=args.device, dtype=args.dtype, kv_layout=args.kv_layout,
         cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,

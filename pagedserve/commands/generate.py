@@ -14,6 +14,7 @@ import sys
 from pagedserve.commands.engine_args import add_engine_arguments, engine_config
 from pagedserve.engine.llm import LLM
 from pagedserve.engine.request import SamplingParams
+from pagedserve.model.generation_defaults import GenerationDefaults
 
 HELP = "generate text for one or more prompts"
 
@@ -44,7 +45,7 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-def sampling_params(args: argparse.Namespace, defaults) -> SamplingParams:
+def sampling_params(args: argparse.Namespace, defaults: GenerationDefaults) -> SamplingParams:
     greedy_default = defaults.do_sample is not True
     temperature = args.temperature
     if temperature is None:

@@ -20,6 +20,8 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Iterator
+from types import FrameType
 
 import uvicorn
 
@@ -111,7 +113,7 @@ class GracefulServer(uvicorn.Server):
         if self.started:
             log.info(ready_line(self.ctx, self.url))
 
-    def handle_exit(self, sig: int, frame) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit and self._loop is not None:
             log.info("received %s: refusing new requests, aborting those in flight",
                      signal.Signals(sig).name)
@@ -121,7 +123,7 @@ class GracefulServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         previous = {sig: signal.signal(sig, self.handle_exit)
                     for sig in (signal.SIGINT, signal.SIGTERM)}
         try:

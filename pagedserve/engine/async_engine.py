@@ -149,7 +149,7 @@ class AsyncEngine:
                     self._deliver(rid, _aborted(rid))
             self._publish()
 
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, request_id: str, item: RequestOutput | Exception) -> None:
         with self._lock:
             target = self._streams.get(request_id)
         if target is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -30,25 +31,25 @@ class LLM:
     continuous-batching engine as the server.
     """
 
-    def __init__(self, model: str | None = None, **engine_kwargs) -> None:
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs))
 
     def generate(
         self,
-        prompts: str | list[str] | list[list[int]],
+        prompts: str | list[int] | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[CompletionOutput]:
         """Run every prompt to completion; results come back in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        one = isinstance(prompts, str) or bool(prompts and isinstance(prompts[0], int))
+        batch = cast(list[str | list[int]], [prompts] if one else prompts)
         params = sampling_params if isinstance(sampling_params, list) else (
-            [sampling_params or SamplingParams()] * len(prompts))
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = [f"llm-{i}" for i in range(len(prompts))]
+            [sampling_params or SamplingParams()] * len(batch))
+        if len(params) != len(batch):
+            raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+        ids = [f"llm-{i}" for i in range(len(batch))]
         # Validate all before enqueueing any, so a bad prompt leaves nothing half-started.
-        reqs = [self.engine.make_request(i, p, sp) for i, p, sp in zip(ids, prompts, params)]
+        reqs = [self.engine.make_request(i, p, sp) for i, p, sp in zip(ids, batch, params)]
         for r in reqs:
             self.engine.enqueue(r)
         bar = tqdm(total=len(reqs), disable=not use_tqdm, desc="generate")

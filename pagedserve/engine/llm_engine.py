@@ -209,7 +209,7 @@ class LLMEngine:
 
     def _launch_lookahead(self, previous: InflightStep) -> InflightStep | None:
         chunks = lookahead_chunks(previous, self.scheduler, self.kv, self.max_model_len)
-        if chunks is None:
+        if chunks is None or previous.sampled is None:
             return None
         # The token ids are the previous step's samples, still on the device: the host
         # batch gets a placeholder, and ``_launch`` swaps in the device tensor.
@@ -242,8 +242,8 @@ class LLMEngine:
         req = c.request
         if ids is None:
             ids = tuple(req.token_slice(c.start_pos, c.start_pos + c.num_tokens))
-        slot = self.runner.state_pool.slot(req.state_handle)
-        return SeqChunk(req.kv_handle, slot, ids, c.start_pos)
+        slot = self.runner.state_pool.slot(req.live_state_handle)
+        return SeqChunk(req.live_kv_handle, slot, ids, c.start_pos)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
                 tokens_ahead: int) -> SamplerOutput | None:
@@ -268,11 +268,11 @@ class LLMEngine:
         live = [c.request.status is RequestStatus.RUNNING for c in step.chunks]
         for c, running in zip(step.chunks, live):
             if running:
-                self.kv.commit(c.request.kv_handle, c.num_tokens)
+                self.kv.commit(c.request.live_kv_handle, c.num_tokens)
                 c.request.num_computed_tokens += c.num_tokens
         outputs = []
         for k, i in enumerate(step.sampling):
-            if live[i]:
+            if live[i] and sampled is not None:
                 req = step.chunks[i].request
                 token, logprob = _row(sampled, k, req.params.logprobs)
                 outputs.append(self._append_token(req, token, logprob, now))
@@ -282,7 +282,8 @@ class LLMEngine:
             self.scheduler.check_integrity()
         return outputs
 
-    def _append_token(self, req: Request, token: int, logprob, now: float) -> RequestOutput:
+    def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None,
+                      now: float) -> RequestOutput:
         req.output_token_ids.append(token)
         if logprob is not None:
             req.output_logprobs.append(logprob)

@@ -60,7 +60,7 @@ class InflightStep:
             host = {"token_ids": out.token_ids.tolist()}
         if out.sampled_logprob is not None:
             host["sampled_logprob"] = out.sampled_logprob.tolist()
-        if out.top_ids is not None:
+        if out.top_ids is not None and out.top_logprobs is not None:
             host["top_ids"] = out.top_ids.tolist()
             host["top_logprobs"] = out.top_logprobs.tolist()
         return host
@@ -114,7 +114,7 @@ def lookahead_chunks(
     chunks = []
     for c in step.chunks:
         req, pos = c.request, c.start_pos + c.num_tokens  # the row of step's token
-        if not kv.reserve(req.kv_handle, pos + 1 - kv.num_tokens(req.kv_handle)):
+        if not kv.reserve(req.live_kv_handle, pos + 1 - kv.num_tokens(req.live_kv_handle)):
             return None  # the pool is full: the scheduler preempts (rows reserved so far
             # stay reserved; the sequences use them in their next step)
         chunks.append(ScheduledChunk(req, 1, pos))

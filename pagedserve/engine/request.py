@@ -121,6 +121,20 @@ class Request:
     finished_time: float | None = None
 
     @property
+    def live_kv_handle(self) -> Handle:
+        """``kv_handle`` of an admitted request; raises if it holds no K/V sequence."""
+        if self.kv_handle is None:
+            raise RuntimeError(f"request {self.request_id} holds no K/V sequence")
+        return self.kv_handle
+
+    @property
+    def live_state_handle(self) -> Handle:
+        """``state_handle`` of an admitted request; raises if it holds no state slot."""
+        if self.state_handle is None:
+            raise RuntimeError(f"request {self.request_id} holds no state slot")
+        return self.state_handle
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

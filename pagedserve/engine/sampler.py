@@ -120,7 +120,7 @@ def plain_argmax(requests: list[Request]) -> bool:
     return all(p.greedy and p.logprobs is None for p in ps) and not _any_penalty(ps)
 
 
-def _pad(rows: list[list[int]], pad: int, device) -> torch.Tensor:
+def _pad(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, r in enumerate(rows):
@@ -164,6 +164,8 @@ def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Repetition penalty over prompt+output tokens (divide positive logits, multiply
     negative ones); presence and frequency penalties over output tokens (OpenAI)."""
     B, V = logits.shape
+    if st.output_ids is None:
+        raise ValueError("apply_penalties needs SamplingTensors built with a penalty")
     out_counts = _counts(st.output_ids, B, V, logits.device)  # [B, V]
     x = logits - st.frequency[:, None] * out_counts \
         - st.presence[:, None] * (out_counts > 0).float()
@@ -175,7 +177,7 @@ def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return x
 
 
-def _counts(ids: torch.Tensor, B: int, V: int, device) -> torch.Tensor:
+def _counts(ids: torch.Tensor, B: int, V: int, device: torch.device | str) -> torch.Tensor:
     counts = torch.zeros(B, V + 1, dtype=torch.float32, device=device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :V]

@@ -188,7 +188,7 @@ class Scheduler:
             pending, budget, self.config.prefill_chunk)
 
     def _reserve_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
-        while not self.kv.reserve(req.kv_handle, n):
+        while not self.kv.reserve(req.live_kv_handle, n):
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
@@ -255,9 +255,9 @@ class Scheduler:
             raise AssertionError(f"{self.states.num_used_slots} slots in use for "
                                  f"{len(self.running)} running requests")
         for req in self.running:
-            if self.kv.num_tokens(req.kv_handle) != req.num_computed_tokens:
+            if self.kv.num_tokens(req.live_kv_handle) != req.num_computed_tokens:
                 raise AssertionError(f"request {req.request_id}: cache holds "
-                                     f"{self.kv.num_tokens(req.kv_handle)} tokens, "
+                                     f"{self.kv.num_tokens(req.live_kv_handle)} tokens, "
                                      f"computed {req.num_computed_tokens}")
         for req in self.waiting:
             if req.kv_handle is not None or req.state_handle is not None:

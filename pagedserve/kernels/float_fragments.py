@@ -243,7 +243,8 @@ def ring_bytes(num_warps: int, stages: int) -> int:
 
 @functools.cache
 def _shared_limit(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+    props = torch.cuda.get_device_properties(device_index)
+    return props.shared_memory_per_block_optin  # type: ignore[attr-defined]  # not in torch's stubs
 
 
 def supports(q, cache_k, cache_v, cfg, paged: bool) -> bool:

@@ -334,10 +334,9 @@ def gated_delta_rule_varlen(
     for i in range(nd, len(qsl) - 1):
         s, e, slot = qsl[i], qsl[i + 1], slot_list[i]
         # Head-major contiguous copies, so every chunk's matmuls read dense blocks.
-        o_s, new = gated_delta_rule_chunked(
-            *(t[s:e].transpose(0, 1).contiguous() for t in (qn, kn, vf, gf, bf)),
-            recurrent_state[slot],
-        )
+        q_s, k_s, v_s, g_s, b_s = (t[s:e].transpose(0, 1).contiguous()
+                                   for t in (qn, kn, vf, gf, bf))
+        o_s, new = gated_delta_rule_chunked(q_s, k_s, v_s, g_s, b_s, recurrent_state[slot])
         o[s:e] = o_s.transpose(0, 1).to(v.dtype)
         recurrent_state[slot] = new
     return o

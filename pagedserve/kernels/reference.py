@@ -35,7 +35,7 @@ def kv_write(
     # data is [num_blocks, Hkv, block_size, W] (for K and V of one type a view of their
     # shared buffer): index (block, :, offset).
     cache.data[block, :, offset] = data
-    if scales is not None:
+    if scales is not None and cache.scales is not None:
         cache.scales[block, :, offset] = scales
 
 

@@ -173,6 +173,8 @@ def dequantize(
     s = spec(kv_type)
     if not s.quantized:
         return data.to(dtype)
+    if scales is None:
+        raise ValueError(f"{kv_type} data needs its scales to dequantize")
     d = scales.float().unsqueeze(-1)  # [..., D/32, 1]
     if kv_type == "q8_0":
         q = data.float().reshape(*data.shape[:-1], -1, GROUP_SIZE)
@@ -260,12 +262,13 @@ class KVBlockStorage:
         so that decode reads a (block, head) piece of K and of V from adjacent memory; of
         different types (rows of different widths), each in its own buffers."""
         if k_type != v_type:
-            return tuple(cls.allocate(t, num_blocks, block_size, num_kv_heads, head_dim,
-                                      device) for t in (k_type, v_type))
+            return (cls.allocate(k_type, num_blocks, block_size, num_kv_heads, head_dim, device),
+                    cls.allocate(v_type, num_blocks, block_size, num_kv_heads, head_dim, device))
         data, scales = _zeros(k_type, (num_blocks, num_kv_heads, 2, block_size), head_dim,
                               device)
-        return tuple(cls(k_type, data[:, :, i], None if scales is None else scales[:, :, i],
-                         head_dim) for i in range(2))
+        k, v = (cls(k_type, data[:, :, i], None if scales is None else scales[:, :, i],
+                    head_dim) for i in range(2))
+        return k, v
 
     @property
     def num_blocks(self) -> int:

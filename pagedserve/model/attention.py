@@ -78,19 +78,15 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         # Decode rows come first and hold one token each, so row i is sequence i.
         nd = batch.num_decode_seqs
-        decode = prefill = None
+        parts = []  # [nd, Hq, D] decode rows, then [T - nd, Hq, D] prefill rows
         if nd:
-            decode = ops.paged_decode_attention(
+            parts.append(ops.paged_decode_attention(
                 q[:nd], cache_k, cache_v, batch.block_tables[:nd], batch.seq_lens[:nd],
                 self.scale, workspace=workspace,
-            )
+            ))
         if nd < batch.num_seqs:
-            prefill = prefill_attention(
+            parts.append(prefill_attention(
                 q[nd:], cache_k, cache_v, batch.block_tables, batch.query_start_loc_cpu,
                 batch.seq_lens_cpu, nd, self.scale,
-            )
-        if prefill is None:
-            return decode
-        if decode is None:
-            return prefill
-        return torch.cat((decode, prefill), dim=0)
+            ))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

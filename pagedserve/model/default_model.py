@@ -21,6 +21,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -31,7 +32,7 @@ NAME = "qwen3.5-tiny-random-v1"
 SEED = 20251129
 LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
 
-CONFIG = {
+CONFIG: dict[str, Any] = {
     "architectures": ["Qwen3_5ForCausalLM"],
     "model_type": "qwen3_5_text",
     "vocab_size": 384,

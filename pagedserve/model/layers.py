@@ -52,6 +52,7 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         # Built on the CPU exactly as transformers builds it, then moved with the model.
         steps = torch.arange(0, rotary_dim, 2, dtype=torch.float, device="cpu") / rotary_dim
+        self.inv_freq: torch.Tensor  # [rotary_dim / 2] float32
         self.register_buffer("inv_freq", 1.0 / (theta**steps), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

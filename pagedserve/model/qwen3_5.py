@@ -116,16 +116,18 @@ class Qwen3_5Model(nn.Module):
         cos, sin = self.rotary(batch.positions)  # [T, rotary_dim] float32
         # transformers rounds the angles to the model dtype before rotating.
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
-        residual = None
+        residual: torch.Tensor | None = None
         for layer in self.layers:
             h, residual = layer(h, residual, cos, sin, caches, batch)
+        if residual is None:
+            return self.norm(h)
         return self.norm.add_forward(h, residual)[1]
 
     def use_compiled_elementwise(self, ops: ElementwiseOps) -> None:
         """Route every module's elementwise math through ``ops`` (e.g. compiled twins)."""
         for module in self.modules():
             if hasattr(module, "ew"):
-                module.ew = ops
+                setattr(module, "ew", ops)  # noqa: B010 (nn.Module's attribute type is narrower)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[N, H]`` -> float32 logits ``[N, vocab]``."""

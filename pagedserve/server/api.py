@@ -16,6 +16,7 @@ the app's lifespan stops it when uvicorn shuts down.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -67,7 +68,7 @@ async def metrics(request: Request) -> Response:
 
 def create_app(ctx: ServingContext) -> FastAPI:
     @asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         ctx.begin_shutdown()
         ctx.engine.shutdown()

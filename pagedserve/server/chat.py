@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from pagedserve.engine.request import TokenLogprob
 from pagedserve.server.context import ServingContext
@@ -83,7 +84,8 @@ def chat_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob]) -> ChatChoi
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+async def create_chat_completion(body: ChatCompletionRequest,
+                                 request: Request) -> ChatCompletionResponse | Response:
     ctx: ServingContext = request.app.state.ctx
     model = ctx.check_model(body.model)
     prompt = render_chat(ctx, body.messages, body.add_generation_prompt,

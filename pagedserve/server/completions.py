@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from pagedserve.engine.request import TokenLogprob
 from pagedserve.server.context import ServingContext
@@ -38,13 +39,14 @@ router = APIRouter()
 def completion_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob],
                         start_offset: int) -> CompletionLogprobs:
     """``logprobs`` in the completions format; offsets count from ``start_offset``."""
-    out = CompletionLogprobs()
+    top_logprobs: list[dict[str, float]] = []
+    out = CompletionLogprobs(top_logprobs=top_logprobs)
     offset = start_offset
     for lp in logprobs:
         token = ctx.token_text(lp.token_id)
         out.tokens.append(token)
         out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({ctx.token_text(t): v for t, v in lp.top})
+        top_logprobs.append({ctx.token_text(t): v for t, v in lp.top})
         out.text_offset.append(offset)
         offset += len(token)
     return out
@@ -56,7 +58,8 @@ def _prompt_ids(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]
 
 
 @router.post("/v1/completions", response_model=CompletionResponse)
-async def create_completion(body: CompletionRequest, request: Request):
+async def create_completion(body: CompletionRequest,
+                            request: Request) -> CompletionResponse | Response:
     ctx: ServingContext = request.app.state.ctx
     model = ctx.check_model(body.model)
     prompts = _prompt_ids(ctx, body)

@@ -7,12 +7,13 @@ accepted), malformed JSON, an unknown route, or an ``APIError`` raised by a hand
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ExceptionHandler
 
 from pagedserve.server.protocol import ErrorInfo, ErrorResponse
 
@@ -117,7 +118,8 @@ async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONR
 
 async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     # Unknown routes (404) and wrong methods (405) get the same shape as everything else.
-    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+    headers = None if exc.headers is None else dict(exc.headers)
+    return APIError(exc.status_code, str(exc.detail), headers=headers).response()
 
 
 async def _on_client_disconnected(_: Request, __: ClientDisconnected) -> Response:
@@ -125,7 +127,10 @@ async def _on_client_disconnected(_: Request, __: ClientDisconnected) -> Respons
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(APIError, _on_api_error)
-    app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)
-    app.add_exception_handler(ClientDisconnected, _on_client_disconnected)
+    # Starlette types a handler as taking any Exception; each of these is registered for
+    # (and so only ever called with) its own exception type.
+    handlers = ((APIError, _on_api_error), (RequestValidationError, _on_validation_error),
+                (StarletteHTTPException, _on_http_error),
+                (ClientDisconnected, _on_client_disconnected))
+    for exc_type, handler in handlers:
+        app.add_exception_handler(exc_type, cast(ExceptionHandler, handler))

@@ -12,8 +12,10 @@ private ``CollectorRegistry`` (tests run several apps in one process). Two sourc
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedserve.engine.async_engine import AsyncEngine
@@ -37,7 +39,7 @@ class _EngineCollector(Collector):
         self.engine = engine
         self.model_name = model_name
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         s = self.engine.snapshot
         gauges = (
             ("num_requests_running", "Requests in the running batch.", s.num_running),

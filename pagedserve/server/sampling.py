@@ -7,6 +7,8 @@ that says ``do_sample: false`` asks for greedy decoding, so its default temperat
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagedserve.engine.request import SamplingParams
 from pagedserve.model.generation_defaults import GenerationDefaults
 from pagedserve.server.errors import bad_request
@@ -15,7 +17,7 @@ from pagedserve.server.protocol import SamplingFields
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def _first(*values):
+def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 

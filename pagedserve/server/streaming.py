@@ -47,4 +47,7 @@ class EventStreamResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
-            await self.body_iterator.aclose()
+            # The bodies are async generators; Starlette types them as any AsyncIterable.
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
