@@ -11,7 +11,7 @@
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve probe-decode
 #         trace-decode probe-pieces ab-probe.
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
-# to the summary printed last. probe-decode runs benchmarks/probe_decode.py with the
+# to the summary printed last. probe-decode runs benchmarks/tools/probe_decode.py with the
 # arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default"),
 # once per '|'-separated list.
 # Needs: wheels in .whl/ (fla-core, and the server's fastapi/uvicorn/pydantic stack, which
@@ -51,7 +51,7 @@ run_stage() {
   tail -n 25 "$OUT/$name.log"
 }
 PYTEST="python3 -m pytest -q -p no:cacheprovider -rs -x --tb=short"
-# Nsight Compute on the third decode-kernel launch of benchmarks/ncu_decode.py (ncu stages).
+# Nsight Compute on the third decode-kernel launch of benchmarks/tools/ncu_decode.py (ncu stages).
 NCU_KERNEL=(--clock-control none --kernel-name "regex:decode_kernel|float_fragment_kernel"
             --launch-skip 2 --launch-count 1)
 for spec in "$@"; do
@@ -61,20 +61,17 @@ for spec in "$@"; do
     # All of tests/kernels (the decode grid at real sizes, and the interpreter files, which
     # run their Triton cases on CUDA here) with the engine's and the model's GPU tests:
     # 160 gpu-marked tests and 327 others. pytest-xdist (in the GPU image) runs 8 workers
-    # on the one GPU, so that Triton's compiles overlap. Not yet run as one stage: run in
-    # two parts at f6b0383 / af0e8be (tests-select, the same options), the decode grid with
-    # the kv_write, interpreter-decode, GDN, engine and model files took 430 s (the model's
-    # tests end last) and the rest of tests/kernels 118 s; one process took more than
-    # 360 s for the decode grid alone (tests-kernels-grid_15ec4bb.log).
+    # on the one GPU, so that Triton's compiles overlap: about 430 s for the decode grid
+    # with the kv_write, interpreter-decode, GDN, engine and model files and 120 s for the
+    # rest of tests/kernels (one process takes more than 360 s for the decode grid alone).
     # -v names each test as it ends, so a stage cut short by its limit still shows them.
     tests-gpu)     run_stage "$stage" "$limit" $PYTEST -n 8 -v --maxfail=1000 tests/kernels \
                      tests/engine/test_engine_gpu.py tests/model/test_gpu.py ;;
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
-    # The same, in two parts (139 and 166 tests at ea80e5b; most of their time is Triton
-    # compiling each configuration once). With a cold compile cache the grid alone took
-    # more than 370 s at ea80e5b: give it a call of its own, or run tests-fragment and
-    # tests-triton (its two halves) in separate calls.
+    # The same, in two parts (most of their time is Triton compiling each configuration
+    # once). With a cold compile cache the grid alone takes more than 370 s: give it a call
+    # of its own, or run tests-fragment and tests-triton (its two halves) in separate calls.
     tests-kernels-grid) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py ;;
     tests-kernels-small) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_kv_write.py \
                      tests/kernels/test_paged_decode.py ;;
@@ -96,7 +93,7 @@ for spec in "$@"; do
     bench-attention) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --out "$OUT" ;;
     bench-attention-sweep) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --sweep --out "$OUT" ;;
     bench-attention-quick) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --quick --out "$OUT" ;;
-    profile-engine) run_stage "$stage" "$limit" python3 benchmarks/profile_engine.py --out "$OUT" ;;
+    profile-engine) run_stage "$stage" "$limit" python3 benchmarks/tools/profile_engine.py --out "$OUT" ;;
     # Nsight Compute on the decode kernel: the ragged case per K/V type, and f16 at one 4K
     # sequence (the latency-bound corner where SDPA is faster).
     # $NCU_CASES: TYPE:LENS[:LAYOUT] each (LENS ragged or comma-separated; LAYOUT paged or
@@ -115,40 +112,40 @@ for spec in "$@"; do
                        --section WarpStateStats --section SchedulerStats \
                        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                        --metrics "dram__bytes_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,$NCU_STALLS" \
-                       python3 benchmarks/ncu_decode.py --kv-type "$kv" --lens "$lens" \
+                       python3 benchmarks/tools/ncu_decode.py --kv-type "$kv" --lens "$lens" \
                        --layout "${layout:-paged}" ${NCU_ARGS:-}
                    done ;;
     # PC sampling of the same cases (and $NCU_ARGS): stall samples per SASS instruction,
-    # summarized by benchmarks/ncu_source.py into $OUT/ncu-source-<case>.log.
+    # summarized by benchmarks/tools/ncu_source.py into $OUT/ncu-source-<case>.log.
     ncu-source)    for case in ${NCU_CASES:-q4_0:ragged:paged q4_0:ragged:contiguous}; do
                      IFS=: read -r kv lens layout <<< "$case"
                      name="ncu-source-$kv-${lens//,/_}-${layout:-paged}"
                      ncu "${NCU_KERNEL[@]}" --section SourceCounters --section WarpStateStats \
                        -f -o "/tmp/$name" \
-                       python3 benchmarks/ncu_decode.py --kv-type "$kv" --lens "$lens" \
+                       python3 benchmarks/tools/ncu_decode.py --kv-type "$kv" --lens "$lens" \
                        --layout "${layout:-paged}" ${NCU_ARGS:-} > "/tmp/$name.run.log" 2>&1
                      ncu --import "/tmp/$name.ncu-rep" --page source --csv --print-source sass \
                        > "/tmp/$name.csv"
-                     run_stage "$name" "$limit" python3 benchmarks/ncu_source.py "/tmp/$name.csv"
+                     run_stage "$name" "$limit" python3 benchmarks/tools/ncu_source.py "/tmp/$name.csv"
                    done ;;
     # PROBE_ARGS may hold several argument lists separated by '|': one probe each.
     probe-decode)  IFS='|' read -ra probes <<< "${PROBE_ARGS:-}"
                    for i in "${!probes[@]}"; do
-                     run_stage "probe-decode-$i" "$limit" python3 benchmarks/probe_decode.py ${probes[$i]}
+                     run_stage "probe-decode-$i" "$limit" python3 benchmarks/tools/probe_decode.py ${probes[$i]}
                    done ;;
-    # Per-program timelines of the fragment kernel (benchmarks/trace_decode.py); $TRACE_ARGS
+    # Per-program timelines of the fragment kernel (benchmarks/tools/trace_decode.py); $TRACE_ARGS
     # may hold several argument lists separated by '|'.
     trace-decode)  IFS='|' read -ra traces <<< "${TRACE_ARGS:-}"
                    for i in "${!traces[@]}"; do
-                     run_stage "trace-decode-$i" "$limit" python3 benchmarks/trace_decode.py \
+                     run_stage "trace-decode-$i" "$limit" python3 benchmarks/tools/trace_decode.py \
                        ${traces[$i]} --out "$OUT/trace-$i"
                    done ;;
     # The working tree against another commit's tree (ab_base/, carried), probe_decode
-    # alternating between them (benchmarks/ab_probe.sh; $KV $CASES $ROUNDS $MIN_SECONDS).
-    ab-probe)      run_stage "$stage" "$limit" bash benchmarks/ab_probe.sh ;;
-    # Random pieces against one run, memory only (benchmarks/probe_pieces.py); $PIECES_ARGS
+    # alternating between them (benchmarks/tools/ab_probe.sh; $KV $CASES $ROUNDS $MIN_SECONDS).
+    ab-probe)      run_stage "$stage" "$limit" bash benchmarks/tools/ab_probe.sh ;;
+    # Random pieces against one run, memory only (benchmarks/tools/probe_pieces.py); $PIECES_ARGS
     # are its arguments (default: its own cases and block sizes).
-    probe-pieces)  run_stage "$stage" "$limit" python3 benchmarks/probe_pieces.py ${PIECES_ARGS:-} ;;
+    probe-pieces)  run_stage "$stage" "$limit" python3 benchmarks/tools/probe_pieces.py ${PIECES_ARGS:-} ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \

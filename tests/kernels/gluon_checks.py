@@ -4,7 +4,7 @@
   **kwargs)`` records its call instead, and ``assert_binds_signature`` checks it against
   the kernel's own signature (each run-time argument once, in order, then every
   compile-time one by name).
-- What a launch compiles to: ``compile_for_sm90`` runs ``benchmarks/decode_sass.py``
+- What a launch compiles to: ``compile_for_sm90`` runs ``benchmarks/tools/decode_sass.py``
   (Triton's bundled ptxas, an H100/H200 target, no GPU) and returns its loop statistics.
 """
 
@@ -58,7 +58,7 @@ def compile_for_sm90(spec: str, paged: bool) -> dict:
     read the same compile; callers must not modify the dict)."""
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, str(root / "benchmarks" / "decode_sass.py"), spec]
+    args = [sys.executable, str(root / "benchmarks" / "tools" / "decode_sass.py"), spec]
     if not paged:
         args.insert(2, "--contiguous")
     out = subprocess.run(args, env=env, capture_output=True, text=True, check=True).stdout

@@ -1,4 +1,4 @@
-"""``benchmarks/pool_placement.py``: its statistics on hand-built block lists, and a
+"""``benchmarks/tools/pool_placement.py``: its statistics on hand-built block lists, and a
 simulation that keeps the pool's invariants."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools"))
 import pool_placement as pp  # noqa: E402
 
 

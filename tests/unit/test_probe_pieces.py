@@ -1,4 +1,4 @@
-"""``benchmarks/probe_pieces.py``: every layout's reader covers exactly the rows it should
+"""``benchmarks/tools/probe_pieces.py``: every layout's reader covers exactly the rows it should
 (its checksum against the xor of all K and V words, computed by torch), in the Triton
 interpreter."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools"))
 import probe_pieces as pp  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""``benchmarks/trace_decode.py``'s per-SM statistic on hand-built trace records."""
+"""``benchmarks/tools/trace_decode.py``'s per-SM statistic on hand-built trace records."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "tools"))
 import trace_decode as td  # noqa: E402
 
 

@@ -11,9 +11,9 @@ For each (K/V type, workload) it prints:
   post-process), from ``record_function`` ranges the script wraps around them;
 - the top kernels by GPU time per step.
 
-    python benchmarks/profile_engine.py [--types q4_0,f16] [--steps 5] [--out DIR]
+    python benchmarks/tools/profile_engine.py [--types q4_0,f16] [--steps 5] [--out DIR]
 
-Writes DIR/profile_engine.json (DIR defaults to $OUT, else the current directory).
+Writes DIR/profile_engine.json (DIR defaults to $OUT, else /tmp).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import bench_engine  # noqa: E402
 
 from pagedserve.engine import llm_engine as llm_engine_mod  # noqa: E402
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--types", default="q4_0,f16")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--prefill", type=int, default=512, help="prompt length to profile (0: none)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
     ap.add_argument("--dry-run", action="store_true",
                     help="the embedded default model on the CPU, short contexts "
                          "(checks the script)")

@@ -3,13 +3,13 @@ source page (PC sampling), as ``gpu_run.sh ncu-source`` exports it::
 
     ncu --section SourceCounters --section WarpStateStats -o NAME python3 ...
     ncu --import NAME.ncu-rep --page source --csv --print-source sass > NAME.csv
-    python benchmarks/ncu_source.py NAME.csv [--top 25]
+    python benchmarks/tools/ncu_source.py NAME.csv [--top 25]
 
 Prints the samples by stall reason over the whole kernel, the stall samples per opcode
 for the reasons that dominate, and the instructions with the most samples. Two
 summaries side by side (a paged and a contiguous launch) show where one loses time the
-other does not: in the seventeenth session, ``wait`` samples on the dequantization
-instructions (docs/benchmarks/README.md).
+other does not (such as ``wait`` samples on the dequantization instructions of one
+layout's loop).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     ncu --clock-control none --kernel-name regex:_paged_decode --launch-skip 2 \
         --launch-count 1 --section SpeedOfLight ... \
-        python3 benchmarks/ncu_decode.py --kv-type q4_0 --lens ragged
+        python3 benchmarks/tools/ncu_decode.py --kv-type q4_0 --lens ragged
 
 ``--lens``: ``ragged`` (128K + 7 x 8K, the issue's case) or comma-separated lengths.
 The inputs, shapes and default launch configuration are those of ``bench_attention.py``;
@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/tools/
 from bench_attention import RAGGED, Runner, contiguous_of, paged_inputs  # noqa: E402
 from probe_decode import parse_launch  # noqa: E402
 

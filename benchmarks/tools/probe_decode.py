@@ -1,4 +1,4 @@
-"""Quick side-by-side timing of chosen decode launches: a what-if tool, not a report.
+"""Side-by-side timing of chosen decode launches and cases, paged and contiguous.
 
 ``bench_attention.py`` sweeps and then measures the issue's whole grid (about three
 minutes of device time). This times only the launches and cases named on the command
@@ -7,7 +7,7 @@ line, paged and contiguous, in one process, so that a question like "is 64-row q
 torch reference like the benchmark's (max error / max |ref| <= 5e-3; a miss prints
 ``FAIL``). Inputs, timing and the reference are ``bench_attention``'s.
 
-    python benchmarks/probe_decode.py --kv-type q8_0 --cases ragged 16384x8 4096 \\
+    python benchmarks/tools/probe_decode.py --kv-type q8_0 --cases ragged 16384x8 4096 \\
         --launch element:64:4:1:128:168:3 packed:64:4:1:128:168:3 [--sdpa] [--dry-run]
 
 A launch is ``MODE:BLOCK_N:WARPS:STAGES:MIN_PARTITION:MAXNREG:OCCUPANCY[:TABLE_READ]``
@@ -34,7 +34,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/tools/
 import _common  # noqa: E402
 import bench_attention as ba  # noqa: E402
 
@@ -81,24 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contig-default", action="store_true",
                     help="time the contiguous side with the library's launch whatever the "
                          "paged launch (a paged-only what-if against the benchmark's baseline)")
-    ap.add_argument("--ptx-warp-barriers", action="store_true",
-                    help="the Gluon kernels' loops with warp barriers instead of CTA "
-                         "barriers (benchmarks/_ptx_edit.py; a what-if)")
-    ap.add_argument("--ptx-loop-barrier", action="store_true",
-                    help="the q4_0/q8_0 Gluon kernel with a CTA barrier at each tile "
-                         "(benchmarks/_ptx_edit.py; a what-if)")
     ap.add_argument("--min-seconds", type=float, default=0.05,
                     help="time each side for at least this long (bench_attention.py times "
                          "0.15 s per side): does a sustained load, with the GPU at its power "
                          "cap, change the ratio?")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args(argv)
-    if args.ptx_warp_barriers or args.ptx_loop_barrier:
-        import _ptx_edit
-        if args.ptx_warp_barriers:
-            _ptx_edit.install_warp_barriers()
-        if args.ptx_loop_barrier:
-            _ptx_edit.install_quant_loop_barrier()
     launches = [parse_launch(s, args.kv_type) for s in args.launch]
     library = parse_launch("default", args.kv_type)
     if args.dry_run:

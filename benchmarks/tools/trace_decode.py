@@ -15,8 +15,8 @@ rotating input copies), the untraced call's time, and the floor of one graph nod
 empty kernel over the same grid. ``--layout contiguous`` traces the padded contiguous
 layout of the same values. Writes ``trace_decode.json`` to ``--out`` (or $OUT).
 
-    python benchmarks/trace_decode.py --kv-type q4_0 --cases ragged 4096x1 131072x1
-    python benchmarks/trace_decode.py --kv-type f16 --cases 4096x2 --layout contiguous
+    python benchmarks/tools/trace_decode.py --kv-type q4_0 --cases ragged 4096x1 131072x1
+    python benchmarks/tools/trace_decode.py --kv-type f16 --cases 4096x2 --layout contiguous
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/tools/
 import _common  # noqa: E402
 import bench_attention as ba  # noqa: E402
 from probe_decode import parse_case  # noqa: E402

@@ -9,9 +9,9 @@ instructions, its barriers, and what each forward branch inside it skips (the bo
 rarely taken ``if`` counts in the loop's size, not in its usual path): a quick way to
 compare tile formulations before spending device time.
 
-    python benchmarks/decode_sass.py [--contiguous] [--separate]
+    python benchmarks/tools/decode_sass.py [--contiguous] [--separate]
         [K:V:MODE:BLOCK_N:WARPS[:STAGES[:TABLE_READ]] ...]
-    e.g. python benchmarks/decode_sass.py q4_0:q4_0:packed:64:8 f16:f16:group:128:4
+    e.g. python benchmarks/tools/decode_sass.py q4_0:q4_0:packed:64:8 q8_0:q8_0:fragment:64:4
 
 K and V are in the library's layout (``KVBlockStorage.allocate_pair``: side by side when
 their types match); ``--separate`` compiles the launch over K and V in their own buffers.
@@ -34,8 +34,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 import _common  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 

@@ -10,17 +10,15 @@
 #             LAUNCHES="default fragment:128:4:3:128:-:2:block" \
 #             bash benchmarks/gpu_run.sh ab-probe:300   # carry [".whl", "ab_base"]
 #
-# gpu_run.sh installs the wheels and runs this as its ab-probe stage.
-#
-# The base tree's probe_decode.py must take --min-seconds (33de598 on); for an older
-# base, copy this tree's benchmarks/probe_decode.py into it.
+# gpu_run.sh installs the wheels and runs this as its ab-probe stage. The base tree's
+# probe_decode.py (benchmarks/tools/, or benchmarks/ in older trees) must take
+# --min-seconds.
 #
 # Writes $OUT/ab_$KV.log (the probes' rows, each headed by tree, round and seconds) and
 # $OUT/clocks_$KV.csv (time, SM clock, power, temperature, throttle reasons; 0x4 = power
-# cap; every 100 ms). The twentieth session's logs (docs/benchmarks/logs/probes/
-# ef26dd0_q8_0_grouped_*) came from its scratch form, run by hand in the same way.
+# cap; every 100 ms).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BASE=${BASE:-ab_base}
 SITE=${SITE:-/tmp/site}  # gpu_run.sh's wheels
@@ -38,8 +36,10 @@ for round in $(seq "$ROUNDS"); do
   for secs in $MIN_SECONDS; do
     for tree in new base; do
       if [ "$tree" = new ]; then root=$PWD; else root=$PWD/$BASE; fi
+      probe=$root/benchmarks/tools/probe_decode.py
+      [ -f "$probe" ] || probe=$root/benchmarks/probe_decode.py
       echo "== round $round $tree min-seconds $secs $(date +%T.%N | cut -c1-12)"
-      PYTHONPATH=$SITE:$root python3 "$root/benchmarks/probe_decode.py" --kv-type "$KV" \
+      PYTHONPATH=$SITE:$root python3 "$probe" --kv-type "$KV" \
         --cases $CASES --launch $LAUNCHES --min-seconds "$secs" 2>&1 | grep -v Warning
     done
   done

@@ -3,8 +3,8 @@
 The attention benchmark shuffles physical blocks over the whole pool, and on the H200
 that costs paged f16 decode 3-4% against the contiguous layout at large footprints,
 while a tile whose 8 blocks lie within 8 consecutive block ids (256 KB of K at f16 for
-Qwen3.5) reads like the in-order layout (docs/benchmarks/README.md, "Where the placement
-cost comes from"). This runs the engine's own ``Scheduler`` (default budget: 2048
+Qwen3.5) reads like the in-order layout (docs/kernel-decisions.md, "What the paged layout
+costs"). This runs the engine's own ``Scheduler`` (default budget: 2048
 tokens per step, prompts in chunks of 512, decodes first, preemption and admission
 watermark included) over its ``KVCacheManager`` and ``BlockPool``, with the forward pass
 simulated by committing the scheduled tokens, and a fixed number of requests kept in
@@ -14,7 +14,7 @@ blocks lie at the end:
 - **median run**: block-weighted median length of runs of consecutive ascending ids;
 - **local tiles**: the fraction of 8-block tiles whose ids span fewer than 8.
 
-    python benchmarks/pool_placement.py [--seed N]
+    python benchmarks/tools/pool_placement.py [--seed N]
 
 Prints a markdown table. No GPU, no model: placement only.
 """
@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from _common import md_table  # noqa: E402
 
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams  # noqa: E402

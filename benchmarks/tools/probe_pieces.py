@@ -2,7 +2,7 @@
 
 The decode kernel's paged f16 reads lose 3-6% to contiguous ones at short contexts, and
 the loss shrinks as a randomly placed piece grows (one K/V head's rows of one block: 8 KB
-for 16 f16 rows; docs/benchmarks/README.md, "Thirteenth session"). This probe asks what
+for 16 f16 rows; docs/kernel-decisions.md). This probe asks what
 the memory system alone costs, with no attention math: each program
 reads its token range of one K/V head from two pools (K and V) in 64-row tiles and xors
 the words into a checksum. Like the f16 decode launch it runs one program (here 8 warps,
@@ -22,7 +22,7 @@ P splits each head's tokens into 32 chunks (the f16 launch's 33 programs per hea
 power of 2 so that chunks divide the lengths). Every side holds the same rows, so every
 side's checksum must equal the contiguous one: a wrong address fails the run.
 
-    python benchmarks/probe_pieces.py [--cases 4096x2 16384x1 ...] \\
+    python benchmarks/tools/probe_pieces.py [--cases 4096x2 16384x1 ...] \\
         [--block-sizes 16 32 64] [--table-read row|block] [--all-heads] [--dry-run]
 
 ``--all-heads`` adds two sides whose programs read all four K/V heads of 16 tokens per
@@ -48,7 +48,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/tools/
 import _common  # noqa: E402
 import bench_attention as ba  # noqa: E402
 from probe_decode import parse_case  # noqa: E402
