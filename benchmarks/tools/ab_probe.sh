@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# A/B of two trees in one device call: the working tree ("new") against a base tree
-# ("base", the library at another commit), probe_decode.py alternating between them, so
-# that both see the same H200 instance and the same thermal and power state. Optionally
-# held at the power cap (MIN_SECONDS 0.5), with nvidia-smi sampling clocks and power.
+# A/B of two trees' decode launches in one device call (probe_decode.py, alternating).
+#
+# The working tree ("new") against a base tree ("base", the library at another commit),
+# alternating, so that both see the same H200 instance and the same thermal and power
+# state. Optionally held at the power cap (MIN_SECONDS 0.5), with nvidia-smi sampling
+# clocks and power.
 #
 #   here:   git archive REV pagedserve benchmarks | (mkdir -p ab_base && tar -x -C ab_base)
 #           echo ab_base/ >> .git/info/exclude     # never committed; carried instead

@@ -1,5 +1,6 @@
-"""Where a kernel's warps stall, per SASS instruction: a summary of Nsight Compute's
-source page (PC sampling), as ``gpu_run.sh ncu-source`` exports it::
+"""Where a kernel's warps stall, per SASS instruction, from Nsight Compute's PC sampling.
+
+Summarizes the source page as ``gpu_run.sh ncu-source`` exports it::
 
     ncu --section SourceCounters --section WarpStateStats -o NAME python3 ...
     ncu --import NAME.ncu-rep --page source --csv --print-source sass > NAME.csv
