@@ -72,7 +72,7 @@ RAGGED = (131072,) + (8192,) * 7
 # quantized tile loop is a long chain of dependent instructions and hides its latency
 # only with enough resident warps.
 SWEEP_SPACE = (
-    ("quant_dot", ("group", "element", "packed")),
+    ("quant_dot", ("element", "packed")),
     ("maxnreg", (None, 168)),
     ("occupancy", (1.0, 2.0, 3.0, 4.0, 8.0)),
     ("table_read", ("row", "block")),
@@ -103,7 +103,7 @@ QUICK = Sizes((1, 8), (4096, 131072), RAGGED, (RAGGED, (4096,)),
                     if s[0] in ("quant_dot", "maxnreg", "occupancy", "table_read", "block_n",
                                 "num_warps")))
 DRY = Sizes((1, 2), (64, 96), (256,) + (32,) * 7, ((256,) + (32,) * 7, (64,)),
-            (("quant_dot", ("group", "element", "packed")), ("block_n", (16, 32))), max_copies=1)
+            (("quant_dot", ("element", "packed")), ("block_n", (16, 32))), max_copies=1)
 
 
 @dataclass

@@ -22,9 +22,8 @@ NEG_BIG = tl.constexpr(-1.0e30)
 # Partials per trip of the merge loop (their loads in flight together): 4 x [8, 256]
 # float32 over 128 threads is 64 registers per thread. The Gluon kernel takes a whole
 # merge group (``decode_plan.MERGE_GROUP``), so each merge level is one round of loads. In the
-# Triton kernel the merge's demand moves the tile loop's register allocation (q4_0
-# ``packed``: 48 -> 224 bytes spilled at 8; f16 one 4K sequence 14.6 us against 14.2-14.4
-# at 4, H200 probes at 89f6e3a and a9160a5).
+# Triton kernel the merge's registers move the tile loop's allocation: a wider unroll made
+# the packed q4_0 loop spill and f16 slower (docs/kernel-decisions.md).
 MERGE_UNROLL = 4
 
 

@@ -64,7 +64,7 @@ import triton.language as tl
 
 from pagedserve.kv import formats
 
-QUANT_DOT_MODES = ("group", "element", "packed", "fragment")
+QUANT_DOT_MODES = ("element", "packed", "fragment")
 TABLE_READS = ("row", "block")
 # Chunks per first-level merge group (see "Merging" above).
 MERGE_GROUP = 8
@@ -97,10 +97,9 @@ class DecodeConfig:
         num_stages: software-pipelining depth of the tile loop (1..6).
         min_partition: fewest tokens per chunk (a multiple of ``block_n``), so that short
             contexts are not cut into chunks too small to pay for their merge.
-        quant_dot: how q8_0/q4_0 meet the tensor cores. ``"group"``: one dot per 32-value
-            group on exact integer values, the group scale applied to the per-group partial
-            scores (K) and folded into p (V). ``"element"``: dequantize each element to
-            f16 (one multiply) and run one full-width dot. ``"packed"``: the same values
+        quant_dot: how q8_0/q4_0 meet the tensor cores (f16 reads only ``"fragment"``).
+            ``"element"``: dequantize each element to f16 (one multiply) and run one
+            full-width dot. ``"packed"``: the same values
             as ``element``, from 16-byte row loads, two per instruction (f16x2 PTX) on a
             GPU (``kv_tiles``). ``"fragment"``: a Gluon kernel whose warps each take
             ``block_n / num_warps`` tokens of a tile (16 or 32) with their own softmax:
@@ -132,7 +131,7 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     min_partition: int = 256
-    quant_dot: str = "group"
+    quant_dot: str = "element"
     maxnreg: int | None = None
     table_read: str = "row"
     table_ahead: bool = True
@@ -175,105 +174,37 @@ class DecodeConfig:
 
 def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True,
                    batch: int = 0) -> DecodeConfig:
-    """The launch choice per K/V type pair, layout and size, from H200 runs of
-    ``bench_attention.py``'s sweep and side-by-side probes (docs/benchmarks/attention.md).
+    """The library's launch for a K/V type pair, layout and size.
 
     ``tokens``: how many tokens the launch's tables can address (batch x table columns x
     block size), which the host knows without a sync; it bounds the live tokens from
     above. ``paged``: the paged layout (else the contiguous one, whose launch is chosen for
-    its own speed, so that it stays an honest baseline). Only f16/bf16 use them (below).
-    ``batch``: sequences in the launch (0: unknown); only q8_0 uses it, with ``tokens``
-    (below).
+    its own speed, so that it stays an honest baseline). ``batch``: sequences in the launch
+    (0: unknown). Each rule is the fastest launch measured side by side on the H200
+    (docs/kernel-decisions.md has the figures and the alternatives that lost)::
 
-    - q8_0 K and V, at most ``WIDE_MAX_BATCH`` (4) sequences whose tables address at
-      most ``WIDE_MAX_TOKENS`` (128K) tokens: ``fragment`` with 8 warps of 16 tokens
-      (128-row tiles), the same ring of two stages (136 KB), one program per SM
-      (``occupancy=1``: half the workspace's chunks, each twice as long). Side by side on
-      the H200 against the launch below, both layouts, every uniform point
-      (docs/benchmarks/logs/probes/8b9423f_q8_0_wide_tiles.log): at the 8 points with
-      n <= 4 and at most 128K tokens, faster on both layouts (paged one 4K sequence 11.4
-      us against 13.4, 2 x 4K 14.1 against 14.9, one 16K sequence 18.4 against 19.3;
-      contiguous 11.9 against 13.1, 14.1 against 14.1, 18.5 against 18.6), paged /
-      contiguous 0.997-1.044 against 0.949-0.996. Not beyond 128K tokens, although
-      with K scored a group at a time (33de598) the wide launch is 1-2% faster there on
-      both layouts at 0.15 s per side (``logs/probes/389a3cb_q8_0_wide_larger.log``: 4 x
-      64K paged 137.1 against 139.9 us, 2 x 128K 139.9 against 141.2, 4 x 128K 265.2
-      against 270.6): held at the GPU's power cap (0.5 s per side,
-      ``logs/probes/cae97a1_q8_0_wide_at_the_cap.log``) its paged side is no faster at
-      4 x 64K and 2 x 128K (142.4 against 142.8, 145.2 against 146.3; paged / contiguous
-      0.978 and 0.973 against 0.993 and 0.982) and 4.5% slower at 4 x 128K (292.1
-      against 279.4, 0.928), and a full benchmark run with the rule at 512K tokens read
-      4 x 128K at 0.980 (graph) and 0.929 (eager, timed after the graph rounds;
-      ``logs/probes/cae97a1_attention_wide_to_512K.md``). At n = 8 it is no faster (8 x
-      64K 265.4 us either way) and loses at 8 x 128K (paged 536.0 against 518.2, 0.936)
-      and on the ragged case (paged 114.5 against 105.9): with 33 chunks per head for 8
-      sequences the plan's largest chunk there is 7040 tokens against a mean of 5710
-      (one 8K sequence cut 7040 + 1152), where 66 chunks keep it within 5%. At most 4
-      sequences leave 8 or more chunks per sequence on average.
-    - q4_0 K and V, at most 4 sequences over at most 32K table tokens: ``fragment`` with
-      8 warps of 32 tokens (256-row tiles), two stages (144 KB), one program per SM. Side
-      by side (``logs/probes/8b9423f_q4_0_wide_tiles.log``), paged / contiguous us: one
-      4K sequence 11.1 / 11.7 against 12.1 / 12.3, 4 x 4K 14.3 / 14.1 against 15.9 /
-      15.4, one 16K sequence 15.6 / 15.5 against 16.5 / 16.1, 2 x 16K 20.9 / 20.4 against
-      21.2 / 20.9. Beyond, it loses on one side or both (8 x 4K 19.3 / 19.1 against
-      18.9 / 18.6, one 128K sequence 52.3 / 50.7 against 50.5 / 49.6, ragged 82.8 / 80.2
-      against 68.7 / 67.2).
-    - Other q8_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of
-      16 tokens, its shared-memory ring of two stages (68 KB; block ids ride the copies),
-      two programs per SM (230 registers paged; K scored a group at a time since
-      33de598, ``quant_fragments``, "q8_0 grouped"). Side by side on the H200 against the
-      kernel's register double buffer (``num_stages=1``, ids a tile ahead), both layouts
-      (docs/benchmarks/logs/probes/2582e1a_ring_grid.log): paged ragged 107.9 us against
-      110.3, 8 x 128K 535.0 against 551.7, never slower at the 16 uniform points.
-      (Earlier: 119.1 against 244.1 for the Triton ``element`` launch, probe at 1461e50.)
-    - Any other q8_0 (mixed with another type): ``element`` 64-row tiles, one stage, at
-      most 168 registers, so that three programs share an SM (``default_occupancy``):
-      105.4 us geomean in the ff68079 sweep, against 135.9 without the register cap and
-      106.7 in ``packed`` mode. At 128-row tiles the loop spilled at 255 registers. One
-      block-table load per 16-row block.
-    - q4_0 K and V: ``fragment`` (the Gluon kernel, ``quant_fragments``), 4 warps of 32
-      tokens, its shared-memory ring of two stages (72 KB; block ids ride the copies),
-      two programs per SM (203 registers paged). Side by side on the H200 against the
-      register double buffer (``num_stages=1``, 253 registers, ids a tile ahead), both
-      layouts (2582e1a_ring_grid.log): ragged 128K + 7 x 8K paged 71.8 us against 76.4,
-      contiguous 70.2 against 75.7; 8 x 128K 357.5 against 358.7; at most 0.3 us slower
-      at the 4K points. Three stages, three programs per SM (168 registers), or 8 warps
-      were slower on the ragged case (77.4, 75.9, 85.3 us; 2582e1a_ring_occupancy.log).
-      Earlier forms: 110.3 against 194.8 us for ``packed`` (afa8d20); 16 tokens per warp
-      at 168 registers, three programs per SM: 86.8 against 76.1 (f2d26c8); chunk budgets
-      of four or six programs per SM: 83.3 and 88.3 against 76.6 (5394b05).
-    - Else any q4_0: ``packed`` 128-row tiles (q4_0 as half tiles, ``kv_tiles``), one
-      stage, two programs per SM: 84.7 us geomean in the same sweep; 64-row tiles 98.5,
-      a 168-register cap 114.3, two stages 95.8. One table load per block, not one tile
-      ahead (fewer registers held across the loop): paged / contiguous 0.968-1.006 at
-      five points where the per-row, one-ahead read gave 0.954-0.960 (probe at 6a8cdfc).
-    - f16 K and V, both layouts, every size: ``fragment`` (the Gluon kernel,
-      ``float_fragments``), 4 warps of 16 tokens, a ring of two stages (128 KB of shared
-      memory), one program per SM. Side by side on the H200 against the Triton launches
-      below (probe at e88da92's working tree, ``logs/probes/e88da92_f16_ring_*.log``):
-      paged 2 x 4K 17.2 us against 18.3, one 16K sequence 26.6 against 27.4, ragged
-      185.7 against 192.3; contiguous 2 x 4K 16.7 against 17.1, ragged 187.5 against
-      196.7, 8 x 128K 933.0 against 932.4. Three stages were slower at the short points
-      (paged 8 x 4K 41.0 against 40.1 us, 2 x 16K 42.8 against 42.1), and two warps per
-      program at two or three programs per SM slower everywhere (paged 2 x 4K 19.1-19.3
-      against 17.1 us).
-    - Other f16/bf16 (``triton_float_config``; also where the Gluon kernel does not
-      apply), one program per SM, from side-by-side probes on the H200 (589b854,
-      e523808; ``docs/benchmarks/logs/probes``):
+        K, V          when                                  kernel, launch
+        ------------  ------------------------------------  ---------------------------------
+        q8_0, q8_0    <= WIDE_MAX_BATCH seqs, <= 128K tokens  Gluon ring, 8 warps x 16 tokens,
+                                                            2 stages, one program per SM
+        q8_0, q8_0    otherwise                             Gluon ring, 4 warps x 16 tokens,
+                                                            2 stages
+        q4_0, q4_0    <= WIDE_MAX_BATCH seqs, <= 32K tokens   Gluon ring, 8 warps x 32 tokens,
+                                                            2 stages, one program per SM
+        q4_0, q4_0    otherwise                             Gluon ring, 4 warps x 32 tokens,
+                                                            2 stages
+        q8_0 + other  always                                Triton ``element``, 64-row tiles,
+                                                            1 stage, <= 168 registers
+        q4_0 + float  always                                Triton ``packed``, 128-row tiles,
+                                                            1 stage, table read just in time
+        f16, f16      always                                Gluon f16 ring, 4 warps x 16
+                                                            tokens, 2 stages
+        other float   ``triton_float_config``               Triton, by layout and size
 
-      - paged, every size: 64-row tiles in three stages, one table load per 16-row
-        block, ids a tile ahead. 2 x 4K 18.9 us against 20.2 for 128-row tiles, 16K x 1
-        28.0 against 30.7, 64K x 1 75.7 against 79.4, 128K x 8 978.6 against 991.3. With
-        one table load per row the same tiles took 19.4, 28.8, 79.2 and 1034.1 us. One
-        4K sequence: 14.2 us against 14.4 and 14.6 for 128-row tiles with a table load
-        per row (two calls at 053bd7c and 83cac66; SDPA 14.6), which had been the
-        launch below 8K tokens until the rows' addresses got cheaper (b0b5945).
-      - contiguous below ``CONTIGUOUS_TILE_TOKENS`` (512K): 64-row tiles in three
-        stages (2 x 4K 17.8 us against 20.2, 16K x 1 26.6 against 30.5, 64K x 1 73.4
-        against 77.4); from 512K on, 128-row tiles in two stages (8 x 128K 952.8
-        against 960.9, 8 x 64K 484.6 against 488.6).
-
-    The minimum chunk is 128 tokens for all (the sweep's choice, for 4K contexts).
+    The Gluon launches (``quant_dot="fragment"``) fall back to the Triton kernel where
+    their shape does not apply (``paged_decode.select_kernel``). Every launch reads one
+    table entry per K/V block where its tiles hold whole blocks, and takes chunks of at
+    least 128 tokens (256 for the wide q4_0 tiles).
     """
     wide = _WIDE.get(k_type) if k_type == v_type else None
     if wide is not None and 0 < batch <= WIDE_MAX_BATCH and tokens <= WIDE_MAX_TOKENS[k_type]:
@@ -286,7 +217,10 @@ def default_config(k_type: str, v_type: str, tokens: int = 0, paged: bool = True
 
 
 def triton_float_config(tokens: int, paged: bool) -> DecodeConfig:
-    """The Triton kernel's f16/bf16 launch by layout and size (``default_config``)."""
+    """The Triton kernel's f16/bf16 launch by layout and size (``default_config``): paged,
+    64-row tiles in three stages at any size; contiguous, 64-row tiles in three stages
+    below ``CONTIGUOUS_TILE_TOKENS`` and 128-row tiles in two from there on (each the
+    faster for its layout and size on the H200: docs/kernel-decisions.md)."""
     if paged:
         return _FLOAT_PAGED_64
     if tokens < CONTIGUOUS_TILE_TOKENS:
@@ -334,14 +268,12 @@ def default_occupancy(k_type: str, v_type: str) -> float:
     many as ``default_config``'s launch fits on an SM, since a chunk count above that
     leaves a second wave.
 
-    q8_0 or q4_0 K and V (the Gluon kernel): two (203-238 registers, and a ring of 68-72
-    KB of shared memory); the wide small-batch launches of ``default_config`` plan one per
-    SM within that workspace (``DecodeConfig.occupancy``). Other q8_0: three (168
-    registers x 128 threads). Other q4_0: two (255 registers). f16 and bf16: one (the
-    Gluon f16 ring takes 128 KB of shared memory; the Triton launches' three stages of
-    64-row K and V tiles 141 KB, two of 128-row tiles 143 KB, per Nsight Compute): at
-    2 x 4K the Triton launch's plan for two programs per SM made two waves, 30.8 us
-    against 24.2 us at one (side-by-side probe on the H200, 2026-11-29).
+    q8_0 or q4_0 K and V (the Gluon ring, about 200-240 registers and 68-72 KB of shared
+    memory): two; the wide small-batch launches plan one per SM within that workspace
+    (``DecodeConfig.occupancy``). Other q8_0: three (168 registers x 128 threads). Other
+    q4_0: two (255 registers). f16 and bf16: one (the f16 ring takes 128 KB of shared
+    memory, the Triton launches about 141 KB; a plan for two made two waves, slower on
+    the H200: docs/kernel-decisions.md).
     """
     if k_type == v_type == "q8_0":
         return DEFAULT_OCCUPANCY

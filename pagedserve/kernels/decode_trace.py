@@ -2,9 +2,9 @@
 
 A traced launch is a separately compiled variant (``TRACE``) of any decode kernel, the
 Triton one (``paged_decode``) or a Gluon one (``quant_fragments``, ``float_fragments``);
-all call the functions here, so their records read alike (``benchmarks/trace_decode.py``). Program
-``slot`` (``h * programs per head + pid``) owns row ``slot`` of an int64 ``[programs, 8]``
-buffer::
+all call the functions here, so their records read alike
+(``benchmarks/tools/trace_decode.py``). Program ``slot`` (``h * programs per head + pid``)
+owns row ``slot`` of an int64 ``[programs, 8]`` buffer::
 
     field   0      1        2      3       4       5       6    7
             entry  planned  loop   looped  stored  merged  sm   tiles

@@ -3,10 +3,9 @@
 Why a second f16 kernel. The Triton kernel (``paged_decode``) leaves the copy schedule to
 Triton's software pipeliner, which re-reads a tile's block ids from the table right
 before that tile's copies, so every paged tile issues its copies only after a table load
-and the address arithmetic behind it, late in the iteration. With the ids computed
-instead of loaded (blocks in order, probe at e88da92) the same Triton loop read the short
-f16 points at 0.988-1.007 of the contiguous layout, against 0.956-0.987 with the table.
-Here the schedule is explicit:
+and the address arithmetic behind it, late in the iteration; that table read is most of
+the Triton loop's paged-against-contiguous loss at short contexts
+(docs/kernel-decisions.md). Here the schedule is explicit:
 
     prologue      q's load; ids of tiles 0 .. S-2 -> copies of those tiles (one commit
                   group each); ids of tile S - 1 (its copies) and of tile 0 (its mask);
@@ -44,20 +43,10 @@ Shape: head_dim 256, f16 K and V, at most 8 query heads per K/V head, paged bloc
 tokens or a power of 2 above (each warp's 16 tokens lie in one block), on a GPU; else the
 Triton kernel.
 
-Measured on the H200 (docs/benchmarks/attention.md at c4eacf3; probes in
-docs/benchmarks/logs/probes/e88da92_f16_ring_*, c4eacf3_f16_ring_placement.log), graph
-replay: paged 2 x 4K 17.2 us against 18.1 for the Triton kernel's launch, one 16K
-sequence 26.4 against 27.4, ragged 128K + 7 x 8K 190.0 against 196.2 (e922d37's run);
-paged / contiguous with this kernel on both layouts 0.960-0.968 at five points of 32K
-tokens or fewer and 0.974-1.006 elsewhere, against 0.939-0.963 at six points before.
-Most of what was left of the gap is the placement: with each sequence's blocks in order
-the short points read 0.977-0.988, with 32-token blocks 0.985-1.003. The rest was the
-prologue's order: with q converted before the first copies, the paged block ids' round
-trip waited behind q's. Since 3e5d8e8 paged programs issue their copies first: 4 x 4K,
-1 x 16K and 2 x 4K read 0.977, 0.982 and 0.976 (attention.md at 3e5d8e8), against
-0.9675, 0.9676 and 0.9695 at 33de598. sm_90 loop
-(``benchmarks/decode_sass.py``): 553 instructions paged (559 before the aligned chunk
-starts of f4b569a), 540 contiguous, 224 and 217 registers, no spills.
+Paged programs issue their first tiles' copies before converting q (the block ids' round
+trip would otherwise queue behind q's); contiguous ones convert q first. Each order is
+the faster on its layout, and this kernel is the library's f16 launch on both layouts
+(docs/kernel-decisions.md has the figures).
 """
 
 from __future__ import annotations
@@ -88,9 +77,8 @@ from pagedserve.kernels.fragment_warps import (
 
 TOKENS_PER_WARP = 16
 
-# The plan's options for this kernel (fragment_warps.locate_program says what each does
-# and what the H200 measured): every head takes its chunks in program order; chunk starts
-# written as visible multiples of the tile.
+# The plan's options for this kernel (``fragment_warps.locate_program``): every head takes
+# its chunks in program order; chunk starts written as visible multiples of the tile.
 UPPER_HEADS_REVERSED = gl.constexpr(False)
 ALIGNED_START = gl.constexpr(True)
 
@@ -153,7 +141,7 @@ def float_fragment_kernel(
     trace_ptr,  # int64 [Hkv * programs per head, 8] (decode_trace) when TRACE
     G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, INTERLEAVE: gl.constexpr,
     B_PAD: gl.constexpr, MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr,
-    MERGE_UNROLL: gl.constexpr, MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr,
+    MERGE_UNROLL: gl.constexpr, MERGE_GROUP: gl.constexpr,
     TRACE: gl.constexpr, W: gl.constexpr, STAGES: gl.constexpr,
     MMA: gl.constexpr, COPY: gl.constexpr, RING: gl.constexpr, MERGE: gl.constexpr,
     Q_PERM: gl.constexpr,
@@ -177,10 +165,7 @@ def float_fragment_kernel(
     # q's load goes out first. Its conversion into the operand layout waits for it at a
     # barrier: paged, after the first tiles' copies are issued, so that the block ids'
     # round trip does not wait behind q's; contiguous, before them. Each order is its
-    # layout's faster (H200, one call alternating both orders, 4 x 4K: paged 24.4
-    # against 24.7 us, contiguous 23.7-23.9 against 24.0; docs/benchmarks/README.md,
-    # "Twenty-first session"). The quantized kernel issues its copies first on both
-    # layouts: its contiguous side was 0.3-1.4 us slower with q's conversion first.
+    # layout's faster on the H200 (docs/kernel-decisions.md).
     q_rows = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, W)
     if not PAGED:
         q = q_operand(q_rows, Q_PERM, False, B_OP)  # q^T [W, D, 8]

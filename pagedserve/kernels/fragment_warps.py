@@ -34,10 +34,10 @@ HEAD_DIM = tl.constexpr(256)
 MAX_GROUP = tl.constexpr(8)  # query heads per K/V head: the n of the products
 
 # The Triton kernel's compile-time arguments (``paged_decode.launch_constants``) that the
-# Gluon kernels take too: the plan's, the pool's rows, the merge's, the table read's and
+# Gluon kernels take too: the plan's, the pool's rows, the merge's and
 # ``TRACE``.
 SHARED_CONSTANTS = ("G", "GP", "BS", "INTERLEAVE", "B_PAD", "MIN_PARTITION", "PAGED",
-                    "MERGE_UNROLL", "MERGE_GROUP", "TABLE_AHEAD", "TRACE")
+                    "MERGE_UNROLL", "MERGE_GROUP", "TRACE")
 
 
 @gluon.jit
@@ -222,12 +222,10 @@ def locate_program(lens_ptr, batch, capacity, chunk_budget, trace_ptr, W: gl.con
     tok_lo, tok_hi)``; ``chunk >= num_chunks`` means no work.
 
     ``UPPER_HEADS_REVERSED``: K/V heads ``h >= Hkv / 2`` take their chunks in reverse
-    order. Measured on the H200 (``docs/benchmarks/README.md``, twenty-second and
-    twenty-third sessions): the quantized kernels' paged side gains at 8 x 128K and
-    4 x 64K, f16's short points lose; hence a per-kernel choice. The guess at why: in
-    program order an SM's resident programs read one sequence's blocks for heads h and
-    h + 2, a few KB apart in the paged pool; reversed, they read different sequences.
-    ``ALIGNED_START``: see ``locate_chunk``."""
+    order (same chunks, another order of dispatch, so the programs sharing an SM read
+    different sequences). A per-kernel choice: on the H200 it speeds up the quantized
+    kernels' paged side at large sizes and slows f16's short points
+    (docs/kernel-decisions.md). ``ALIGNED_START``: see ``locate_chunk``."""
     pid = gl.program_id(0)
     h = gl.program_id(1)
     slot = h * gl.num_programs(0) + pid

@@ -18,13 +18,9 @@ the IEEE layout, not copied)::
     q4_0: bits = 0x6400 | nibble           -> 1024 + nibble ; minus 1032 -> nibble - 8
     q8_0: bits = 0x6400 + (128 + qs)       -> 1152 + qs     ; minus 1152 -> qs
 
-Both results are exact in f16. Group scales are applied in one of three ways
+Both results are exact in f16. Group scales are applied in one of two ways
 (``DecodeConfig.quant_dot``):
 
-- ``group``: per-group dots on the exact integers (batched over the D/32 groups). For K
-  the scale multiplies the small per-group partial scores,
-  ``s = sum_g d_g * (q_g . k_g)``; for V it is folded into p,
-  ``o_g = (p * d_g) @ v_g``. No per-element scale multiply at all.
 - ``element``: one multiply per element dequantizes to f16, then one full-width dot.
 - ``packed``: as ``element``, but two values per instruction. Rows arrive in 16-byte
   vectors; on a GPU a few PTX lines (``prmt``, ``lop3``, ``sub.f16x2`` or, for q4_0's
@@ -44,10 +40,9 @@ Both results are exact in f16. Group scales are applied in one of three ways
       q4_0 group g:  half h (0: lo, 1: hi), column g*16 + j  holds value  g*32 + 16h + j
                      (byte j of the group; ``lo``/``hi`` are its low/high nibble)
 
-  Against the joined layouts this cut the sm_90 tile loop from 2697 to 2041
-  instructions and the H200's ragged q4_0 step from 235 to 198 us
-  (``benchmarks/decode_sass.py``, docs/benchmarks). The PTX itself is checked on the
-  host by ``tests/kernels/test_dequant_ptx.py``.
+  Half tiles take about a quarter fewer loop instructions than joined nibbles and are
+  faster on the H200 (docs/kernel-decisions.md). The PTX itself is checked on the host
+  by ``tests/kernels/test_dequant_ptx.py``.
 
 GQA: the dots take the query heads of one K/V head as rows, padded to ``G_PAD >= 16``
 rows for ``tl.dot``; every K/V row is loaded once for all of them.
@@ -93,14 +88,14 @@ def _exact_ints(data_ptr, offs, mask, KV_TYPE: tl.constexpr):
 
 
 @triton.jit
-def _group_offsets(row_off, KV_TYPE: tl.constexpr, NG: tl.constexpr, GROUP_FIRST: tl.constexpr):
+def _group_offsets(row_off, KV_TYPE: tl.constexpr, NG: tl.constexpr):
     """Payload offsets of a tile of rows, split into groups.
 
     Args:
         row_off: int64 ``[N]`` offset of each row's payload.
 
     Returns:
-        int64 ``[NG, N, 32]`` (``GROUP_FIRST``) or ``[N, NG, 32]``.
+        int64 ``[N, NG, 32]``.
     """
     lane = tl.arange(0, 32)
     grp = tl.arange(0, NG)
@@ -110,10 +105,7 @@ def _group_offsets(row_off, KV_TYPE: tl.constexpr, NG: tl.constexpr, GROUP_FIRST
     else:
         within = lane % 16
         stride = 16
-    if GROUP_FIRST:
-        return (row_off[None, :, None] + grp[:, None, None] * stride) + within[None, None, :]
-    else:
-        return (row_off[:, None, None] + grp[None, :, None] * stride) + within[None, None, :]
+    return (row_off[:, None, None] + grp[None, :, None] * stride) + within[None, None, :]
 
 
 @triton.jit
@@ -125,23 +117,17 @@ def load_float_tile(data_ptr, row_off, valid, D: tl.constexpr):
 
 @triton.jit
 def load_group_tile(
-    data_ptr, scale_ptr, row_off, scale_off, valid,
-    KV_TYPE: tl.constexpr, NG: tl.constexpr, GROUP_FIRST: tl.constexpr,
+    data_ptr, scale_ptr, row_off, scale_off, valid, KV_TYPE: tl.constexpr, NG: tl.constexpr,
 ):
     """Quantized rows as exact integers and their group scales.
 
     Returns:
-        ``(ints, scales)``: f16 ``[NG, N, 32]`` and float32 ``[NG, N]`` (``GROUP_FIRST``),
-        or f16 ``[N, NG, 32]`` and float32 ``[N, NG]``.
+        ``(ints, scales)``: f16 ``[N, NG, 32]`` and float32 ``[N, NG]``.
     """
-    offs = _group_offsets(row_off, KV_TYPE, NG, GROUP_FIRST)
+    offs = _group_offsets(row_off, KV_TYPE, NG)
     grp = tl.arange(0, NG)
-    if GROUP_FIRST:
-        ints = _exact_ints(data_ptr, offs, valid[None, :, None], KV_TYPE)
-        sc = tl.load(scale_ptr + scale_off[None, :] + grp[:, None], mask=valid[None, :], other=0.0)
-    else:
-        ints = _exact_ints(data_ptr, offs, valid[:, None, None], KV_TYPE)
-        sc = tl.load(scale_ptr + scale_off[:, None] + grp[None, :], mask=valid[:, None], other=0.0)
+    ints = _exact_ints(data_ptr, offs, valid[:, None, None], KV_TYPE)
+    sc = tl.load(scale_ptr + scale_off[:, None] + grp[None, :], mask=valid[:, None], other=0.0)
     return ints, sc.to(tl.float32)
 
 
@@ -255,8 +241,7 @@ def load_q8_tile(data_ptr, scale_ptr, row_off, scale_off, valid, D: tl.constexpr
     Only the scales are masked: a row that is not ``valid`` must point at an in-bounds
     row (the kernel points it at row 0 of the pool), its scale loads as 0 and every value
     of it is an exact 0, whatever its payload holds. Unpredicated payload loads shorten
-    the tile loop (sm_90 SASS, ``benchmarks/decode_sass.py``: 1032 -> 810 instructions at
-    64-row tiles and 8 warps).
+    the tile loop (no predicate per load).
     """
     grp = tl.arange(0, NG)
     lane = tl.arange(0, 32)
@@ -285,29 +270,22 @@ def load_q4_halves_tile(data_ptr, scale_ptr, row_off, scale_off, valid, D: tl.co
 @triton.jit
 def load_q(
     q_ptr, row_stride, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
-    NG: tl.constexpr, K_GROUP: tl.constexpr, DOT_DTYPE: tl.constexpr, HALVES: tl.constexpr,
+    NG: tl.constexpr, DOT_DTYPE: tl.constexpr, HALVES: tl.constexpr,
 ):
     """The query heads of one K/V head as dot rows (rows >= G are zero).
 
     Returns:
-        in ``DOT_DTYPE``: ``[NG, G_PAD, 32]`` (``K_GROUP``: per-group slices),
-        ``[G_PAD, D/2, 2]`` (``HALVES``: the columns of q4_0 half tiles, last axis lo/hi;
-        ``load_q4_halves_tile``) or ``[G_PAD, D]``.
+        in ``DOT_DTYPE``: ``[G_PAD, D/2, 2]`` (``HALVES``: the columns of q4_0 half tiles,
+        last axis lo/hi; ``load_q4_halves_tile``) or ``[G_PAD, D]``.
     """
     rows = tl.arange(0, G_PAD)
-    if K_GROUP:
-        grp = tl.arange(0, NG)
-        lane = tl.arange(0, 32)
-        offs = rows[None, :, None] * row_stride + grp[:, None, None] * 32 + lane[None, None, :]
-        q = tl.load(q_ptr + offs, mask=(rows < G)[None, :, None], other=0.0)
-    else:
-        cols = tl.arange(0, D)
-        q = tl.load(q_ptr + rows[:, None] * row_stride + cols[None, :],
-                    mask=(rows < G)[:, None], other=0.0)
-        if HALVES:
-            # [G_PAD, NG, h, j] -> [G_PAD, NG * 16, h]
-            q = tl.reshape(tl.permute(tl.reshape(q, (G_PAD, NG, 2, 16)), (0, 1, 3, 2)),
-                           (G_PAD, D // 2, 2))
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + rows[:, None] * row_stride + cols[None, :],
+                mask=(rows < G)[:, None], other=0.0)
+    if HALVES:
+        # [G_PAD, NG, h, j] -> [G_PAD, NG * 16, h]
+        q = tl.reshape(tl.permute(tl.reshape(q, (G_PAD, NG, 2, 16)), (0, 1, 3, 2)),
+                       (G_PAD, D // 2, 2))
     # Through float32 (exact from f16/bf16): the interpreter converts bf16 only from fp32.
     return q.to(tl.float32).to(DOT_DTYPE)
 
@@ -321,8 +299,7 @@ def tile_scores(
     """Raw scores ``q . k`` of a tile: float32 ``[G_PAD, N]``.
 
     Args:
-        q: from ``load_q`` (group slices for quantized K in ``group`` mode, halves for
-            q4_0 K in ``packed`` mode).
+        q: from ``load_q`` (halves for q4_0 K in ``packed`` mode).
         k_row, ks_row: int64 ``[N]`` offsets of each row's payload and scales.
         valid: ``[N]`` rows to read; others contribute 0 (the caller masks them to -inf).
     """
@@ -339,12 +316,8 @@ def tile_scores(
     elif QUANT_DOT == "packed":
         k = load_q8_tile(k_data, k_scale, k_row, ks_row, valid, D, NG, NATIVE)
         return tl.dot(q, tl.trans(k))
-    elif QUANT_DOT == "group":
-        k, dk = load_group_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, NG, True)
-        s = tl.dot(q, tl.trans(k, (0, 2, 1)))  # [NG, G_PAD, N] per-group partial scores
-        return tl.sum(s * dk[:, None, :], axis=0)
     else:
-        k, dk = load_group_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, NG, False)
+        k, dk = load_group_tile(k_data, k_scale, k_row, ks_row, valid, K_TYPE, NG)
         k = tl.reshape(k * dk[:, :, None].to(tl.float16), (k.shape[0], D))
         return tl.dot(q, tl.trans(k))
 
@@ -358,9 +331,8 @@ def tile_pv(
     """``acc + p @ v`` for one tile.
 
     Args:
-        acc: float32, laid out as ``store_rows`` documents: ``[NG, G_PAD, 32]``
-            (quantized V, ``group`` mode), ``[G_PAD, D/2, 2]`` (q4_0 V, ``packed``) or
-            ``[G_PAD, D]``.
+        acc: float32, laid out as ``store_rows`` documents: ``[G_PAD, D/2, 2]`` (q4_0 V,
+            ``packed``) or ``[G_PAD, D]``.
         p: float32 ``[G_PAD, N]`` softmax numerators (0 on masked rows).
     """
     if V_TYPE == "f16" or (V_TYPE == "bf16" and NATIVE):
@@ -378,12 +350,8 @@ def tile_pv(
     elif QUANT_DOT == "packed":
         v = load_q8_tile(v_data, v_scale, v_row, vs_row, valid, D, NG, NATIVE)
         return tl.dot(p.to(tl.float16), v, acc)
-    elif QUANT_DOT == "group":
-        v, dv = load_group_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, NG, True)
-        pd = (p[None, :, :] * dv[:, None, :]).to(tl.float16)  # [NG, G_PAD, N]
-        return tl.dot(pd, v, acc)  # [NG, G_PAD, 32]
     else:
-        v, dv = load_group_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, NG, False)
+        v, dv = load_group_tile(v_data, v_scale, v_row, vs_row, valid, V_TYPE, NG)
         v = tl.reshape(v * dv[:, :, None].to(tl.float16), (v.shape[0], D))
         return tl.dot(p.to(tl.float16), v, acc)
 
@@ -391,9 +359,7 @@ def tile_pv(
 @triton.jit
 def rescale(acc, alpha, ACC: tl.constexpr):
     """``acc`` rows times ``alpha`` ``[G_PAD]``."""
-    if ACC == "group":
-        return acc * alpha[None, :, None]
-    elif ACC == "halves":
+    if ACC == "halves":
         return acc * alpha[:, None, None]
     else:
         return acc * alpha[:, None]
@@ -408,18 +374,11 @@ def store_rows(
     in natural column order whatever the accumulator's layout (``ACC``):
 
     - ``"flat"``: ``[G_PAD, D]``, column ``col``;
-    - ``"group"``: ``[NG, G_PAD, 32]``, ``[g, r, lane]`` is column ``g * 32 + lane``;
     - ``"halves"``: ``[G_PAD, D/2, 2]``, ``[r, g * 16 + j, h]`` is column
       ``g * 32 + 16 * h + j`` (``load_q4_halves_tile``).
     """
     rows = tl.arange(0, G_PAD)
-    if ACC == "group":
-        grp = tl.arange(0, NG)
-        lane = tl.arange(0, 32)
-        val = acc * row_scale[None, :, None]
-        offs = rows[None, :, None] * row_stride + grp[:, None, None] * 32 + lane[None, None, :]
-        tl.store(ptr + offs, val.to(ptr.dtype.element_ty), mask=(rows < G)[None, :, None])
-    elif ACC == "halves":
+    if ACC == "halves":
         c = tl.arange(0, D // 2)
         half = tl.arange(0, 2)
         col = (c // 16 * 32 + c % 16)[:, None] + half[None, :] * 16  # [D/2, 2]

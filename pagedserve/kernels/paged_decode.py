@@ -3,7 +3,8 @@
 The entry point for every decode kernel: on a GPU the library's launches for q4_0, q8_0
 and f16 K and V run Gluon kernels (``quant_fragments``, ``float_fragments``;
 ``quant_dot="fragment"``), and this module's Triton kernel runs everything else, and
-those launches wherever the Gluon kernels do not apply.
+those launches wherever the Gluon kernels do not apply (``GLUON_KERNELS``,
+``select_kernel``, ``triton_fallback``).
 
 One launch does everything. Program ``(c, h)`` takes chunk ``c`` of the partition plan
 (``decode_plan``: sizes, balance, the two-level merge) for K/V head ``h``. It loads the
@@ -106,7 +107,7 @@ def _paged_decode_kernel(
     BS: tl.constexpr, INTERLEAVE: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     MIN_PARTITION: tl.constexpr,
     K_TYPE: tl.constexpr, V_TYPE: tl.constexpr, QUANT_DOT: tl.constexpr,
-    K_GROUP: tl.constexpr, ACC: tl.constexpr, PAGED: tl.constexpr,
+    ACC: tl.constexpr, PAGED: tl.constexpr,
     MERGE_UNROLL: tl.constexpr, MERGE_GROUP: tl.constexpr, NATIVE: tl.constexpr,
     TABLE_READ: tl.constexpr, TABLE_AHEAD: tl.constexpr, TRACE: tl.constexpr,
 ):
@@ -126,15 +127,13 @@ def _paged_decode_kernel(
 
     if K_TYPE == "bf16":
         q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
-                   K_GROUP, tl.bfloat16, False)
+                   tl.bfloat16, False)
     else:
         q = load_q(q_ptr + b * stride_qb + h * G * stride_qh, stride_qh, G, G_PAD, D, NG,
-                   K_GROUP, tl.float16, K_TYPE == "q4_0" and QUANT_DOT == "packed")  # halves
+                   tl.float16, K_TYPE == "q4_0" and QUANT_DOT == "packed")  # halves
     m_i = tl.full([G_PAD], NEG_BIG, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
-    if ACC == "group":
-        acc = tl.zeros([NG, G_PAD, 32], tl.float32)
-    elif ACC == "halves":
+    if ACC == "halves":
         acc = tl.zeros([G_PAD, D // 2, 2], tl.float32)
     else:
         acc = tl.zeros([G_PAD, D], tl.float32)
@@ -150,8 +149,7 @@ def _paged_decode_kernel(
     # Rows that are not valid (past the length, or in a block whose id lies outside the
     # pool) are never read: every K/V load is masked by ``valid``, except the payload
     # loads of the packed quantized tiles, which read row 0 instead (``kv_tiles``). Only
-    # those need the clamp, a select per row (in the f16 64-row tile loop, 79 of 708
-    # sm_90 instructions).
+    # those need the clamp: it costs a select per row.
     K_FLOAT: tl.constexpr = K_TYPE == "f16" or K_TYPE == "bf16"
     V_FLOAT: tl.constexpr = V_TYPE == "f16" or V_TYPE == "bf16"
     CLAMP_ROWS: tl.constexpr = QUANT_DOT == "packed" and not (K_FLOAT and V_FLOAT)
@@ -269,11 +267,8 @@ def _default_workspace(
 
 
 def accumulator_layout(v_type: str, quant_dot: str) -> str:
-    """Layout of the kernel's output accumulator (``kv_tiles.store_rows``): per-group
-    ``[NG, G_PAD, 32]`` for quantized V in ``group`` mode, two half tiles for q4_0 V in
-    ``packed`` mode, else ``[G_PAD, D]``."""
-    if formats.spec(v_type).quantized and quant_dot == "group":
-        return "group"
+    """Layout of the kernel's output accumulator (``kv_tiles.store_rows``): two half tiles
+    for q4_0 V in ``packed`` mode, else ``[G_PAD, D]``."""
     if v_type == "q4_0" and quant_dot == "packed":
         return "halves"
     return "flat"
@@ -289,7 +284,7 @@ def launch_constants(
     block_size: int, *, paged: bool, max_batch: int, native: bool, interleave: int,
     trace: bool = False,
 ) -> dict:
-    """The kernel's compile-time arguments for one launch (``benchmarks/decode_sass.py``
+    """The kernel's compile-time arguments for one launch (``benchmarks/tools/decode_sass.py``
     compiles the kernel offline from the same ones; ``interleave``: the storages'
     ``KVBlockStorage.interleave``; ``trace``: the variant that records each program's
     ``decode_trace.TRACE_FIELDS``). Cached: eager decode calls it per layer per step;
@@ -302,7 +297,6 @@ def launch_constants(
         B_PAD=max(2, _next_pow2(max_batch)), BLOCK_N=cfg.block_n,
         MIN_PARTITION=cfg.min_partition,
         K_TYPE=k_type, V_TYPE=v_type, QUANT_DOT=cfg.quant_dot,
-        K_GROUP=formats.spec(k_type).quantized and cfg.quant_dot == "group",
         ACC=accumulator_layout(v_type, cfg.quant_dot),
         PAGED=paged, MERGE_GROUP=MERGE_GROUP, NATIVE=native,
         MERGE_UNROLL=MERGE_GROUP if cfg.quant_dot == "fragment" else MERGE_UNROLL,
@@ -322,6 +316,49 @@ def resolve_config(config: DecodeConfig | None, cache_k: KVBlockStorage,
     return default_config(cache_k.kv_type, cache_v.kv_type,
                           batch * max_blocks * cache_k.block_size, paged=max_blocks > 1,
                           batch=batch)
+
+
+# (K type, V type) -> the Gluon kernel that runs a ``quant_dot="fragment"`` launch, on both
+# layouts, where its ``supports`` holds: on a GPU, head_dim 256, at most 8 query heads per
+# K/V head (and for f16, paged blocks of a power of 2 >= 16 tokens and a ring that fits in
+# shared memory; for q8_0 / q4_0, a ring of at least two stages). Every other launch, and
+# these off their shapes, runs this module's Triton kernel (``triton_fallback``).
+GLUON_KERNELS = {
+    ("f16", "f16"): "float_fragments",
+    ("q8_0", "q8_0"): "quant_fragments",
+    ("q4_0", "q4_0"): "quant_fragments",
+}
+
+
+def select_kernel(cfg: DecodeConfig, q: torch.Tensor, cache_k: KVBlockStorage,
+                  cache_v: KVBlockStorage, paged: bool) -> str:
+    """The kernel that runs ``cfg`` over these storages: ``"float_fragments"``,
+    ``"quant_fragments"`` (``GLUON_KERNELS``) or ``"triton"``."""
+    if cfg.quant_dot != "fragment":
+        return "triton"
+    kernel = GLUON_KERNELS.get((cache_k.kv_type, cache_v.kv_type))
+    if kernel == "float_fragments" and float_fragments.supports(q, cache_k, cache_v, cfg,
+                                                                paged=paged):
+        return kernel
+    if kernel == "quant_fragments" and quant_fragments.supports(q, cache_k, cache_v, cfg):
+        return kernel
+    return "triton"
+
+
+def triton_fallback(cfg: DecodeConfig, library_choice: bool, k_type: str, v_type: str,
+                    tokens: int, paged: bool) -> DecodeConfig:
+    """The Triton kernel's launch for a ``fragment`` config that no Gluon kernel runs.
+
+    Quantized K or V: the same values from the Triton kernel's 16-byte-vector
+    dequantization (``packed``), with the table read just in time; the library's own
+    choice (``library_choice``) starts from the types' plain launch, since the wide
+    small-batch launches are the Gluon kernel's. f16 / bf16: the Triton float launch
+    (``triton_float_config``).
+    """
+    if formats.spec(k_type).quantized or formats.spec(v_type).quantized:
+        base = default_config(k_type, v_type) if library_choice else cfg
+        return dataclasses.replace(base, quant_dot="packed", table_ahead=False)
+    return triton_float_config(tokens, paged)
 
 
 def decode_grid(workspace: DecodeWorkspace, batch: int,
@@ -360,7 +397,7 @@ def paged_decode_attention(
             ``PAGEDSERVE_VALIDATE``.
         trace: diagnostics: int64 ``[programs, 8]`` (programs: the product of
             ``decode_grid``) receives each program's timestamps, SM and tile count
-            (``decode_trace.TRACE_FIELDS``; ``benchmarks/trace_decode.py``), from a
+            (``decode_trace.TRACE_FIELDS``; ``benchmarks/tools/trace_decode.py``), from a
             separately compiled variant of either kernel.
 
     Returns:
@@ -389,24 +426,10 @@ def paged_decode_attention(
         return out
 
     paged = max_blocks > 1
-    kernel = "triton"
-    if cfg.quant_dot == "fragment":
-        # The Gluon kernels' shapes only, and no Gluon in the interpreter; elsewhere the
-        # Triton kernel: for quantized types the same values from its 16-byte-vector
-        # dequantization with its own table read (``default_config``'s for q4_0 in packed
-        # mode), for f16 its own f16 launch.
-        if float_fragments.supports(q, cache_k, cache_v, cfg, paged=paged):
-            kernel = "float_fragments"
-        elif quant_fragments.supports(q, cache_k, cache_v):
-            kernel = "quant_fragments"
-        elif formats.spec(cache_k.kv_type).quantized or formats.spec(cache_v.kv_type).quantized:
-            # The library's own choice falls back from the types' plain launch: the wide
-            # small-batch programs are the Gluon kernel's (``default_config``).
-            if config is None:
-                cfg = default_config(cache_k.kv_type, cache_v.kv_type)
-            cfg = dataclasses.replace(cfg, quant_dot="packed", table_ahead=False)
-        else:
-            cfg = triton_float_config(B * capacity, paged)
+    kernel = select_kernel(cfg, q, cache_k, cache_v, paged)
+    if kernel == "triton" and cfg.quant_dot == "fragment":
+        cfg = triton_fallback(cfg, config is None, cache_k.kv_type, cache_v.kv_type,
+                              B * capacity, paged)
     constants = launch_constants(cfg, cache_k.kv_type, cache_v.kv_type, Hq // Hkv, D, bs,
                                  paged=paged, max_batch=workspace.max_batch,
                                  native=q.is_cuda, interleave=cache_k.interleave,

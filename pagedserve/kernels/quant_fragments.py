@@ -2,29 +2,27 @@
 
 The Triton kernel (``paged_decode``) dequantizes a whole ``[block_n, D]`` tile in a
 layout of Triton's choosing, then Triton stages it through shared memory into the
-tensor cores' operand layout. For q4_0 that staging and the register shuffles around
-it cost more instructions than the dequantization itself, and the materialized tile
-takes all 255 registers (two programs per SM, 27% of the copy bandwidth on the ragged
-case). This kernel, written in Gluon (explicit layouts), never converts a dequantized
-value: each thread loads, as plain 16-byte vectors or words, exactly the payload bytes
-whose values its ``mma.sync`` fragments hold, and turns them into those fragments in
-place with a few lines of PTX (``Q4_GROUP_ASM``, ``Q8_GROUP_ASM`` and the pair forms
+tensor cores' operand layout; for q4_0 that staging and the shuffles around it cost more
+instructions than the dequantization itself. This kernel, written in Gluon (explicit
+layouts), never converts a dequantized value: each thread reads exactly the payload
+bytes whose values its ``mma.sync`` fragments hold, and turns them into those fragments
+in place with a few lines of PTX (``Q4_GROUP_ASM``, ``Q8_GROUP_ASM`` and the pair forms
 below), one to two instructions per value.
 
 Shape: head_dim 256, K and V both q4_0 or both q8_0, at most 8 query heads per K/V head,
-on a GPU. ``paged_decode_attention`` dispatches here for ``quant_dot="fragment"`` and
-falls back to the Triton kernel's ``packed`` mode otherwise (the interpreter runs no
-Gluon). One kernel serves both types; ``Geometry`` holds what differs: a q4_0 row is 8
-groups of 16 bytes, each byte two values (a "lo" and a "hi" label row, so every product
-runs twice); a q8_0 row is 8 groups of 32 bytes, one value each (its K products also run
-in two halves of 128 labels, its V products over all 256).
+a ring of at least two stages, on a GPU; ``paged_decode.select_kernel`` sends everything
+else to the Triton kernel (the interpreter runs no Gluon). One kernel serves both types;
+``Geometry`` holds what differs: a q4_0 row is 8 groups of 16 bytes, each byte two values
+(a "lo" and a "hi" label row, so every product runs twice); a q8_0 row is 8 groups of 32
+bytes, one value each (its K products also run in two halves of 128 labels, its V
+products over all 256).
 
 Work split. Program ``(c, h)`` takes chunk ``c`` of the partition plan (``decode_plan``)
 for K/V head ``h``, as the Triton kernel does. Each of its W warps walks its own T
 tokens (32 for q4_0, 16 for q8_0, whose rows are twice the bytes) of every ``T W``-token
 tile with its own online softmax (no cross-warp traffic in the loop); the warps' states
-merge once at the end. The next tiles' bytes are in flight while the current tile is
-computed, in one of two ways (``num_stages``; "The ring" below)::
+merge once at the end. The next tiles' bytes are in flight in a shared-memory ring while
+the current tile is computed ("The ring" below)::
 
     per warp, per T-token tile (NL = 128 labels x2 halves; q8_0's V: 256 labels)
     S^T  = K . Q^T   mma m16n8k16: A = K [T tokens, NL],
@@ -33,17 +31,17 @@ computed, in one of two ways (``num_stages``; "The ring" below)::
            the accumulator's arrangement into the B operand's
     O^T += V^T . P^T mma m16n8k16: A = V^T [NL, T tokens], B = P^T [T, 8]
 
-(With K as the A operand no MMA row is padding: q fills the n = 8 of the B operand,
-where ``S = Q . K^T`` would pad the heads to 16 rows and spend 64 of the 96 MMAs and 64
-registers of q half on zeros.) The contraction index of ``K . Q^T`` and the row index of
-``O^T`` are *labels*: any permutation of head_dim works if q is loaded (and the output
-stored) through the same permutation. Labels are chosen so that each fragment register's
-bytes sit next to each other in memory (``k_group_label_to_byte``, ``v_label_to_byte``).
-A q4_0 row's 128 payload bytes are ``[group g (8)][byte j (16)]`` (``kv.formats``); byte
-j of group g holds values ``32 g + j`` (low nibble, the "lo" half) and ``32 g + 16 + j``
-(high nibble, "hi"). A q8_0 row's 256 bytes are ``[group g (8)][byte j (32)]``, one value
-each; K takes its first and second 16 bytes of a group as the "lo" and "hi" halves, so
-that both types' K products run over the same labels::
+With K as the A operand no MMA row is padding: q fills the n = 8 of the B operand,
+where ``S = Q . K^T`` would pad the heads to 16 rows. The contraction index of
+``K . Q^T`` and the row index of ``O^T`` are *labels*: any permutation of head_dim works
+if q is loaded (and the output stored) through the same permutation. Labels are chosen
+so that each fragment register's bytes sit next to each other in memory
+(``k_group_label_to_byte``, ``v_label_to_byte``). A q4_0 row's 128 payload bytes are
+``[group g (8)][byte j (16)]`` (``kv.formats``); byte j of group g holds values
+``32 g + j`` (low nibble, the "lo" half) and ``32 g + 16 + j`` (high nibble, "hi"). A
+q8_0 row's 256 bytes are ``[group g (8)][byte j (32)]``, one value each; K takes its
+first and second 16 bytes of a group as the "lo" and "hi" halves, so that both types' K
+products run over the same labels::
 
     K, per thread: word ``lane % 4`` of every group's 16 bytes (q8_0: of both halves)
        of each of its 4 (q4_0) or 2 (q8_0) token rows; label c of a half <- byte
@@ -52,89 +50,46 @@ that both types' K products run over the same labels::
     V, per thread: one group (16 or 32 bytes) of each of 8 or 4 token rows;
        label r <- byte (r3, r4, .., r0, r1, r2) as bits b0.. (``v_label_to_byte``)
 
-so that a thread's bytes, loaded in memory order, are already the registers of its
+so that a thread's bytes, read in memory order, are already the registers of its
 fragments (K's words as the A operand's: a word is one row's four labels c, c + 1,
-c + 8, c + 9 of a k-step). V's fragments pair two tokens in a
-register: its rows split into tokens t and t + 1 (a register bit, so no data moves) and
-``Q4_PAIRS_ASM`` (``Q8_PAIRS_ROWS_ASM``) interleaves a word of each with one ``prmt`` as
-it dequantizes (``_pair_fragments``), so no byte is repacked. Payload words, not bytes, wait in
-registers for the next tile (a byte would take a register of its own); each token slice
-(K's, V's, the scores') computes its own rows, since moving them between layouts goes
-through shared memory behind a barrier of all warps.
+c + 8, c + 9 of a k-step). V's fragments pair two tokens in a register: its rows split
+into tokens t and t + 1 (a register bit, so no data moves) and ``Q4_PAIRS_ASM``
+(``Q8_PAIRS_ROWS_ASM``) interleaves a word of each with one ``prmt`` as it dequantizes
+(``_pair_fragments``), so no byte is repacked. Each token slice (K's, V's, the scores')
+computes its own rows, since moving them between layouts goes through shared memory
+behind a barrier of all warps.
 
 Grouped scores (K, ``_tile_scores_grouped``). A q4_0 value is ``(nibble - 8) d`` with d
 per row and group, so ``S^T = sum_g d_g (sum over group g of (nibble - 8) q)``: the
 products run on the raw nibbles (``Q4_GROUP_ASM``: one ``lop3`` per pair, f16 1024 +
 nibble or 64 + nibble, exact), one accumulator per group, and the offsets
 (``_q_group_offsets``, from q once per program) and the scale are applied to each
-group's partial scores in f32, where per-value dequantization took a subtraction and a
-multiplication per pair (and rounded each value to f16). q8_0 the same way
-(``Q8_GROUP_ASM``: f16 1152 + qs, one ``lop3`` per pair); see "q8_0 grouped" below for
-what it changed. sm_90 loop, ragged q4_0 paged:
-1406 -> 1277 instructions, 1998 -> 1766 stall cycles; contiguous 1353 -> 1223. On the
-H200 (docs/benchmarks/logs/probes/049a781_q4_0_grouped_*.log) ragged q4_0 paged 71.2 ->
-68.1 us, contiguous 69.7 -> 66.1; 8 x 128K paged 337-343 -> 321-324 us. With K and V in
-separate buffers the faster contiguous side brought paged / contiguous down to
-0.93-0.97; with K and V side by side (``kv.formats.KVBlockStorage.allocate_pair``) it
-reads 0.972-1.014 at every uniform point (attention.md at ea80e5b). q's load goes out
-first; its conversions, which wait at barriers, come after the ring's first copies (done
-before them, they cost 0.4-0.7 us of prologue). V keeps the per-value form: folding its
-scale into P needs group-pure m-tiles of ``V^T``, another label layout.
+group's partial scores in f32, where per-value dequantization would take a subtraction
+and a multiplication per pair (and round each value to f16). q8_0 the same way
+(``Q8_GROUP_ASM``: f16 1152 + qs, one ``lop3`` per pair). q's load goes out first; its
+conversions, which wait at barriers, come after the ring's first copies. V keeps the
+per-value form: folding its scale into P would need group-pure m-tiles of ``V^T``,
+another label layout.
 
-Measured on the H200, side by side (docs/benchmarks/logs/probes/), in the register design
-(below) that came first. q4_0, ragged 128K + 7 x 8K paged: 111.2 us with V's bytes
-repacked before the asm, 97.6 with ``Q4_PAIRS_ASM``, 93.4 with ``S^T = K . Q^T`` and
-unmasked payload loads, 84.7 with rows from warp-uniform block bases (185.4 for the
-Triton kernel), 74.0 with the epilogue below (trace runs at 3083fb0 and e101f26: 83.2
-before it). q8_0: 119.1 us against 244.1 for the Triton kernel, then 112.1. sm_90 tile
-loop (``benchmarks/decode_sass.py``): q4_0 2004 -> 1687 -> 1557 -> 1363 instructions per
-512 K+V values per thread; q8_0 819 per 256 (the Triton kernel's q8_0 launch: 1681); no
-shared-memory traffic. 240-255 registers, so two programs (8 warps) per SM: the
-accumulators of ``O^T`` (64 registers), the next tile's words (64) and the current
-tile's fragments are most of them. The ring then took ragged q4_0 from 76.4 to 71.8 us
-(below).
-
-The ring (``num_stages`` >= 2, the library's launch for both layouts; ``quant_ring``
-owns its layouts and copies). Each warp copies its own rows of tile i + STAGES - 1 with
-``cp.async`` while tile i is computed, and reads tile i back with ``ld.shared`` straight
-into ``K_WORDS`` / ``V_WORDS``; block ids ride the copies, so the loop holds no global
-load. 203 registers (q4_0, paged; 168 contiguous) and 72 KB of shared memory (q8_0: 205
-at the ring's introduction, 230 since its grouped scores; 68 KB), two programs per SM.
-Gluon's barrier analysis puts three CTA barriers in a paged tile (one orders the id
-reads before their slot's next copy) and two in a contiguous one; warp barriers would
-do, but tried by editing the PTX they were slower (73.7 against 71.6 us on ragged q4_0).
-
-The register double buffer (``num_stages=1``, not the library's launch) loads the next
-tile's words into registers. Where those loads go out is ptxas's choice: written at the
-top of the loop, it issues them late in the loop, after the current tile's S^T
-products, so the K words have little of a tile to arrive in. (Before q8_0's grouped
-scores a block boundary after its K loads kept K's eight 16-byte loads per thread ahead
-of the O^T products, 1-1.5% faster paged, docs/benchmarks/logs/probes/45c1639_*; the
-grouped K is 32 single words per thread, which the same boundary did not move and made
-spill, so it was dropped.)
-
-q8_0 grouped (33de598; docs/benchmarks/logs/probes/ef26dd0_q8_0_grouped_*, A/B against ef26dd0).
-sm_90 ring loop, paged 64-row tiles: 910 -> 824 instructions, 1471 -> 1246 scheduled
-stall cycles, 205 -> 230 registers (two programs per SM either way). Probed for 0.05 s
-per side, the two forms read the same (8 x 128K paged / contiguous 0.985 and 0.984
-against 0.989 and 0.988). Held for 0.5 s per side, where the H200 sits at its 700 W
-power cap and lowers the SM clock (1350-1965 MHz in 100 ms samples), the per-value
-form's paged side slowed by 6% and its contiguous side by 2% (8 x 128K 565.2 / 538.0
-us, 0.952; 8 x 64K and 4 x 128K 0.953-0.954), while the grouped form held 0.979-0.992
-(532.8 / 521.8 us at 8 x 128K). The benchmark times 0.15 s per side after a minute of
-other points, which is why its large q8_0 points read 0.954-0.967 where short probes
-read 0.98; with the grouped form every q8_0 point reads 0.986-1.057 (attention.md at
-33de598).
+The ring (``quant_ring`` owns its layouts and copies). Each warp copies its own rows of
+tile i + STAGES - 1 with ``cp.async`` while tile i is computed, and reads tile i back
+with ``ld.shared`` straight into ``K_WORDS`` / ``V_WORDS``; block ids ride the copies,
+so the loop holds no global load. About 200-240 registers and 68-72 KB of shared memory
+at 4 warps: two programs per SM. Gluon's barrier analysis puts three CTA barriers in a
+paged tile (one orders the id reads before their slot's next copy) and two in a
+contiguous one.
 
 End of a program (``fragment_warps.finish_program``, shared with ``float_fragments``):
 the warps' states combine after one layout conversion that gives each thread every
-warp's copy of its elements (``gl.sum`` over the warp axis of the MMA layout lowered to
-11 barrier rounds through shared memory, and cost 5-7 us per program); a split chunk
-stores its partial ``[G, 256]`` in label order as 16-byte vectors (the merge is
-elementwise, so any order serves; ``fragment_warps.label_column`` maps labels to head_dim
-for the output), and the merge takes a whole group of partials per trip. With
-``trace=`` every program records the global timer at six points (``decode_trace``;
-``benchmarks/trace_decode.py``), a separately compiled variant.
+warp's copy of its elements; a split chunk stores its partial ``[G, 256]`` in label order
+as 16-byte vectors (the merge is elementwise, so any order serves;
+``fragment_warps.label_column`` maps labels to head_dim for the output), and the merge
+takes a whole group of partials per trip. With ``trace=`` every program records the
+global timer at six points (``decode_trace``; ``benchmarks/tools/trace_decode.py``), a
+separately compiled variant.
+
+The choices above that rest on measurements (the ring against a register double buffer,
+grouped K, the wide launches) are in docs/kernel-decisions.md.
 """
 
 from __future__ import annotations
@@ -142,11 +97,13 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from pagedserve.kernels.decode_plan import DecodeConfig
 from pagedserve.kernels.decode_trace import record_program, stamp
 from pagedserve.kernels.fragment_warps import (
     HEAD_DIM,
@@ -161,10 +118,10 @@ from pagedserve.kernels.fragment_warps import (
     sequence_table,
     softmax_step,
     tile_rows,
-    warp_block_ids,
 )
 from pagedserve.kernels.kv_tiles import q4_dequant_asm
 from pagedserve.kernels.quant_ring import copy_ids, copy_tile, id_pointers, read_ids, ring_layouts
+from pagedserve.kv.formats import KVBlockStorage
 
 # V's A-operand registers pair tokens t and t + 1 of one label. Each invocation takes a
 # word of 4 bytes of row t ($8), the same 4 bytes of row t + 1 ($9) and the pair of their
@@ -231,9 +188,8 @@ lop3.b32 $3, u, hinib, himagic, 0xea;
 LO_EXCESS = tl.constexpr(1032.0)
 HI_EXCESS = tl.constexpr(72.0)
 
-# The plan's options for this kernel (fragment_warps.locate_program says what each does
-# and what the H200 measured): the upper half of the K/V heads take their chunks in
-# reverse; chunk starts as the plan computes them.
+# The plan's options for this kernel (``fragment_warps.locate_program``): the upper half
+# of the K/V heads take their chunks in reverse; chunk starts as the plan computes them.
 UPPER_HEADS_REVERSED = tl.constexpr(True)
 ALIGNED_START = tl.constexpr(False)
 
@@ -392,7 +348,7 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
         reg_bases=_bits(gb, 3) + _bits(t // 2, 1, start=2),
         lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
         warp_bases=warps, block_bases=[], shape=[w, t // 2, 8, gb])
-    # The shared-memory ring's layouts (``STAGES`` > 1; ``quant_ring``): its reads take
+    # The shared-memory ring's layouts (``quant_ring``): its reads take
     # K_WORDS / V_WORDS, whose word-start bases these are.
     ring = ring_layouts(
         w, t, gb, k_reads=k_reads, k_lanes=k_lanes,
@@ -414,26 +370,6 @@ def fragment_layouts(kv_type: str, num_warps: int, tokens: int) -> dict:
             warp_bases=_warp_bases(w, 3), block_bases=[], shape=[w, 8, 8]),
         V_PAIR_PERM=tuple(v_pair_perm(geo.label_bits, t)),
     )
-
-
-@gluon.jit
-def _load_rows(data_ptr, scale_ptr, rows, live, WPG: gl.constexpr, layout: gl.constexpr):
-    """Payload as int32 words ``[W, T, 8, WPG]`` (``WPG = GB / 4`` per group) and group
-    scales ``[W, T, 8]`` (f16) of the rows ``rows`` where ``live`` (``tile_rows``, in
-    ``layout``'s token slice), in ``layout``; rows not live read row 0 with scale 0.
-    Words, not bytes, wait in registers for the next tile: a byte would take a
-    register."""
-    L3: gl.constexpr = gl.SliceLayout(3, layout)
-    row = gl.where(live, rows, 0).to(gl.int64)
-    g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-    i = gl.arange(0, WPG,
-                  layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
-    sc = gl.load(scale_ptr + row[:, :, None] * 8 + g, mask=live[:, :, None], other=0.0)
-    word_off = (row[:, :, None] * (8 * WPG) + g * WPG)[:, :, :, None] + i[None, None, None, :]
-    # Unmasked: a row not read points at row 0 of the pool, and its zero scale makes every
-    # value of it an exact 0 (a masked vector load would first zero its registers).
-    words = gl.load(data_ptr.to(gl.pointer_type(gl.int32)) + word_off)
-    return words, sc
 
 
 @gluon.jit
@@ -642,7 +578,7 @@ def fragment_decode_kernel(
     trace_ptr,  # int64 [Hkv * programs per head, 8] (decode_trace) when TRACE
     G: gl.constexpr, GP: gl.constexpr, BS: gl.constexpr, INTERLEAVE: gl.constexpr,
     B_PAD: gl.constexpr, MIN_PARTITION: gl.constexpr, PAGED: gl.constexpr,
-    MERGE_UNROLL: gl.constexpr, MERGE_GROUP: gl.constexpr, TABLE_AHEAD: gl.constexpr,
+    MERGE_UNROLL: gl.constexpr, MERGE_GROUP: gl.constexpr,
     W: gl.constexpr, T: gl.constexpr, GB: gl.constexpr, HALVES: gl.constexpr,
     K_LO_EXCESS: gl.constexpr, K_HI_EXCESS: gl.constexpr,
     K_WORDS: gl.constexpr, K_BYTES: gl.constexpr, V_WORDS: gl.constexpr,
@@ -684,142 +620,91 @@ def fragment_decode_kernel(
     # rows: converting one set between layouts would go through shared memory, behind a
     # barrier of all warps, every tile.
     KT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, K_WORDS))
-    VT: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, V_WORDS))
     WARP_IDS: gl.constexpr = PAGED and BS >= 16 and BS & (BS - 1) == 0
-    if STAGES > 1:
-        # The shared-memory ring (the library's launch): tile i + STAGES - 1 is copied
-        # while tile i is computed. Each warp copies, and reads back, only its own rows.
-        NW: gl.constexpr = 8 * WPG
-        kw_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, T, NW], RING_WORDS)
-        vw_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, T, NW], RING_WORDS)
-        ks_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, 8], RING_SCALES)
-        vs_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, 8], RING_SCALES)
-        # Block ids ride the copy groups too (``quant_ring.copy_ids``): the ids of tile j are copied
-        # with tile j - STAGES and read from ``id_ring`` slot j % (2 STAGES) after that
-        # group's wait, so that no global load is in flight across the loop. (A table
-        # load there holds a scoreboard through the whole tile, and ptxas then issues
-        # the dequantization chains back to back: paged 77.5 us against 71.6 on the
-        # ragged q4_0 case, docs/benchmarks/README.md, "Seventeenth session".) The first
-        # STAGES tiles' ids are loaded and stored here.
-        IDR: gl.constexpr = 2 * STAGES
+    # The shared-memory ring: tile i + STAGES - 1 is copied while tile i is computed.
+    # Each warp copies, and reads back, only its own rows.
+    NW: gl.constexpr = 8 * WPG
+    kw_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, T, NW], RING_WORDS)
+    vw_ring = gl.allocate_shared_memory(gl.int32, [STAGES, W, T, NW], RING_WORDS)
+    ks_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, 8], RING_SCALES)
+    vs_ring = gl.allocate_shared_memory(gl.float16, [STAGES, W, T, 8], RING_SCALES)
+    # Block ids ride the copy groups too (``quant_ring.copy_ids``): the ids of tile j are
+    # copied with tile j - STAGES and read from ``id_ring`` slot j % (2 STAGES) after that
+    # group's wait, so that no global load is in flight across the loop (a table load
+    # there holds a scoreboard through the whole tile, and ptxas then serializes the
+    # dequantization chains: slower on the H200, docs/kernel-decisions.md). The first
+    # STAGES tiles' ids are loaded and stored here.
+    IDR: gl.constexpr = 2 * STAGES
+    if WARP_IDS:
+        id_ring = gl.allocate_shared_memory(gl.int32, [IDR, W, 2], ID_RING)
+        for j in gl.static_range(STAGES):
+            ptrs, mask = id_pointers(table_row, tok_lo + j * BLOCK_N, tok_hi, W, T, BS,
+                                     ID_COPY)
+            id_ring.index(j).store(gl.load(ptrs, mask=mask, other=0))
+    for j in gl.static_range(STAGES - 1):
         if WARP_IDS:
-            id_ring = gl.allocate_shared_memory(gl.int32, [IDR, W, 2], ID_RING)
-            for j in gl.static_range(STAGES):
-                ptrs, mask = id_pointers(table_row, tok_lo + j * BLOCK_N, tok_hi, W, T, BS,
-                                         ID_COPY)
-                id_ring.index(j).store(gl.load(ptrs, mask=mask, other=0))
-        for j in gl.static_range(STAGES - 1):
-            if WARP_IDS:
-                id0, id1 = read_ids(id_ring.index(j), ID_COPY, KT)
-            else:
-                id0 = block0
-                id1 = block0
-            copy_tile(kw_ring.index(j), vw_ring.index(j), ks_ring.index(j), vs_ring.index(j),
-                      kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1, tok_lo + j * BLOCK_N,
-                      tok_hi, num_blocks, num_kv_heads, h, head_stride, W, T, BS, PAGED,
-                      WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
-            if WARP_IDS:
-                copy_ids(id_ring.index(j + STAGES), table_row,
-                         tok_lo + (j + STAGES) * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
-            async_copy.commit_group()
-        # (id0, id1): the ids of the next tile to copy; (mid0, mid1): this tile's, for
-        # its mask.
-        if WARP_IDS:
-            id0, id1 = read_ids(id_ring.index(STAGES - 1), ID_COPY, KT)
-            mid0, mid1 = read_ids(id_ring.index(0), ID_COPY, KT)
+            id0, id1 = read_ids(id_ring.index(j), ID_COPY, KT)
         else:
             id0 = block0
             id1 = block0
-            mid0 = block0
-            mid1 = block0
-        q_lo, q_hi, offsets = _q_state(q, Q_PERM, K_LO_EXCESS, K_HI_EXCESS, B_OP, CORR)
-        stamp(trace_ptr, slot, 2, TRACE)
-        for it in range(gl.cdiv(tok_hi - tok_lo, BLOCK_N)):
-            ahead = tok_lo + (it + STAGES - 1) * BLOCK_N
-            fill = (it + STAGES - 1) % STAGES
-            copy_tile(kw_ring.index(fill), vw_ring.index(fill), ks_ring.index(fill),
-                      vs_ring.index(fill), kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1,
-                      ahead, tok_hi, num_blocks, num_kv_heads, h, head_stride, W, T, BS,
-                      PAGED, WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
-            if WARP_IDS:
-                copy_ids(id_ring.index((it + 2 * STAGES - 1) % IDR), table_row,
-                         ahead + STAGES * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
-            async_copy.commit_group()
-            live = tile_rows(table_row, mid0, mid1, tok_lo + it * BLOCK_N, tok_hi, num_blocks,
-                             num_kv_heads, h, head_stride, W, T, BS, PAGED, WARP_IDS,
-                             TOKENS)[1]
-            async_copy.wait_group(STAGES - 1)
-            use = it % STAGES
-            kx = gl.convert_layout(gl.reshape(kw_ring.index(use).load(K_WORDS3),
-                                              [W, T, 8, WPG]), K_WORDS, assert_trivial=True)
-            ks = ks_ring.index(use).load(gl.SliceLayout(3, K_WORDS))
-            st = _tile_scores_grouped(kx, ks, q_lo, q_hi, offsets, HALVES, K_BYTES, MMA)
-            p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
-            p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
-            # V is read from the ring only now: its words are not held through S^T.
-            vx = gl.convert_layout(gl.reshape(vw_ring.index(use).load(V_WORDS3),
-                                              [W, T, 8, WPG]), V_WORDS, assert_trivial=True)
-            vs = vs_ring.index(use).load(gl.SliceLayout(3, V_WORDS))
-            acc_lo, acc_hi = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_hi,
-                                         V_PAIR_PERM, HALVES, V_LOAD, V_PAIR, MMA)
-            if WARP_IDS:
-                # Read after this tile's wait (the group that brought them was this
-                # tile's) and before the next tile's first barrier, which orders these
-                # reads before their slots are copied into again.
-                if STAGES == 2:
-                    mid0, mid1 = id0, id1  # this iteration copied the next tile
-                else:
-                    mid0, mid1 = read_ids(id_ring.index((it + 1) % IDR), ID_COPY, KT)
-                id0, id1 = read_ids(id_ring.index((it + STAGES) % IDR), ID_COPY, KT)
-        async_copy.wait_group(0)
+        copy_tile(kw_ring.index(j), vw_ring.index(j), ks_ring.index(j), vs_ring.index(j),
+                  kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1, tok_lo + j * BLOCK_N,
+                  tok_hi, num_blocks, num_kv_heads, h, head_stride, W, T, BS, PAGED,
+                  WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
+        if WARP_IDS:
+            copy_ids(id_ring.index(j + STAGES), table_row,
+                     tok_lo + (j + STAGES) * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
+        async_copy.commit_group()
+    # (id0, id1): the ids of the next tile to copy; (mid0, mid1): this tile's, for
+    # its mask.
+    if WARP_IDS:
+        id0, id1 = read_ids(id_ring.index(STAGES - 1), ID_COPY, KT)
+        mid0, mid1 = read_ids(id_ring.index(0), ID_COPY, KT)
     else:
-        # The register double buffer (``num_stages`` 1): the next tile's words are loaded
-        # into registers while this one is computed.
-        # AHEAD: the next tile's block ids (one or two per warp) are loaded a tile before
-        # the rows they address, so that the table lookup's latency is not in front of
-        # the payload loads.
-        AHEAD: gl.constexpr = TABLE_AHEAD and WARP_IDS
+        id0 = block0
+        id1 = block0
+        mid0 = block0
+        mid1 = block0
+    q_lo, q_hi, offsets = _q_state(q, Q_PERM, K_LO_EXCESS, K_HI_EXCESS, B_OP, CORR)
+    stamp(trace_ptr, slot, 2, TRACE)
+    for it in range(gl.cdiv(tok_hi - tok_lo, BLOCK_N)):
+        ahead = tok_lo + (it + STAGES - 1) * BLOCK_N
+        fill = (it + STAGES - 1) % STAGES
+        copy_tile(kw_ring.index(fill), vw_ring.index(fill), ks_ring.index(fill),
+                  vs_ring.index(fill), kd_ptr, ks_ptr, vd_ptr, vs_ptr, table_row, id0, id1,
+                  ahead, tok_hi, num_blocks, num_kv_heads, h, head_stride, W, T, BS,
+                  PAGED, WARP_IDS, NW, COPY_WORDS, COPY_SCALES)
         if WARP_IDS:
-            id0, id1 = warp_block_ids(table_row, tok_lo, tok_hi, W, T, BS, KT)
-        else:
-            id0 = block0
-            id1 = block0
-        rows, live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                               head_stride, W, T, BS, PAGED, WARP_IDS, KT)
-        kx, ks = _load_rows(kd_ptr, ks_ptr, rows, live, WPG, K_WORDS)
-        rows, live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                               head_stride, W, T, BS, PAGED, WARP_IDS, VT)
-        vx, vs = _load_rows(vd_ptr, vs_ptr, rows, live, WPG, V_WORDS)
-        live = tile_rows(table_row, id0, id1, tok_lo, tok_hi, num_blocks, num_kv_heads, h,
-                         head_stride, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
-        if AHEAD:
-            id0, id1 = warp_block_ids(table_row, tok_lo + BLOCK_N, tok_hi, W, T, BS, KT)
-        q_lo, q_hi, offsets = _q_state(q, Q_PERM, K_LO_EXCESS, K_HI_EXCESS, B_OP, CORR)
-        stamp(trace_ptr, slot, 2, TRACE)
-        for start in range(tok_lo, tok_hi, BLOCK_N):
-            nxt = start + BLOCK_N
-            if AHEAD:
-                nid0, nid1 = id0, id1
-                id0, id1 = warp_block_ids(table_row, nxt + BLOCK_N, tok_hi, W, T, BS, KT)
-            elif WARP_IDS:
-                nid0, nid1 = warp_block_ids(table_row, nxt, tok_hi, W, T, BS, KT)
+            copy_ids(id_ring.index((it + 2 * STAGES - 1) % IDR), table_row,
+                     ahead + STAGES * BLOCK_N, tok_hi, W, T, BS, ID_COPY)
+        async_copy.commit_group()
+        live = tile_rows(table_row, mid0, mid1, tok_lo + it * BLOCK_N, tok_hi, num_blocks,
+                         num_kv_heads, h, head_stride, W, T, BS, PAGED, WARP_IDS,
+                         TOKENS)[1]
+        async_copy.wait_group(STAGES - 1)
+        use = it % STAGES
+        kx = gl.convert_layout(gl.reshape(kw_ring.index(use).load(K_WORDS3),
+                                          [W, T, 8, WPG]), K_WORDS, assert_trivial=True)
+        ks = ks_ring.index(use).load(gl.SliceLayout(3, K_WORDS))
+        st = _tile_scores_grouped(kx, ks, q_lo, q_hi, offsets, HALVES, K_BYTES, MMA)
+        p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
+        p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
+        # V is read from the ring only now: its words are not held through S^T.
+        vx = gl.convert_layout(gl.reshape(vw_ring.index(use).load(V_WORDS3),
+                                          [W, T, 8, WPG]), V_WORDS, assert_trivial=True)
+        vs = vs_ring.index(use).load(gl.SliceLayout(3, V_WORDS))
+        acc_lo, acc_hi = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_hi,
+                                     V_PAIR_PERM, HALVES, V_LOAD, V_PAIR, MMA)
+        if WARP_IDS:
+            # Read after this tile's wait (the group that brought them was this
+            # tile's) and before the next tile's first barrier, which orders these
+            # reads before their slots are copied into again.
+            if STAGES == 2:
+                mid0, mid1 = id0, id1  # this iteration copied the next tile
             else:
-                nid0, nid1 = id0, id1
-            rows, live_k = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                     h, head_stride, W, T, BS, PAGED, WARP_IDS, KT)
-            kx_next, ks_next = _load_rows(kd_ptr, ks_ptr, rows, live_k, WPG, K_WORDS)
-            rows, live_v = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads,
-                                     h, head_stride, W, T, BS, PAGED, WARP_IDS, VT)
-            vx_next, vs_next = _load_rows(vd_ptr, vs_ptr, rows, live_v, WPG, V_WORDS)
-
-            st = _tile_scores_grouped(kx, ks, q_lo, q_hi, offsets, HALVES, K_BYTES, MMA)
-            p, alpha, m_i, l_i = softmax_step(st, live, qk_scale, m_i, l_i)
-            p16 = scores_to_b_operand(p.to(gl.float16), B_OP)
-            live = tile_rows(table_row, nid0, nid1, nxt, tok_hi, num_blocks, num_kv_heads, h,
-                             head_stride, W, T, BS, PAGED, WARP_IDS, TOKENS)[1]
-            acc_lo, acc_hi = _accumulate(vx, vs, p16, alpha[:, None, :], acc_lo, acc_hi,
-                                         V_PAIR_PERM, HALVES, V_LOAD, V_PAIR, MMA)
-            kx, ks, vx, vs = kx_next, ks_next, vx_next, vs_next
+                mid0, mid1 = read_ids(id_ring.index((it + 1) % IDR), ID_COPY, KT)
+            id0, id1 = read_ids(id_ring.index((it + STAGES) % IDR), ID_COPY, KT)
+    async_copy.wait_group(0)
 
     if not HALVES:
         acc_hi = acc_lo
@@ -829,16 +714,18 @@ def fragment_decode_kernel(
                    MERGE_UNROLL, MERGE_GROUP, TRACE)
 
 
-def supports(q, cache_k, cache_v) -> bool:
+def supports(q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
+             cfg: DecodeConfig) -> bool:
     """Whether this kernel runs a launch: K and V both q4_0 or both q8_0, head_dim 256, at
-    most 8 query heads per K/V head, on a GPU."""
+    most 8 query heads per K/V head, a ring of at least two stages, on a GPU."""
     return (q.is_cuda and cache_k.kv_type == cache_v.kv_type and cache_k.kv_type in TYPES
-            and q.shape[-1] == HEAD_DIM and q.shape[1] // cache_k.num_kv_heads <= MAX_GROUP)
+            and q.shape[-1] == HEAD_DIM and q.shape[1] // cache_k.num_kv_heads <= MAX_GROUP
+            and cfg.num_stages >= 2)
 
 
 @functools.cache
 def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int,
-                     stages: int = 1) -> dict:
+                     stages: int) -> dict:
     """This kernel's own compile-time arguments for a storage type and warp shape (cached:
     eager decode launches per layer per step; callers must not modify the dict)."""
     geo = GEOMETRY[kv_type]
@@ -849,12 +736,12 @@ def kernel_constants(kv_type: str, num_warps: int, tokens_per_warp: int,
 
 def launch(grid: tuple[int, int], args: tuple, constants: dict, kv_type: str,
            num_warps: int, tokens_per_warp: int, maxnreg: int | None,
-           stages: int = 1) -> None:
+           stages: int) -> None:
     """One launch over checked arguments: ``paged_decode.paged_decode_attention``'s grid
     and run-time arguments (the two kernels share them, the trace pointer last) and the
     Triton kernel's compile-time arguments (``paged_decode.launch_constants``), of which
-    this kernel takes the plan's, the merge's, the table read's and ``TRACE`` (a
-    separately compiled variant whose programs fill their ``decode_trace`` records)."""
+    this kernel takes ``fragment_warps.SHARED_CONSTANTS`` (``TRACE``: a separately
+    compiled variant whose programs fill their ``decode_trace`` records)."""
     fragment_decode_kernel[grid](
         *args,
         **{k: constants[k] for k in SHARED_CONSTANTS},

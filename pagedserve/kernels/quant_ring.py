@@ -1,5 +1,5 @@
 """The shared-memory ring of the q4_0 / q8_0 Gluon kernel (``quant_fragments``): its
-layouts and its copies (``num_stages`` >= 2, the library's launch for both layouts).
+layouts and its copies (``num_stages`` >= 2).
 
 While a program computes tile i, each warp copies its own rows of tile i + STAGES - 1
 with ``cp.async`` (``copy_tile``), one commit group per tile; after the group's wait
@@ -15,13 +15,12 @@ the kernel reads them back with ``ld.shared`` straight into its fragment layouts
       copied with tile j - STAGES, read (``read_ids``) after that tile's wait
 
 Consecutive lanes copy consecutive 16 bytes of a row, so each sector is fetched once
-(unlike the lane-private ring of 4dbc92f). The block ids ride the copies so that the
-tile loop holds no global load: a table load there keeps a scoreboard through the whole
-tile, and ptxas then issued the kernel's dequantization chains back to back (2572 stall
-cycles in the sm_90 loop's control codes against 1973 for the contiguous layout, which
-reads no table; 1998 with the id ring): ragged q4_0 paged 77.5 us against 71.6 on the
-H200 (docs/benchmarks/README.md, "Seventeenth session";
-tests/kernels/test_quant_fragments.py checks the loop).
+(a ring in which each lane copies only its own fragments' bytes fetches every sector
+twice). The block ids ride the copies so that the tile loop holds no global load: a
+table load there keeps a scoreboard through the whole tile, and ptxas then serializes
+the dequantization chains, which made the paged loop slower than the contiguous one on
+the H200 (docs/kernel-decisions.md; tests/kernels/test_quant_fragments.py checks that
+the loop reads memory only through its copies).
 """
 
 from __future__ import annotations

@@ -2,15 +2,13 @@
 
 A guard, not an oracle: correctness is the other kernel tests' business. What this pins
 is the machine code behind the figures in ``docs/benchmarks``. Code outside a loop moves
-it: a change to the merge only made the q4_0 paged loop 1289 instructions instead of
-1277, and in the same H200 call q4_0's paged / contiguous at 8 x 128K read 0.957-0.959
-against 0.972-0.974 (docs/benchmarks/README.md, "Twenty-second session"; the merge
-itself was not ruled out as the cause). So a change that moves a loop is measured on the
-H200 before its new size is recorded here (``benchmarks/ab_probe.sh`` against the
-previous commit, then the full ``bench_attention.py`` run).
+it (a change to the merge alone has moved the q4_0 paged loop, and with it the H200's
+paged / contiguous at 8 x 128K by 1.5%). So a change that moves a loop is measured on the
+H200 before its new size is recorded here (``benchmarks/tools/ab_probe.sh`` against the
+previous commit, then the full ``bench_attention.py`` run; docs/kernel-decisions.md).
 
 Each library launch (``decode_plan.default_config``) is compiled for sm_90 by
-``gluon_checks.compile_for_sm90`` (``benchmarks/decode_sass.py``, Triton's own ptxas and
+``gluon_checks.compile_for_sm90`` (``benchmarks/tools/decode_sass.py``, Triton's own ptxas and
 ``cuobjdump``); no GPU is needed.
 """
 
@@ -38,9 +36,8 @@ LAUNCHES = {
     "q8_0": ("q8_0", 1 << 20, 8),
     "f16": ("f16", 1 << 20, 8),
 }
-# SASS instructions of the tile loop, paged and contiguous (Triton 3.6.0's ptxas), as
-# measured on the H200 in docs/benchmarks/attention.md (the plan options of the
-# twenty-third session: reversed upper heads for q4_0 / q8_0, aligned starts for f16).
+# SASS instructions of the tile loop, paged and contiguous (Triton 3.6.0's ptxas), of the
+# kernels measured in docs/benchmarks/attention.md.
 LOOP_INSTRUCTIONS = {
     "q4_0 wide": (1264, 1210),
     "q4_0": (1277, 1223),

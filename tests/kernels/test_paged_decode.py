@@ -337,13 +337,13 @@ def test_triton_per_block_table_read_other_block_sizes(block_size, block_n):
 @needs_triton
 @pytest.mark.parametrize("table_read,table_ahead", [("row", True), ("block", True),
                                                     ("row", False), ("block", False)])
-@pytest.mark.parametrize("k_type,v_type,mode", [("q4_0", "f16", "group"),
-                                                ("f16", "f16", "group"),
+@pytest.mark.parametrize("k_type,v_type,mode", [("q4_0", "f16", "element"),
+                                                ("f16", "f16", "element"),
                                                 ("q4_0", "q8_0", "packed")])
 def test_triton_masks_invalid_block_ids_without_validate(monkeypatch, table_read,
                                                          table_ahead, k_type, v_type, mode):
     """Garbage ids inside a sequence are skipped, never read; the rest is exact. Masked
-    loads (float and ``group`` tiles) and the packed tiles' clamp to row 0 alike."""
+    loads (float and ``element`` tiles) and the packed tiles' clamp to row 0 alike."""
     monkeypatch.delenv("PAGEDSERVE_VALIDATE", raising=False)
     lens = [48, 20]
     ck, cv, table, tables = build_pool(k_type, v_type, lens, num_kv_heads=2, head_dim=64,

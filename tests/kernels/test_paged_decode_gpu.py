@@ -28,14 +28,12 @@ EDGE_LENS = [0, 1, 15, 16, 17, 31, 32, 33, 1000, 4097, 20000]
 
 # The Gluon kernels (the library's defaults): for q4_0 or q8_0 K and V
 # (kernels/quant_fragments.py) 32 tokens per warp for q4_0, 16 for q8_0, a shared-memory
-# ring of two stages (num_stages=1: the register double buffer); for f16 K and V
+# ring of two stages (fewer stages run the Triton kernel); for f16 K and V
 # (kernels/float_fragments.py) 16 tokens per warp and a ring of two stages.
 FRAGMENT = DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=128,
                         quant_dot="fragment")
 FRAGMENT_Q8 = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=128,
                            quant_dot="fragment")
-REGISTERS = dataclasses.replace(FRAGMENT, num_stages=1)
-REGISTERS_Q8 = dataclasses.replace(FRAGMENT_Q8, num_stages=1)
 FRAGMENT_F16 = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=128,
                             quant_dot="fragment", table_read="block")
 # q8_0 and q4_0 for small short batches (``decode_plan.default_config``): 8 warps, one
@@ -83,7 +81,7 @@ def test_gqa_and_head_dims(hkv, group, d, k_type, v_type):
     check(k_type, v_type, [3, 700, 5000], hkv=hkv, group=group, d=d)
 
 
-@pytest.mark.parametrize("mode", ["group", "element", "packed"])
+@pytest.mark.parametrize("mode", ["element", "packed"])
 @pytest.mark.parametrize("k_type,v_type", [("q4_0", "q4_0"), ("q8_0", "q4_0"), ("q4_0", "q8_0"),
                                            ("q8_0", "f16")])
 def test_quant_dot_modes(mode, k_type, v_type):
@@ -181,10 +179,9 @@ def check_contiguous(k_type, v_type, lens, order, config=None, paired=True):
 @pytest.mark.parametrize("k_type,v_type,config", [
     ("f16", "f16", None), ("f16", "f16", TRITON_F16), ("q4_0", "q4_0", None),
     ("q4_0", "q4_0", FRAGMENT), ("q8_0", "q8_0", FRAGMENT_Q8),
-    ("q4_0", "q4_0", REGISTERS), ("q8_0", "q8_0", REGISTERS_Q8),
     ("f16", "f16", dataclasses.replace(FRAGMENT_F16, num_stages=3)), ("q8_0", "q8_0", None),
-], ids=["f16", "triton-f16", "q4_0", "fragment-q4_0", "fragment-q8_0", "registers-q4_0",
-        "registers-q8_0", "fragment-f16-s3", "q8_0-four"])
+], ids=["f16", "triton-f16", "q4_0", "fragment-q4_0", "fragment-q8_0", "fragment-f16-s3",
+        "q8_0-four"])
 def test_contiguous_layout(k_type, v_type, config):
     check_contiguous(k_type, v_type, [4096, 1, 0, 2500], [3, 1, 0, 2], config)
 
@@ -274,16 +271,14 @@ def test_fragment_kernel_gqa(hkv, group, kv_type):
 
 @pytest.mark.parametrize("kv_type,config", [
     ("q4_0", FRAGMENT),
-    ("q4_0", REGISTERS),
     ("q4_0", dataclasses.replace(FRAGMENT, num_stages=3)),
-    ("q4_0", DecodeConfig(block_n=64, num_warps=2, num_stages=1, min_partition=64,
+    ("q4_0", DecodeConfig(block_n=64, num_warps=2, num_stages=2, min_partition=64,
                           quant_dot="fragment")),
     # The wide launches without their own budget, so that the forced one splits.
     ("q4_0", dataclasses.replace(WIDE_Q4, occupancy=None)),
     ("q4_0", DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=64,
                           quant_dot="fragment")),
     ("q8_0", FRAGMENT_Q8),
-    ("q8_0", REGISTERS_Q8),
     ("q8_0", DecodeConfig(block_n=32, num_warps=2, num_stages=3, min_partition=64,
                           quant_dot="fragment")),
     ("q8_0", dataclasses.replace(WIDE_Q8, occupancy=None)),
@@ -293,28 +288,23 @@ def test_fragment_kernel_gqa(hkv, group, kv_type):
                          quant_dot="fragment")),
     ("f16", DecodeConfig(block_n=128, num_warps=8, num_stages=1, min_partition=128,
                          quant_dot="fragment")),
-], ids=["q4-w4", "q4-w4-s1", "q4-w4-s3", "q4-w2-s1", "q4-w8", "q4-w4-t16", "q8-w4",
-        "q8-w4-s1", "q8-w2-s3", "q8-w8", "f16-w4-s2", "f16-w4-s3", "f16-w2-s4", "f16-w8-s1"])
+], ids=["q4-w4", "q4-w4-s3", "q4-w2", "q4-w8", "q4-w4-t16", "q8-w4", "q8-w2-s3", "q8-w8",
+        "f16-w4-s2", "f16-w4-s3", "f16-w2-s4", "f16-w8-s1"])
 def test_fragment_kernel_many_partitions(kv_type, config):
     check(kv_type, kv_type, EDGE_LENS, config=config, ws_kwargs=dict(chunks_per_head=1024))
 
 
 @pytest.mark.parametrize("kv_type,table_ahead", [
-    *itertools.product(FRAGMENT_TYPES, [True, False]), ("q4_0", "registers"),
-    ("q8_0", "registers")], ids=lambda v: {True: "ahead", False: "just-in-time"}.get(v, v))
+    *itertools.product(FRAGMENT_TYPES, [True, False])],
+    ids=lambda v: {True: "ahead", False: "just-in-time"}.get(v, v))
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 48])
 def test_fragment_kernel_block_sizes(block_size, table_ahead, kv_type):
     """Rows from two block ids per warp (16 with 32 tokens per warp: a warp's tokens span
     two blocks; 32, 64: one, at an offset in it), and from one id per row (8, 48: not a
     power of 2 >= 16; the f16 ring then falls back to the Triton kernel), with many
     partitions so that chunks start mid-block. (The rings read ids ahead either way,
-    the q4_0 / q8_0 one through its copies; ``registers``: the q4_0 / q8_0 register
-    double buffer, ids a tile ahead.)"""
-    cfg = FRAGMENT_CONFIGS[kv_type]
-    if table_ahead == "registers":
-        cfg = dataclasses.replace(cfg, num_stages=1)
-    else:
-        cfg = dataclasses.replace(cfg, table_ahead=table_ahead)
+    the q4_0 / q8_0 one through its copies.)"""
+    cfg = dataclasses.replace(FRAGMENT_CONFIGS[kv_type], table_ahead=table_ahead)
     check(kv_type, kv_type, EDGE_LENS, config=cfg, block_size=block_size,
           ws_kwargs=dict(chunks_per_head=64))
 
@@ -381,7 +371,7 @@ def test_fragment_kernel_masks_invalid_block_ids(kv_type):
 
 @pytest.mark.parametrize("kv_type", ["q4_0", "q8_0", "f16", "triton-f16"])
 def test_kernel_trace_records(kv_type):
-    """``trace=`` (benchmarks/trace_decode.py; the Gluon kernels for q4_0, q8_0 and f16,
+    """``trace=`` (benchmarks/tools/trace_decode.py; the Gluon kernels for q4_0, q8_0 and f16,
     the Triton kernel's f16 launch) changes the output by rounding at most (a separate
     compile; within one f16 ulp of the largest output), and each program's record agrees
     with the host mirror of the plan (the chunk it takes, reversed for the upper heads
