@@ -29,12 +29,10 @@ class HostStaging:
     """Reusable host buffers for a step's host->device copies, pinned on CUDA.
 
     From pageable memory the driver stages a copy while the host waits; from pinned memory
-    it is an asynchronous DMA. (On the H200, building a 128K + 7 x 8K decode batch took
-    0.78 ms of host time against 0.24 ms for one 8K sequence, most of the difference
-    presumably the 256 KB block table's pageable copy: docs/benchmarks/logs/
-    profile_engine_b974b77.log. Not yet re-measured with these buffers.) The buffers are
-    rewritten every step, so each step's copies are fenced by an event that the next
-    step waits on before writing (a step normally ends in a device sync: the wait is free).
+    it is an asynchronous DMA, which matters for a long sequence's block table (256 KB at
+    128K tokens). The buffers are rewritten every step, so each step's copies are fenced
+    by an event that the next step waits on before writing (a step normally ends in a
+    device sync: the wait is free).
 
     Args:
         device: where the batches go; buffers are pinned only for CUDA.
