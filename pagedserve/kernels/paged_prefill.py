@@ -49,15 +49,19 @@ def _operand(x, Q_DTYPE: tl.constexpr, NATIVE: tl.constexpr):
     itself; the Triton interpreter keeps bfloat16 as raw bits with no arithmetic, so there
     the rounded values are widened back to float32 (exactly) for an IEEE float32 dot."""
     if NATIVE:
-        return x.to(Q_DTYPE)
-    return x.to(tl.float32).to(Q_DTYPE).to(tl.float32)
+        y = x.to(Q_DTYPE)
+    else:
+        y = x.to(tl.float32).to(Q_DTYPE).to(tl.float32)
+    return y
 
 
 @triton.jit
 def _dot(a, b, NATIVE: tl.constexpr):
     if NATIVE:
-        return tl.dot(a, b)
-    return tl.dot(a, b, input_precision="ieee")
+        c = tl.dot(a, b)
+    else:
+        c = tl.dot(a, b, input_precision="ieee")
+    return c
 
 
 @triton.jit
@@ -68,20 +72,26 @@ def _load_kv_tile(data_ptr, scale_ptr, rows, valid, offs_d, KV_TYPE: tl.constexp
     mask = valid[:, None]
     if KV_TYPE == 0 or KV_TYPE == 1:
         vals = tl.load(data_ptr + rows[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-        return _operand(vals, Q_DTYPE, NATIVE)
-    NG: tl.constexpr = D // 32
-    d = tl.load(scale_ptr + rows[:, None] * NG + (offs_d // 32)[None, :], mask=mask,
-                other=0.0).to(tl.float32)
-    if KV_TYPE == 2:  # q8_0: value = qs * d
-        qs = tl.load(data_ptr + rows[:, None] * D + offs_d[None, :], mask=mask, other=0)
-        return _operand(qs.to(tl.float32) * d, Q_DTYPE, NATIVE)
-    # q4_0: byte j of group g holds values g*32 + j (low nibble) and g*32 + 16 + j (high).
-    W: tl.constexpr = D // 2
-    within = offs_d % 32
-    byte = (offs_d // 32) * 16 + within % 16
-    packed = tl.load(data_ptr + rows[:, None] * W + byte[None, :], mask=mask, other=0)
-    nibble = tl.where((within >= 16)[None, :], packed >> 4, packed & 15)
-    return _operand((nibble.to(tl.float32) - 8.0) * d, Q_DTYPE, NATIVE)
+    else:
+        # One fp16 scale per group of 32 values, applied to the group as a whole.
+        NG: tl.constexpr = D // 32
+        offs_g = tl.arange(0, NG)
+        d = tl.load(scale_ptr + rows[:, None] * NG + offs_g[None, :], mask=mask,
+                    other=0.0).to(tl.float32)  # [N, NG]
+        if KV_TYPE == 2:  # q8_0: value = qs * d
+            qs = tl.load(data_ptr + rows[:, None] * D + offs_d[None, :], mask=mask, other=0)
+            groups = tl.reshape(qs.to(tl.float32), (rows.shape[0], NG, 32)) * d[:, :, None]
+        else:  # q4_0: byte j of group g holds values g*32 + j (low nibble), g*32 + 16 + j
+            W: tl.constexpr = D // 2
+            offs_b = tl.arange(0, W)
+            packed = tl.load(data_ptr + rows[:, None] * W + offs_b[None, :], mask=mask,
+                             other=0)  # [N, D / 2]
+            packed = tl.reshape(packed, (rows.shape[0], NG, 16))
+            halves = tl.join(packed & 15, packed >> 4)  # [N, NG, 16 (j), 2 (lo, hi)]
+            nibbles = tl.reshape(tl.permute(halves, (0, 1, 3, 2)), (rows.shape[0], NG, 32))
+            groups = (nibbles.to(tl.float32) - 8.0) * d[:, :, None]
+        vals = tl.reshape(groups, (rows.shape[0], D))
+    return _operand(vals, Q_DTYPE, NATIVE)
 
 
 @triton.jit
@@ -185,27 +195,27 @@ def _paged_prefill_kernel(
              out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def launch_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for one head_dim and GQA group.
+def launch_config(head_dim: int, group: int, quantized: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for one head_dim, GQA group and
+    whether K or V is quantized.
 
     ``BLOCK_M`` rows hold ``BLOCK_M // group`` positions of every query head of a group,
-    so it is at least the group's next power of 2. head_dim 256 keeps a 64 x 256 float32
-    accumulator and a 64 x 256 q tile in registers across 8 warps.
+    so it is at least the group's next power of 2. Tiles are the largest that compile for
+    sm_90 without spilling registers: a quantized K/V tile is dequantized in registers
+    before it is stored for the tensor cores, so its tiles are half as long.
     """
     if head_dim == 256:
-        block_m, block_n, warps, stages = 64, 64, 8, 2
-    elif head_dim == 128:
-        block_m, block_n, warps, stages = 128, 64, 8, 2
+        block_m, block_n = 64, 32 if quantized else 64
     else:
-        block_m, block_n, warps, stages = 128, 64, 4, 2
-    return max(block_m, triton.next_power_of_2(group)), block_n, warps, stages
+        block_m, block_n = 128, 32 if quantized else 64
+    return max(block_m, triton.next_power_of_2(group)), block_n, 8, 2
 
 
-def max_tiles(num_tokens: int, num_seqs: int, head_dim: int, group: int) -> int:
+def max_tiles(num_tokens: int, num_seqs: int, block_m: int, group: int) -> int:
     """Grid size along the tiles: an upper bound on ``sum_b ceil(n_b / QPT)`` for any
     split of ``num_tokens`` rows among ``num_seqs`` sequences (each adds at most one
     partial tile)."""
-    qpt = launch_config(head_dim, group)[0] // group
+    qpt = block_m // group
     return -(-num_tokens // qpt) + num_seqs
 
 
@@ -238,9 +248,10 @@ def paged_prefill_attention(
     if num_seqs <= seq_begin or T == 0:
         return out
     interleave = guards.check_row_layout(cache_k, "cache_k")
-    block_m, block_n, warps, stages = launch_config(D, group)
+    quantized = "q" in cache_k.kv_type[0] + cache_v.kv_type[0]
+    block_m, block_n, warps, stages = launch_config(D, group, quantized)
     # Rows of sequences before seq_begin hold one token each (decode rows).
-    grid = (max_tiles(T - seq_begin, num_seqs - seq_begin, D, group), Hkv)
+    grid = (max_tiles(T - seq_begin, num_seqs - seq_begin, block_m, group), Hkv)
     k_scales = cache_k.scales if cache_k.scales is not None else cache_k.data
     v_scales = cache_v.scales if cache_v.scales is not None else cache_v.data
     _paged_prefill_kernel[grid](
