@@ -146,6 +146,10 @@ for spec in "$@"; do
     # Random pieces against one run, memory only (benchmarks/tools/probe_pieces.py); $PIECES_ARGS
     # are its arguments (default: its own cases and block sizes).
     probe-pieces)  run_stage "$stage" "$limit" python3 benchmarks/tools/probe_pieces.py ${PIECES_ARGS:-} ;;
+    tests-prefill) run_stage "$stage" "$limit" $PYTEST -n 8 tests/kernels/test_paged_prefill.py ;;
+    # $PREFILL_ARGS: more bench_prefill.py arguments (--parts, --lengths, --configs).
+    bench-prefill) run_stage "$stage" "$limit" python3 benchmarks/bench_prefill.py \
+                     ${PREFILL_ARGS:-} --out "$OUT" ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \

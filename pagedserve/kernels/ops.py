@@ -20,7 +20,7 @@ from pagedserve.kv.formats import KVBlockStorage
 # The public op API: the engine and the model import kernels only through this module.
 __all__ = [
     "BACKENDS", "DecodeConfig", "DecodeWorkspace", "default_occupancy", "kv_write",
-    "paged_decode_attention",
+    "paged_decode_attention", "paged_prefill_attention",
 ]
 
 BACKENDS = ("triton", "reference")
@@ -101,4 +101,52 @@ def paged_decode_attention(
     if out is None:
         return result
     out.copy_(result)
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, *, out: torch.Tensor | None = None, seq_begin: int = 0,
+    backend: str | None = None, validate: bool | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new rows over its cached prefix and themselves.
+
+    Args:
+        q: ``[T, Hq, D]``, the step's query rows, sequences concatenated.
+        cache_k, cache_v: ``KVBlockStorage`` of one layer (types independent), already
+            holding the new rows.
+        block_tables: int32 ``[B, max_blocks]``; one column = contiguous layout.
+        query_start_loc: int32 ``[B + 1]`` cu_seqlens of the new rows.
+        seq_lens: int32 ``[B]`` cached rows after the step (prefix + new).
+        scale: softmax scale.
+        out: optional ``[T, Hq, D]`` buffer in ``q.dtype``.
+        seq_begin: sequences before it (the step's decode rows) are skipped: their rows
+            of ``out`` are left as they are.
+
+    Returns:
+        ``out`` (or a new tensor), with the rows of sequences ``seq_begin ..`` written.
+        See ``kernels.paged_prefill``.
+    """
+    if out is None:
+        out = torch.empty_like(q)
+    guards.check_prefill_args(q, cache_k, cache_v, block_tables, query_start_loc, seq_lens,
+                              out, seq_begin)
+    if guards.validate_requested(validate):
+        guards.check_prefill_lengths(query_start_loc, seq_lens, q.shape[0], seq_begin)
+        guards.check_block_tables(block_tables[seq_begin:], seq_lens[seq_begin:],
+                                  cache_k.num_blocks, cache_k.block_size)
+    if _pick(backend, q.device) == "triton":
+        from pagedserve.kernels import paged_prefill
+
+        _check_triton_types(cache_k, cache_v)
+        return paged_prefill.paged_prefill_attention(
+            q, cache_k, cache_v, block_tables, query_start_loc, seq_lens, scale, out,
+            seq_begin)
+    from pagedserve.kernels.prefill_attention import prefill_attention
+
+    qsl = query_start_loc.tolist()
+    t0 = qsl[seq_begin]
+    out[t0:] = prefill_attention(q[t0:], cache_k, cache_v, block_tables, qsl,
+                                 seq_lens.tolist(), seq_begin, scale)
     return out
