@@ -89,5 +89,6 @@ class GatedAttention(nn.Module):
             ops.paged_prefill_attention(
                 q, cache_k, cache_v, batch.block_tables, batch.query_start_loc,
                 batch.seq_lens, self.scale, out=out, seq_begin=nd,
+                query_start_loc_cpu=batch.query_start_loc_cpu, seq_lens_cpu=batch.seq_lens_cpu,
             )
         return out
