@@ -100,14 +100,18 @@ def paged_decode_attention(
 
 # Prefill methods on CUDA: the paged Triton kernel, or the packed gather + flash varlen.
 PREFILL_METHODS = ("kernel", "flash")
-# From this many new rows in one sequence of a step on, ``method=None`` takes flash: its
-# compute-bound tiles outrun the paged kernel's (docs/kernel-decisions.md).
+# From this many new rows in one sequence of a step on, ``method=None`` takes flash for
+# quantized K/V: the kernel dequantizes each K/V tile once per query tile, which costs
+# more than flash's one gather of the rows there (docs/kernel-decisions.md).
 FLASH_MIN_ROWS = 1024
 
 
-def prefill_method(q: torch.Tensor, query_lens_cpu: list[int] | None) -> str:
-    """The default method of a launch: flash for long chunks in 16-bit models on CUDA."""
-    if (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+def prefill_method(q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
+                   query_lens_cpu: list[int] | None) -> str:
+    """The default method of a launch: flash for long chunks over quantized K/V in 16-bit
+    models; the kernel otherwise."""
+    quantized = formats.spec(cache_k.kv_type).quantized or formats.spec(cache_v.kv_type).quantized
+    if (quantized and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
             and query_lens_cpu and max(query_lens_cpu) >= FLASH_MIN_ROWS):
         return "flash"
     return "kernel"
@@ -118,7 +122,8 @@ def paged_prefill_attention(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, *, out: torch.Tensor | None = None, seq_begin: int = 0,
     query_start_loc_cpu: list[int] | None = None, seq_lens_cpu: list[int] | None = None,
-    method: str | None = None, backend: str | None = None, validate: bool | None = None,
+    method: str | None = None, num_splits: int | None = None, backend: str | None = None,
+    validate: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new rows over its cached prefix and themselves.
 
@@ -138,6 +143,7 @@ def paged_prefill_attention(
         method: Triton backend only: ``"kernel"`` (``kernels.paged_prefill``, reads the
             pool in place, capturable in CUDA graphs) or ``"flash"``
             (``kernels.prefill_gather``); ``None`` chooses by ``prefill_method``.
+        num_splits: the kernel's split of the key range (``None``: its own choice).
 
     Returns:
         ``out`` (or a new tensor), with the rows of sequences ``seq_begin ..`` written.
@@ -155,8 +161,8 @@ def paged_prefill_attention(
     on_triton = _pick(backend, q.device) == "triton"
     if on_triton and method is None and query_start_loc_cpu is not None:
         qsl = query_start_loc_cpu
-        method = prefill_method(q, [qsl[b + 1] - qsl[b] for b in range(seq_begin,
-                                                                       len(qsl) - 1)])
+        method = prefill_method(q, cache_k, cache_v,
+                                [qsl[b + 1] - qsl[b] for b in range(seq_begin, len(qsl) - 1)])
     if on_triton and method == "flash":
         from pagedserve.kernels.prefill_gather import flash_prefill_attention
 
@@ -171,7 +177,7 @@ def paged_prefill_attention(
         _check_triton_types(cache_k, cache_v)
         return paged_prefill.paged_prefill_attention(
             q, cache_k, cache_v, block_tables, query_start_loc, seq_lens, scale, out,
-            seq_begin)
+            seq_begin, query_start_loc_cpu, seq_lens_cpu, num_splits)
     from pagedserve.kernels.prefill_attention import prefill_attention
 
     qsl = query_start_loc_cpu or query_start_loc.tolist()
