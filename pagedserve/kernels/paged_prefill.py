@@ -135,7 +135,10 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, ks_ptr, v_ptr, vs_ptr, tables_ptr, tab
     return acc, m_new, l_i
 
 
-@triton.jit
+# Step-dependent integers are not specialized (Triton would otherwise compile a variant
+# for each of "equals 1" and "divisible by 16"), so that a warm-up covers every launch.
+@triton.jit(do_not_specialize=["seq_begin", "num_seqs", "num_splits", "num_rows",
+                               "stride_tab"])
 def _paged_prefill_kernel(
     q_ptr, o_ptr, part_acc_ptr, part_ml_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, tables_ptr,
     qsl_ptr, seq_lens_ptr, seq_begin, num_seqs, num_splits, num_rows, qk_scale,
@@ -217,7 +220,7 @@ def _paged_prefill_kernel(
                  + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_begin", "num_seqs", "num_splits", "num_rows"])
 def _merge_splits_kernel(
     o_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, seq_begin, num_seqs, num_splits, num_rows,
     stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr,

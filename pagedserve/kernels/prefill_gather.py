@@ -31,7 +31,7 @@ from pagedserve.kv.formats import KVBlockStorage
 GATHER_BLOCK_T = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_rows", "stride_tab"])
 def _gather_rows_kernel(
     data_ptr, scale_ptr, out_ptr, tables_ptr, cum_ptr, row_seq_ptr,
     total_rows, stride_tab, stride_ot, stride_oh,

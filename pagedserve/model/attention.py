@@ -77,7 +77,8 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         """Decode rows through the paged decode op, prefill rows through the paged prefill
         op, both into one ``[T, Hq, D]`` output."""
-        out = torch.empty_like(q)  # [T, Hq, D]
+        # Padding rows (a prefill graph's) get no attention: zeros, kept finite.
+        out = torch.empty_like(q) if batch.row_valid is None else torch.zeros_like(q)  # [T, Hq, D]
         # Decode rows come first and hold one token each, so row i is sequence i.
         nd = batch.num_decode_seqs
         if nd:
