@@ -50,10 +50,14 @@ def causal_flops(n: int, ctx: int, hq: int, d: int) -> float:
 
 
 def op_case(kv_type: str, n: int, ctx: int, hq: int, hkv: int, d: int, device: str,
-            block_size: int = 16) -> dict:
-    """Paged prefill on ``kv_type`` against SDPA on contiguous bf16, one chunk."""
+            sweep: list[tuple[int, int, int, int]], block_size: int = 16) -> dict:
+    """One chunk: the paged kernel and the gather + flash method on ``kv_type``, against
+    SDPA on contiguous bf16. ``sweep``: more launch configurations of the kernel, timed
+    side by side as ``kernel BM/BN/W/S``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
+
+    from pagedserve.kernels import paged_prefill
 
     length = ctx + n
     num_blocks = -(-length // block_size)
@@ -66,15 +70,24 @@ def op_case(kv_type: str, n: int, ctx: int, hq: int, hkv: int, d: int, device: s
     ops.kv_write(cache_k, rows, slots)
     ops.kv_write(cache_v, rows.flip(0), slots)
     table = torch.randperm(num_blocks, device=device, generator=gen).int()[None]
-    # Rows were written at slot t = block t // bs; the shuffled table reads them scattered.
     q = torch.randn(n, hq, d, device=device, dtype=torch.bfloat16, generator=gen)
     qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
     lens = torch.tensor([length], dtype=torch.int32, device=device)
     out = torch.empty_like(q)
     scale = d ** -0.5
+    default_config = paged_prefill.launch_config
 
-    def paged() -> None:
-        ops.paged_prefill_attention(q, cache_k, cache_v, table, qsl, lens, scale, out=out)
+    def method(name: str, config=None):
+        def call() -> None:
+            if config is not None:
+                paged_prefill.launch_config = lambda *_: config
+            try:
+                ops.paged_prefill_attention(q, cache_k, cache_v, table, qsl, lens, scale,
+                                            out=out, query_start_loc_cpu=[0, n],
+                                            seq_lens_cpu=[length], method=name)
+            finally:
+                paged_prefill.launch_config = default_config
+        return call
 
     qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
     kc = rows[:length].transpose(0, 1)[None].contiguous()  # [1, Hkv, L, D]
@@ -86,27 +99,33 @@ def op_case(kv_type: str, n: int, ctx: int, hq: int, hkv: int, d: int, device: s
             F.scaled_dot_product_attention(qh, kc, vc, attn_mask=bias, scale=scale,
                                            enable_gqa=True)
 
-    us = _common.time_sides({"paged": [paged], "sdpa": [sdpa]}, "graph", min_rounds=5,
+    sides = {"kernel": [method("kernel")], "flash": [method("flash")], "sdpa": [sdpa]}
+    for config in sweep:
+        sides["kernel " + "/".join(map(str, config))] = [method("kernel", config)]
+    us = _common.time_sides(sides, "graph" if device == "cuda" else "eager", min_rounds=5,
                             min_seconds=0.2)
     flops = causal_flops(n, ctx, hq, d)
-    return {"kv_type": kv_type, "chunk": n, "prefix": ctx, "paged_us": us["paged"],
-            "sdpa_us": us["sdpa"], "paged_tflops": flops / us["paged"] / 1e6,
-            "sdpa_tflops": flops / us["sdpa"] / 1e6, "ratio": us["sdpa"] / us["paged"]}
+    return {"kv_type": kv_type, "chunk": n, "prefix": ctx, "us": us,
+            "tflops": {k: flops / v / 1e6 for k, v in us.items()},
+            "paged_us": us["kernel"], "sdpa_us": us["sdpa"], "flash_us": us["flash"],
+            "ratio": us["sdpa"] / us["kernel"], "flash_ratio": us["sdpa"] / us["flash"]}
 
 
-def run_op(quick: bool, device: str) -> list[dict]:
-    if quick:
+def run_op(args, device: str) -> list[dict]:
+    if args.quick:
         shape, cases = (4, 2, 64), [(64, 0), (64, 128)]
     else:
-        shape, cases = (24, 4, 256), [(4 * K, c) for c in (0, 8 * K, 32 * K, 128 * K)]
+        shape = (24, 4, 256)
+        cases = [tuple(int(v) for v in c.split("x")) for c in args.op_cases.split(",")]
     rows = []
-    for kv_type in ("bf16", "q8_0", "q4_0"):
+    for kv_type in args.op_types.split(","):
         for n, ctx in cases:
-            r = op_case(kv_type, n, ctx, *shape, device)
+            sweep = args.sweep if (n, ctx) in args.sweep_cases else []
+            r = op_case(kv_type, n, ctx, *shape, device, sweep)
             rows.append(r)
-            print(f"op {kv_type:5s} chunk {n} over {ctx:6d}: paged {r['paged_us']:9.1f} us "
-                  f"({r['paged_tflops']:5.1f} TFLOP/s)  sdpa {r['sdpa_us']:9.1f} us  "
-                  f"{r['ratio']:.2f}x")
+            sides = "  ".join(f"{k} {v:.1f} us ({r['tflops'][k]:.0f})" for k, v in
+                              r["us"].items())
+            print(f"op {kv_type:5s} chunk {n} over {ctx:6d}: {sides}", flush=True)
     return rows
 
 
@@ -238,11 +257,21 @@ def markdown(res: dict) -> str:
                    "One chunk of the 27B attention shape over a cached prefix; graph "
                    "replay, sides interleaved. TFLOP/s of causal FLOPs.\n\n")
         out.append(_common.md_table(
-            ["K/V", "chunk", "prefix", "paged us", "paged TFLOP/s", "SDPA us",
-             "SDPA TFLOP/s", "SDPA / paged"],
-            [[r["kv_type"], r["chunk"], r["prefix"], f"{r['paged_us']:.1f}",
-              f"{r['paged_tflops']:.1f}", f"{r['sdpa_us']:.1f}", f"{r['sdpa_tflops']:.1f}",
-              f"{r['ratio']:.2f}x"] for r in res["op"]]))
+            ["K/V", "chunk", "prefix", "kernel us (TFLOP/s)", "gather + flash us (TFLOP/s)",
+             "SDPA us (TFLOP/s)", "SDPA / kernel", "SDPA / gather + flash"],
+            [[r["kv_type"], r["chunk"], r["prefix"],
+              f"{r['us']['kernel']:.1f} ({r['tflops']['kernel']:.0f})",
+              f"{r['us']['flash']:.1f} ({r['tflops']['flash']:.0f})",
+              f"{r['us']['sdpa']:.1f} ({r['tflops']['sdpa']:.0f})",
+              f"{r['ratio']:.2f}x", f"{r['flash_ratio']:.2f}x"] for r in res["op"]]))
+        swept = [r for r in res["op"] if len(r["us"]) > 3]
+        if swept:
+            out.append("\nKernel launch configurations (BLOCK_M/BLOCK_N/warps/stages), us:\n\n")
+            names = [k for k in swept[0]["us"] if k.startswith("kernel")]
+            out.append(_common.md_table(["K/V", "chunk", "prefix", *names],
+                                        [[r["kv_type"], r["chunk"], r["prefix"],
+                                          *(f"{r['us'][k]:.1f}" for k in names)]
+                                         for r in swept]))
     ttft = res.get("ttft")
     if ttft:
         out.append(f"\n## Time to first token, one prompt ({ttft['kv_type']} K/V)\n\n")
@@ -310,11 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-lengths", default="512,8192")
     ap.add_argument("--max-length-for", default="512:32768",
                     help="chunk:longest prompt timed with that chunk")
+    ap.add_argument("--op-types", default="bf16,q8_0,q4_0")
+    ap.add_argument("--op-cases", default="4096x0,4096x8192,4096x32768,4096x131072",
+                    help="CHUNKxPREFIX of the op part")
+    ap.add_argument("--sweep", default="",
+                    help="more kernel launch configs BM/BN/WARPS/STAGES, ';'-separated")
+    ap.add_argument("--sweep-cases", default="4096x32768,512x0")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = ap.parse_args(argv)
     args.lengths = [int(v) for v in args.lengths.split(",")]
     args.profile_lengths = {int(v) for v in args.profile_lengths.split(",") if v}
     args.configs = parse_configs(args.configs)
+    args.sweep = [tuple(int(v) for v in c.split("/")) for c in args.sweep.split(";") if c]
+    args.sweep_cases = {tuple(int(v) for v in c.split("x")) for c in args.sweep_cases.split(",")}
     args.max_length_for = dict(tuple(int(v) for v in item.split(":"))
                                for item in args.max_length_for.split(",") if item)
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
@@ -324,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = set(args.parts.split(","))
     res = {"meta": _common.run_meta()}
     if "op" in parts:
-        res["op"] = run_op(args.quick, device)
+        res["op"] = run_op(args, device)
     if "ttft" in parts:
         res["ttft"] = run_ttft(args, device) | {"kv_type": args.kv_type}
     paths = _common.write_outputs(args.out, "prefill", res, markdown(res),

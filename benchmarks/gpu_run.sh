@@ -66,7 +66,8 @@ for spec in "$@"; do
     # rest of tests/kernels (one process takes more than 360 s for the decode grid alone).
     # -v names each test as it ends, so a stage cut short by its limit still shows them.
     tests-gpu)     run_stage "$stage" "$limit" $PYTEST -n 8 -v --maxfail=1000 tests/kernels \
-                     tests/engine/test_engine_gpu.py tests/model/test_gpu.py ;;
+                     tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
+                     tests/model/test_gpu.py ;;
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
     # The same, in two parts (most of their time is Triton compiling each configuration

@@ -31,6 +31,8 @@ Pool rows are addressed as the decode kernels address them (``kv/formats.py``): 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,9 @@ from pagedserve.kv.formats import KVBlockStorage
 # Storage type codes (the kernels' ``K_TYPE`` / ``V_TYPE`` constexprs).
 TYPE_CODES = {"f16": 0, "bf16": 1, "q8_0": 2, "q4_0": 3}
 LOG2E = 1.4426950408889634
+# Split-KV limits: each split reads at least this many keys; at most this many splits.
+SPLIT_MIN_KEYS = 512
+MAX_SPLITS = 16
 
 
 @triton.jit
@@ -119,22 +124,29 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, ks_ptr, v_ptr, vs_ptr, tables_ptr, tab
     if CAUSAL:
         s = tl.where(keys[None, :] < key_limit[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+    # A row that has seen no key yet (only in a split of the key range) keeps m = -inf;
+    # exponents are taken against 0 there, so that it adds nothing instead of NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_kv_tile(v_ptr, vs_ptr, rows, valid, offs_d, V_TYPE, D, Q_DTYPE, NATIVE)
     acc = acc * alpha[:, None] + _dot(_operand(p, Q_DTYPE, NATIVE), v, NATIVE)
     return acc, m_new, l_i
 
 
-@triton.jit
+# Step-dependent integers are not specialized (Triton would otherwise compile a variant
+# for each of "equals 1" and "divisible by 16"), so that a warm-up covers every launch.
+@triton.jit(do_not_specialize=["seq_begin", "num_seqs", "num_splits", "num_rows",
+                               "stride_tab"])
 def _paged_prefill_kernel(
-    q_ptr, o_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, tables_ptr, qsl_ptr, seq_lens_ptr,
-    seq_begin, num_seqs, qk_scale,
+    q_ptr, o_ptr, part_acc_ptr, part_ml_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, tables_ptr,
+    qsl_ptr, seq_lens_ptr, seq_begin, num_seqs, num_splits, num_rows, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_tab,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     ROWS_PER_HEAD: tl.constexpr, K_TYPE: tl.constexpr, V_TYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NATIVE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     Q_DTYPE: tl.constexpr = q_ptr.dtype.element_ty
     QPT: tl.constexpr = BLOCK_M // G  # query positions per tile
@@ -175,40 +187,75 @@ def _paged_prefill_kernel(
     kv_end = ctx + tl.minimum(p0 + QPT, q_len)
     full_end = ((ctx + p0 + 1) // BLOCK_N) * BLOCK_N  # keys below: seen by every row
     table_row = seq.to(tl.int64) * stride_tab
+    # This program's share of the key range: whole tiles, split ``num_splits`` ways.
+    split = tl.program_id(2)
+    tiles_per_split = (kv_end + BLOCK_N * num_splits - 1) // (BLOCK_N * num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, kv_end)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    for start_n in range(0, full_end, BLOCK_N):
+    for start_n in range(lo, tl.minimum(hi, full_end), BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_ptr, ks_ptr, v_ptr, vs_ptr, tables_ptr, table_row,
             start_n, kv_end, key_limit, kvh, qk_scale, HKV, ROWS_PER_HEAD, BS, K_TYPE,
             V_TYPE, D, Q_DTYPE, NATIVE, BLOCK_N, False)
-    for start_n in range(full_end, kv_end, BLOCK_N):
+    for start_n in range(tl.maximum(lo, full_end), hi, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, k_ptr, ks_ptr, v_ptr, vs_ptr, tables_ptr, table_row,
             start_n, kv_end, key_limit, kvh, qk_scale, HKV, ROWS_PER_HEAD, BS, K_TYPE,
             V_TYPE, D, Q_DTYPE, NATIVE, BLOCK_N, True)
 
-    out = acc / l_i[:, None]
-    tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if SPLIT:
+        # Partials [num_splits, T, Hq, D] and [num_splits, T, Hq, 2] (m, l), for the merge.
+        row = (split.to(tl.int64) * num_rows + token) * (HKV * G) + head
+        tl.store(part_acc_ptr + row[:, None] * D + offs_d[None, :], acc,
+                 mask=row_ok[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+                 + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def launch_config(head_dim: int, group: int, quantized: bool) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for one head_dim, GQA group and
-    whether K or V is quantized.
+@triton.jit(do_not_specialize=["seq_begin", "num_seqs", "num_splits", "num_rows"])
+def _merge_splits_kernel(
+    o_ptr, part_acc_ptr, part_ml_ptr, qsl_ptr, seq_begin, num_seqs, num_splits, num_rows,
+    stride_ot, stride_oh, HQ: tl.constexpr, D: tl.constexpr,
+):
+    """``o[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``, M = max_s m_s, for
+    the rows of sequences ``seq_begin ..`` (program t takes row ``seq_begin + t``, a
+    lower bound of the first such row: every earlier sequence holds at least one)."""
+    token = (seq_begin + tl.program_id(0)).to(tl.int64)
+    head = tl.program_id(1)
+    if (token < tl.load(qsl_ptr + seq_begin)) | (token >= tl.load(qsl_ptr + num_seqs)):
+        return
+    offs_d = tl.arange(0, D)
+    m_max = tl.load(part_ml_ptr + (token * HQ + head) * 2)
+    for s in range(1, num_splits):
+        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + ((s * num_rows + token) * HQ + head) * 2))
+    acc = tl.zeros((D,), tl.float32)
+    den = m_max * 0.0
+    for s in range(0, num_splits):
+        row = (s * num_rows + token) * HQ + head
+        w = tl.math.exp2(tl.load(part_ml_ptr + row * 2) - m_max)
+        den += w * tl.load(part_ml_ptr + row * 2 + 1)
+        acc += w * tl.load(part_acc_ptr + row * D + offs_d)
+    tl.store(o_ptr + token * stride_ot + head * stride_oh + offs_d,
+             (acc / den).to(o_ptr.dtype.element_ty))
+
+
+def launch_config(head_dim: int, group: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for one head_dim and GQA group.
 
     ``BLOCK_M`` rows hold ``BLOCK_M // group`` positions of every query head of a group,
-    so it is at least the group's next power of 2. Tiles are the largest that compile for
-    sm_90 without spilling registers: a quantized K/V tile is dequantized in registers
-    before it is stored for the tensor cores, so its tiles are half as long.
+    so it is at least the group's next power of 2. 128 x 64 tiles over 8 warps: the
+    fastest of the launches measured at head_dim 256 on the H200, for every K/V type,
+    although they spill about 100 bytes of registers there (docs/kernel-decisions.md).
     """
-    if head_dim == 256:
-        block_m, block_n = 64, 32 if quantized else 64
-    else:
-        block_m, block_n = 128, 32 if quantized else 64
-    return max(block_m, triton.next_power_of_2(group)), block_n, 8, 2
+    return max(128, triton.next_power_of_2(group)), 64, 8, 2
 
 
 def max_tiles(num_tokens: int, num_seqs: int, block_m: int, group: int) -> int:
@@ -219,10 +266,28 @@ def max_tiles(num_tokens: int, num_seqs: int, block_m: int, group: int) -> int:
     return -(-num_tokens // qpt) + num_seqs
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: any small number
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_count(num_programs: int, longest_keys: int, sm_count: int) -> int:
+    """How many ways to split the key range: enough programs to fill the GPU twice when
+    the tiles alone leave SMs idle, each split at least ``SPLIT_MIN_KEYS`` keys long."""
+    if num_programs >= sm_count:
+        return 1
+    return max(1, min(-(-2 * sm_count // num_programs), longest_keys // SPLIT_MIN_KEYS,
+                      MAX_SPLITS))
+
+
 def paged_prefill_attention(
     q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, out: torch.Tensor, seq_begin: int = 0,
+    query_start_loc_cpu: list[int] | None = None, seq_lens_cpu: list[int] | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new rows of sequences ``seq_begin .. B - 1``.
 
@@ -237,6 +302,10 @@ def paged_prefill_attention(
         scale: softmax scale.
         out: ``[T, Hq, D]`` in ``q.dtype``; rows of sequences ``seq_begin ..`` written.
         seq_begin: first sequence to attend (the step's decode rows come before it).
+        query_start_loc_cpu, seq_lens_cpu: host copies; with them, few long sequences
+            split their key range over more programs (``split_count``).
+        num_splits: force the split count (``None``: ``split_count``, or 1 without the
+            host copies).
 
     Returns:
         ``out``.
@@ -248,20 +317,38 @@ def paged_prefill_attention(
     if num_seqs <= seq_begin or T == 0:
         return out
     interleave = guards.check_row_layout(cache_k, "cache_k")
-    quantized = "q" in cache_k.kv_type[0] + cache_v.kv_type[0]
-    block_m, block_n, warps, stages = launch_config(D, group, quantized)
+    block_m, block_n, warps, stages = launch_config(D, group)
+    qpt = block_m // group
     # Rows of sequences before seq_begin hold one token each (decode rows).
-    grid = (max_tiles(T - seq_begin, num_seqs - seq_begin, block_m, group), Hkv)
+    grid_tiles = max_tiles(T - seq_begin, num_seqs - seq_begin, block_m, group)
+    if num_splits is None:
+        num_splits = 1
+        if query_start_loc_cpu is not None and seq_lens_cpu is not None:
+            qsl = query_start_loc_cpu
+            programs = Hkv * sum(-(-(qsl[b + 1] - qsl[b]) // qpt)
+                                 for b in range(seq_begin, num_seqs))
+            num_splits = split_count(max(programs, 1), max(seq_lens_cpu[seq_begin:]),
+                                     _sm_count(q.device))
+    part_acc = part_ml = out  # unused without splits
+    if num_splits > 1:
+        part_acc = torch.empty(num_splits, T, Hq, D, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(num_splits, T, Hq, 2, dtype=torch.float32, device=q.device)
     k_scales = cache_k.scales if cache_k.scales is not None else cache_k.data
     v_scales = cache_v.scales if cache_v.scales is not None else cache_v.data
-    _paged_prefill_kernel[grid](
-        q, out, cache_k.data, k_scales, cache_v.data, v_scales, block_tables,
-        query_start_loc, seq_lens, seq_begin, num_seqs, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+    _paged_prefill_kernel[(grid_tiles, Hkv, num_splits)](
+        q, out, part_acc, part_ml, cache_k.data, k_scales, cache_v.data, v_scales,
+        block_tables, query_start_loc, seq_lens, seq_begin, num_seqs, num_splits, T,
+        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0),
         HKV=Hkv, G=group, D=D, BS=cache_k.block_size,
         ROWS_PER_HEAD=interleave * cache_k.block_size,
         K_TYPE=TYPE_CODES[cache_k.kv_type], V_TYPE=TYPE_CODES[cache_v.kv_type],
-        BLOCK_M=block_m, BLOCK_N=block_n, NATIVE=q.is_cuda, num_warps=warps,
-        num_stages=stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, NATIVE=q.is_cuda, SPLIT=num_splits > 1,
+        num_warps=warps, num_stages=stages,
     )
+    if num_splits > 1:
+        _merge_splits_kernel[(T - seq_begin, Hq)](
+            out, part_acc, part_ml, query_start_loc, seq_begin, num_seqs, num_splits, T,
+            out.stride(0), out.stride(1), HQ=Hq, D=D, num_warps=4,
+        )
     return out

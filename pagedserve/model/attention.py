@@ -77,7 +77,8 @@ class GatedAttention(nn.Module):
     ) -> torch.Tensor:
         """Decode rows through the paged decode op, prefill rows through the paged prefill
         op, both into one ``[T, Hq, D]`` output."""
-        out = torch.empty_like(q)  # [T, Hq, D]
+        # Padding rows (a prefill graph's) get no attention: zeros, kept finite.
+        out = torch.empty_like(q) if batch.row_valid is None else torch.zeros_like(q)  # [T, Hq, D]
         # Decode rows come first and hold one token each, so row i is sequence i.
         nd = batch.num_decode_seqs
         if nd:
@@ -89,5 +90,6 @@ class GatedAttention(nn.Module):
             ops.paged_prefill_attention(
                 q, cache_k, cache_v, batch.block_tables, batch.query_start_loc,
                 batch.seq_lens, self.scale, out=out, seq_begin=nd,
+                query_start_loc_cpu=batch.query_start_loc_cpu, seq_lens_cpu=batch.seq_lens_cpu,
             )
         return out
