@@ -39,8 +39,8 @@ router = APIRouter()
 def completion_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob],
                         start_offset: int) -> CompletionLogprobs:
     """``logprobs`` in the completions format; offsets count from ``start_offset``."""
-    top_logprobs: list[dict[str, float]] = []
-    out = CompletionLogprobs(top_logprobs=top_logprobs)
+    out = CompletionLogprobs()
+    top_logprobs: list[dict[str, float]] = []  # the model's field may be None; this is not
     offset = start_offset
     for lp in logprobs:
         token = ctx.token_text(lp.token_id)
@@ -49,6 +49,7 @@ def completion_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob],
         top_logprobs.append({ctx.token_text(t): v for t, v in lp.top})
         out.text_offset.append(offset)
         offset += len(token)
+    out.top_logprobs = top_logprobs
     return out
 
 
