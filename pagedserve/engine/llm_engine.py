@@ -8,7 +8,9 @@ from a background thread.
 
 from __future__ import annotations
 
+import logging
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -19,10 +21,19 @@ from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.lookahead import InflightStep, TokenReadback, lookahead_chunks
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
-from pagedserve.engine.sampler import SamplerOutput, SamplingTensors, plain_argmax, sample
+from pagedserve.engine.sampler import (
+    SamplerOutput,
+    SamplingTensors,
+    apply_token_bitmask,
+    plain_argmax,
+    sample,
+)
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.model.forward_batch import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.model.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,19 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(config.seed)
         self.stats = EngineStats()
+        self._structured: StructuredOutputs | None = None
+        self._structured_lock = threading.Lock()
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The grammar compiler and its cache, made on first use (any thread)."""
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputs(
+                    self.tokenizer, self.vocab_size,
+                    list(self.loaded.generation.eos_token_ids), self.config.max_num_seqs,
+                    self.runner.device)
+            return self._structured
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(
@@ -150,6 +174,8 @@ class LLMEngine:
         eos = () if params.ignore_eos else self.loaded.generation.eos_token_ids
         req = Request(request_id, ids, params, eos_token_ids=eos)
         self.scheduler.check_fits(req)
+        if params.structured is not None:
+            req.grammar = self.structured.new_grammar(params.structured)
         return req
 
     def enqueue(self, req: Request) -> None:
@@ -252,10 +278,15 @@ class LLMEngine:
         if len(rows) != logits.shape[0]:  # some rows end a prefill chunk mid-prompt
             index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
             logits = logits.index_select(0, index)
+        # Filled on the host while the device still runs the forward pass.
+        bitmask = self.structured.fill_bitmask([r.grammar for r in reqs]) \
+            if any(r.grammar is not None for r in reqs) else None
         if plain_argmax(reqs):
+            if bitmask is not None:
+                logits = apply_token_bitmask(logits, bitmask)
             return SamplerOutput(token_ids=logits.argmax(dim=-1))
         return sample(logits, SamplingTensors.from_requests(
-            reqs, self.vocab_size, logits.device, tokens_ahead=tokens_ahead))
+            reqs, self.vocab_size, logits.device, tokens_ahead=tokens_ahead), bitmask)
 
     def _post_process(self, step: InflightStep) -> list[RequestOutput]:
         """Read ``step``'s tokens back (the one device -> host wait) and apply them.
@@ -308,9 +339,12 @@ class LLMEngine:
             len(req.output_token_ids), req)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        """Stop ids and EOS end a request (their text is not emitted); then stop strings;
-        then length: ``max_tokens`` or ``max_model_len``."""
+        """Stop ids and EOS end a request (their text is not emitted); then a grammar that
+        has terminated; then stop strings; then length: ``max_tokens`` or ``max_model_len``."""
         if token in req.params.stop_token_ids or token in req.eos_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and self._grammar_ends(req, token):
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         detok = self._detok.get(req.request_id)
@@ -321,6 +355,17 @@ class LLMEngine:
                 or req.num_tokens >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _grammar_ends(self, req: Request, token: int) -> bool:
+        """Advance ``req``'s grammar by ``token``; True when nothing may follow."""
+        assert req.grammar is not None
+        if not req.grammar.accept(token):
+            # The mask allowed only what the grammar accepts, so this is a bug; end the
+            # request rather than generate past its grammar.
+            log.error("request %s: token %d is outside its grammar; stopping it",
+                      req.request_id, token)
+            return True
+        return req.grammar.terminated
 
     # ---- introspection ----------------------------------------------------------------
     def kv_cache_usage(self) -> float:

@@ -12,10 +12,11 @@ Step N+1's input tokens are step N's sampled ids, still on the device; the host 
 them one step later. What that costs, and how each case stays exact:
 
 - **Only steady decode looks ahead**: every sequence of step N sampled, none wants
-  logprobs or penalties (both read the host's token history), none can finish by length
-  at N (known in advance), and the head of the queue could not be admitted. Anything
-  else (prefill, admission, preemption) runs through the scheduler once nothing is in
-  flight, so the scheduler never sees a half-known sequence.
+  logprobs, penalties (both read the host's token history) or a grammar (its mask needs
+  the token of step N), none can finish by length at N (known in advance), and the head
+  of the queue could not be admitted. Anything else (prefill, admission, preemption)
+  runs through the scheduler once nothing is in flight, so the scheduler never sees a
+  half-known sequence.
 - **A stop found late** (EOS, stop id or stop string at step N) means step N+1 computed
   one extra row for that sequence. Its blocks and slot are freed when N is read, and that
   row's token is dropped when N+1 is read. Frees are safe: every later use of those
@@ -122,8 +123,10 @@ def lookahead_chunks(
 
 
 def _plain_enough(reqs: list[Request]) -> bool:
-    """No logprobs and nothing read from the token history on the host."""
-    return not (uses_host_history(reqs) or any(r.params.logprobs is not None for r in reqs))
+    """No logprobs, no grammar (its mask needs the previous token) and nothing read from
+    the token history on the host."""
+    return not (uses_host_history(reqs) or any(
+        r.params.logprobs is not None or r.grammar is not None for r in reqs))
 
 
 def _finishes_by_length(req: Request, max_model_len: int) -> bool:
