@@ -39,6 +39,11 @@ import torch
 
 MAX_CACHED_GRAMMARS = 256
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
+# xgrammar lowers a JSON string with minLength / maxLength to a bounded repetition of
+# [^"\\\r\n], which lets raw control characters in (invalid JSON) and every escape out
+# (mlc-ai/xgrammar#800). Each such rule is rewritten to match one JSON character.
+_BOUNDED_STRING_CHAR = r'(([^\"\\\r\n]))'
+_JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" basic_escape))'
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,34 @@ def build_tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[i
     return xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=vocab_size,
                              stop_token_ids=stop_token_ids,
                              add_prefix_space=detected.add_prefix_space)
+
+
+def json_schema_grammar(schema: Any, max_whitespace_cnt: int | None) -> str:
+    """The EBNF grammar of ``schema`` (strict, any whitespace up to the bound), with every
+    length-bounded string's characters made valid JSON characters."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(
+        json.dumps(schema), any_whitespace=True, strict_mode=True,
+        max_whitespace_cnt=max_whitespace_cnt))
+    if _BOUNDED_STRING_CHAR in ebnf:
+        if "basic_escape ::=" not in ebnf:
+            raise RuntimeError("xgrammar's JSON grammar has no basic_escape rule")
+        ebnf = ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+    return ebnf
+
+
+def lower_json_schemas(node: Any) -> Any:
+    """``node`` (a structural-tag format tree) with each JSON-style ``json_schema`` format
+    replaced by its corrected grammar (``json_schema_grammar``)."""
+    if isinstance(node, list):
+        return [lower_json_schemas(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        return {"type": "grammar", "grammar": json_schema_grammar(
+            node["json_schema"], node.get("max_whitespace_cnt"))}
+    return {k: lower_json_schemas(v) for k, v in node.items()}
 
 
 class RequestGrammar:
@@ -131,7 +164,8 @@ class StructuredOutputs:
                 self._cache.move_to_end(spec)
                 return compiled
             try:
-                compiled = self._compiler.compile_structural_tag(spec.structural_tag)
+                tag = lower_json_schemas(json.loads(spec.structural_tag))
+                compiled = self._compiler.compile_structural_tag(json.dumps(tag))
             except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError & co.
                 message = _CPP_PREFIX.sub("", str(exc).strip())
                 raise ValueError(f"invalid constraint: {message}") from None
