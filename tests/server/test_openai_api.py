@@ -60,9 +60,13 @@ def test_completion_stream_concatenates_to_whole_text(oai):
 
 
 def test_chat_stream_matches_whole_message(oai):
+    # Thinking off: the random model never closes a <think> block, so its whole output
+    # would be reasoning (tests/server/test_tools_api.py covers that path).
     kwargs = dict(model="qwen3.5-tiny-random-v2", max_tokens=9,
                   messages=[{"role": "system", "content": "Be brief."},
-                            {"role": "user", "content": "Hi there"}], **GREEDY)
+                            {"role": "user", "content": "Hi there"}], temperature=0.0,
+                  extra_body={"ignore_eos": True,
+                              "chat_template_kwargs": {"enable_thinking": False}})
     whole = oai.chat.completions.create(**kwargs)
     chunks = list(oai.chat.completions.create(stream=True, **kwargs))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -77,8 +81,8 @@ def test_chat_stream_matches_whole_message(oai):
 def test_chat_renders_the_models_template(server, oai):
     messages = [{"role": "user", "content": "hi"}]
     tok = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
-    # The embedded model's ChatML template, byte for byte.
-    expected = [257, *b"user\nhi", 258, 10, 257, *b"assistant\n"]
+    # The embedded model's template (Qwen3.5's layout), byte for byte.
+    expected = [257, *b"user\nhi", 258, 10, 257, *b"assistant\n<think>\n"]
     assert tok["tokens"] == expected
     out = oai.chat.completions.create(model="qwen3.5-tiny-random-v2", messages=messages,
                                       max_tokens=2, temperature=0)
