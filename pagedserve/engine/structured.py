@@ -39,11 +39,11 @@ import torch
 
 MAX_CACHED_GRAMMARS = 256
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: "
-# xgrammar lowers a JSON string with minLength / maxLength to a bounded repetition of
-# [^"\\\r\n], which lets raw control characters in (invalid JSON) and every escape out
-# (mlc-ai/xgrammar#800). Each such rule is rewritten to match one JSON character.
-_BOUNDED_STRING_CHAR = r'(([^\"\\\r\n]))'
-_JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" basic_escape))'
+# xgrammar lowers a JSON string with minLength / maxLength to a bounded repetition of the
+# class [^"\\\r\n], which lets raw control characters in (invalid JSON) and every escape
+# out (mlc-ai/xgrammar#800). Each use of that class is rewritten to one JSON character.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'([^\0-\x1f\"\\] | "\\" basic_escape)'
 
 
 @dataclass(frozen=True)

@@ -337,12 +337,15 @@ def convert_value(raw: str, schema: Any) -> Any:
     if options is not None:
         if stripped in [o for o in options if isinstance(o, str)]:
             return stripped
+        try:
+            loaded = json.loads(stripped)
+        except ValueError:
+            loaded = _NO_VALUE
         for option in options:
-            try:
-                if not isinstance(option, str) and json.loads(stripped) == option:
-                    return option
-            except ValueError:
-                break
+            # True == 1 in Python, not in JSON: a bool matches only a bool.
+            if not isinstance(option, str) and isinstance(option, bool) == isinstance(
+                    loaded, bool) and loaded == option:
+                return loaded
     types = _types(schema)
     for kind in types:
         if kind != "string":

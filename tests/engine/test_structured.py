@@ -142,3 +142,18 @@ def test_special_tokens_are_never_allowed_as_grammar_text(engine):
     allowed = torch.isfinite(apply_token_bitmask(torch.zeros(2, engine.vocab_size), mask))
     assert not allowed[0, bt.IM_START_ID] and allowed[0, ord("a")]
     assert bool(allowed[1].all())  # the unconstrained row
+
+
+@pytest.mark.parametrize("max_length", [1, 4])
+def test_length_bounded_strings_are_json_strings(engine, max_length):
+    """What a bounded string admits is what JSON admits: escapes yes, raw control
+    characters no (xgrammar's own grammar has it the other way round)."""
+    schema = {"type": "string", "maxLength": max_length}
+    spec = GrammarSpec.of_format({"type": "json_schema", "json_schema": schema})
+
+    def accepts(text: bytes) -> bool:
+        grammar = engine.structured.new_grammar(spec)
+        return all(grammar.accept(t) for t in text)
+
+    assert accepts(b'"\\n"') and json.loads('"\\n"') == "\n"
+    assert not accepts(b'"\x06') and not accepts(b'"\t')
