@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from pagedserve.engine.request import SamplingParams
+from pagedserve.engine.structured import GrammarSpec
 from pagedserve.server.anthropic_protocol import (
     CountTokensRequest,
     MessagesRequest,
@@ -42,7 +43,7 @@ from pagedserve.server.assistant_output import (
     OutputFormat,
 )
 from pagedserve.server.chat import compile_constraint, render_chat_text
-from pagedserve.server.constraints import grammar, tool_call_format
+from pagedserve.server.constraints import grammar, json_format, tool_call_format
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import APIError, anthropic_error_body, bad_request
 from pagedserve.server.generation import EngineJob, make_requests, until_disconnected
@@ -89,16 +90,26 @@ def _sampling(ctx: ServingContext, body: MessagesRequest) -> SamplingParams:
         raise bad_request(str(exc)) from None
 
 
-def _constraint(body: MessagesRequest, tools: dict[str, Any] | None, fmt: OutputFormat):
+def _constraint(body: MessagesRequest, tools: dict[str, Any] | None,
+                fmt: OutputFormat) -> tuple[GrammarSpec, str] | None:
+    """The grammar of the answer and the field it came from, or ``None``."""
     choice = body.tool_choice
-    if choice is None or choice.type in ("auto", "none") or tools is None:
+    forcing = choice is not None and choice.type in ("any", "tool") and tools is not None
+    schema = body.output_config.format if body.output_config is not None else None
+    if forcing and schema is not None:
+        raise bad_request("tool_choice and output_config.format each constrain the output; "
+                          "send one", param="output_config")
+    if schema is not None:
+        return grammar(json_format(schema.schema_), fmt), "output_config.format"
+    if not forcing:
         return None
+    assert choice is not None and tools is not None
     if choice.type == "tool" and choice.name not in tools:
         raise bad_request(f"tool_choice names the tool '{choice.name}', which is not in "
                           f"tools ({list(tools)})", param="tool_choice")
     forced = choice.name if choice.type == "tool" else None
     return grammar(tool_call_format(tools, forced, not choice.disable_parallel_tool_use),
-                   fmt)
+                   fmt), "tool_choice"
 
 
 @router.post("/v1/messages/count_tokens")
@@ -120,9 +131,10 @@ async def create_message(body: MessagesRequest, request: Request):
     fmt = OutputFormat(reasoning=ctx.reasoning_parser is not None,
                        in_reasoning=starts_in_reasoning(text), tools=tools,
                        parallel_tool_calls=parallel, call_id_prefix="toolu_")
-    spec = _constraint(body, tools, fmt)
-    if spec is not None:
-        await compile_constraint(ctx, spec, "tool_choice")
+    constraint = _constraint(body, tools, fmt)
+    spec = constraint[0] if constraint else None
+    if constraint is not None:
+        await compile_constraint(ctx, *constraint)
     params = dataclasses.replace(_sampling(ctx, body), structured=spec)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
     reqs = make_requests(ctx, msg_id, [prompt], 1, lambda ids, i: params, param="messages")

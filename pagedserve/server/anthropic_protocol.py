@@ -4,7 +4,8 @@ Requests: ``system`` (text or text blocks), ``messages`` whose content is text o
 (``text``; ``tool_use`` and ``thinking`` from the assistant; ``tool_result`` from the user),
 ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``,
 ``any``, ``tool``, ``none``), ``stop_sequences``, ``max_tokens`` (required, as Anthropic
-has it), ``thinking`` (``enabled`` / ``disabled`` -> the template's ``enable_thinking``).
+has it), ``thinking`` (``enabled`` / ``disabled`` -> the template's ``enable_thinking``),
+``output_config.format`` (a JSON schema the answer must match).
 Images, documents and server tools are refused with a 400.
 """
 
@@ -84,6 +85,19 @@ class ThinkingConfig(_Body):
     budget_tokens: int | None = Field(None, ge=1)
 
 
+class JsonOutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    """``format`` constrains the answer to a JSON schema; ``effort`` is a hint that has no
+    counterpart here and is accepted as such."""
+
+    format: JsonOutputFormat | None = None
+    effort: str | None = None
+
+
 class MessagesRequest(_Body):
     """``POST /v1/messages``."""
 
@@ -99,6 +113,7 @@ class MessagesRequest(_Body):
     tools: list[AnthropicTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: AnthropicToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
 
 

@@ -70,7 +70,8 @@ def _schema(value: Any, param: str) -> dict[str, Any] | bool:
     return value
 
 
-def _json(schema: dict[str, Any] | bool) -> dict[str, Any]:
+def json_format(schema: dict[str, Any] | bool) -> dict[str, Any]:
+    """The format of a JSON document that ``schema`` validates."""
     return {"type": "json_schema", "json_schema": schema,
             "max_whitespace_cnt": JSON_MAX_WHITESPACE}
 
@@ -109,24 +110,24 @@ def _sources(body: ChatCompletionRequest) -> list[tuple[str, dict[str, Any]]]:
     found = []
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
-        found.append(("response_format", _json({"type": "object"})))
+        found.append(("response_format", json_format({"type": "object"})))
     elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
         schema = rf.json_schema.schema_
-        found.append(("response_format", _json(
+        found.append(("response_format", json_format(
             {"type": "object"} if schema is None else _schema(schema, "response_format"))))
     so = body.structured_outputs
     if so is not None:
         if so.json_ is not None:
-            fmt = _json(_schema(so.json_, "structured_outputs.json"))
+            fmt = json_format(_schema(so.json_, "structured_outputs.json"))
         elif so.regex is not None:
             fmt = {"type": "regex", "pattern": so.regex}
         elif so.choice is not None:
             fmt = _choice(so.choice)
         else:
-            fmt = _json({"type": "object"})
+            fmt = json_format({"type": "object"})
         found.append(("structured_outputs", fmt))
     if body.guided_json is not None:
-        found.append(("guided_json", _json(_schema(body.guided_json, "guided_json"))))
+        found.append(("guided_json", json_format(_schema(body.guided_json, "guided_json"))))
     if body.guided_regex is not None:
         found.append(("guided_regex", {"type": "regex", "pattern": body.guided_regex}))
     if body.guided_choice is not None:
