@@ -59,7 +59,8 @@ CASES = {
     "echo": (CMPL, {"prompt": "x", "echo": True}, 400, None, ["echo", "not supported"]),
     "logit_bias": (CHAT, {"messages": USER, "logit_bias": {"1": 5}}, 400, None,
                    ["logit_bias"]),
-    "tools": (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, None, ["tools"]),
+    "tool without its function": (CHAT, {"messages": USER, "tools": [{"type": "function"}]},
+                                  400, "tools[0].function", ["missing", "tools[0].function"]),
     "image content": (CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content",
                       ["'text'"]),
