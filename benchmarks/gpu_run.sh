@@ -8,14 +8,15 @@
 #         tests-select (pytest $TEST_ARGS)
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
-#         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve probe-decode
+#         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
+#         bench-structured probe-decode
 #         trace-decode probe-pieces ab-probe.
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/probe_decode.py with the
 # arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default"),
 # once per '|'-separated list.
-# Needs: wheels in .whl/ (fla-core, and the server's fastapi/uvicorn/pydantic stack, which
-# the GPU image lacks), PAGEDSERVE_COMMIT set by the caller (the tree travels without .git).
+# Needs: wheels in .whl/ (fla-core, xgrammar + apache-tvm-ffi, and the server's
+# fastapi/uvicorn/pydantic stack, which the GPU image lacks), PAGEDSERVE_COMMIT set by the caller (the tree travels without .git).
 # Optional: .triton-cache.tar from an earlier call's $OUT (carry it with .whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -151,6 +152,10 @@ for spec in "$@"; do
     probe-pieces)  run_stage "$stage" "$limit" python3 benchmarks/probe_pieces.py ${PIECES_ARGS:-} ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
+    # A grammar's cost per decode step at batch 8 on the 27B shape (needs xgrammar and
+    # apache-tvm-ffi among the carried wheels).
+    bench-structured) run_stage "$stage" "$limit" python3 benchmarks/bench_structured.py \
+                     --model preset:qwen3.5-27b --out "$OUT" ;;
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \
                      --model preset:qwen3.5-27b --device cuda --max-num-seqs 16 \
                      --num-prompts 16 --output-len 64 --max-model-len 4096 \

@@ -29,6 +29,7 @@ model's EOS ids are the grammar's stop tokens.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -148,12 +149,17 @@ class StructuredOutputs:
             raise ValueError("structured outputs need a tokenizer, and this model has none")
         self.vocab_size = vocab_size
         self.info = build_tokenizer_info(tokenizer, vocab_size, list(stop_token_ids))
+        # xgrammar's worker threads spin while they wait, which starves torch's own CPU
+        # threads: on the CPU device (where torch runs the model) it gets one thread; on
+        # CUDA, where the host only launches work, a few of the machine's cores.
+        threads = 1 if device.type == "cpu" else min(4, max(1, (os.cpu_count() or 1) // 4))
         # xgrammar's own cache is off: ours is keyed by the spec and bounded by count.
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=4, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads,
+                                             cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0  # grammars compiled (cache misses), for tests and metrics
-        self._batch = xgr.BatchGrammarMatcher(max_threads=4)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         self._masks = BitmaskBuffers(max_num_seqs, vocab_size, device)
 
     def compile(self, spec: GrammarSpec) -> Any:
