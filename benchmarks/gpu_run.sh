@@ -16,7 +16,8 @@
 # arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default"),
 # once per '|'-separated list.
 # Needs: wheels in .whl/ (fla-core, xgrammar + apache-tvm-ffi, and the server's
-# fastapi/uvicorn/pydantic stack, which the GPU image lacks), PAGEDSERVE_COMMIT set by the caller (the tree travels without .git).
+# fastapi/uvicorn/pydantic stack, which the GPU image lacks), PAGEDSERVE_COMMIT set by the
+# caller (the tree travels without .git).
 # Optional: .triton-cache.tar from an earlier call's $OUT (carry it with .whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
