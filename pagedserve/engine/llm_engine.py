@@ -224,7 +224,11 @@ class LLMEngine:
                 return []
         done = self._inflight
         self._inflight = self._launch_lookahead(done) if self.async_scheduling else None
-        return self._post_process(done)
+        outputs = self._post_process(done)
+        if self._inflight is not None and self._inflight.logits is not None:
+            # Its grammars have seen ``done``'s tokens now: its sampling can be queued.
+            self._queue_sampling(self._inflight, tokens_ahead=0)
+        return outputs
 
     def _launch_scheduled(self) -> InflightStep | None:
         plan = self.scheduler.schedule()
@@ -241,27 +245,38 @@ class LLMEngine:
         # batch gets a placeholder, and ``_launch`` swaps in the device tensor.
         seq_chunks = [self._seq_chunk(c, ids=(0,)) for c in chunks]
         self.stats.num_lookahead_steps += 1
+        # A grammar's mask needs the previous token: such a step's sampling waits for
+        # ``previous`` to be read back (``step``), its forward pass does not.
+        defer = any(c.request.grammar is not None for c in chunks)
         return self._launch(chunks, list(range(len(chunks))), seq_chunks,
-                            input_ids=previous.sampled.token_ids)
+                            input_ids=previous.sampled.token_ids, defer_sampling=defer)
 
     def _launch(self, chunks: list[ScheduledChunk], sampling: list[int],
                 seq_chunks: list[SeqChunk], input_ids: torch.Tensor | None = None,
-                ) -> InflightStep:
-        """Queue one forward pass and its sampling on the device; nothing waits for it."""
+                defer_sampling: bool = False) -> InflightStep:
+        """Queue one forward pass and (unless deferred) its sampling on the device;
+        nothing waits for it."""
         if self.kv.pending_copies:
             self.runner.apply_pending_copies(self.kv)
         batch = build_forward_batch(seq_chunks, self.kv, self.runner.device,
                                     staging=self._staging)
         if input_ids is not None:
             batch.input_ids = input_ids  # [B] int64, already on the device
-        logits = self.runner.execute(batch)  # [B, V] float32
-        reqs = [chunks[i].request for i in sampling]
-        sampled = self._sample(logits, reqs, sampling, tokens_ahead=int(input_ids is not None))
-        step = InflightStep(chunks, sampling, sampled)
+        step = InflightStep(chunks, sampling, None, logits=self.runner.execute(batch))
+        if not defer_sampling:
+            self._queue_sampling(step, tokens_ahead=int(input_ids is not None))
+        return step
+
+    def _queue_sampling(self, step: InflightStep, tokens_ahead: int) -> None:
+        """Queue the sampling of ``step``, whose forward pass is queued already."""
+        logits, step.logits = step.logits, None  # [B, V] float32
+        assert logits is not None
+        reqs = [step.chunks[i].request for i in step.sampling]
+        sampled = self._sample(logits, reqs, step.sampling, tokens_ahead)
+        step.sampled = sampled
         if (sampled is not None and self._readback is not None
                 and sampled.sampled_logprob is None):
             step.readback = self._readback.start(sampled.token_ids)
-        return step
 
     def _seq_chunk(self, c: ScheduledChunk, ids: tuple[int, ...] | None = None) -> SeqChunk:
         """``c`` as the batch builder takes it; ``ids`` default to the request's tokens."""
@@ -278,9 +293,11 @@ class LLMEngine:
         if len(rows) != logits.shape[0]:  # some rows end a prefill chunk mid-prompt
             index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
             logits = logits.index_select(0, index)
-        # Filled on the host while the device still runs the forward pass.
-        bitmask = self.structured.fill_bitmask([r.grammar for r in reqs]) \
-            if any(r.grammar is not None for r in reqs) else None
+        # Filled on the host while the device still runs the forward pass. A request that
+        # finished since the launch (its row is dropped) takes no mask.
+        grammars = [r.grammar if r.status is RequestStatus.RUNNING else None for r in reqs]
+        bitmask = self.structured.fill_bitmask(grammars) \
+            if any(g is not None for g in grammars) else None
         if plain_argmax(reqs):
             if bitmask is not None:
                 logits = apply_token_bitmask(logits, bitmask)

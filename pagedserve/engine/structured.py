@@ -18,8 +18,9 @@ One step, for the rows that sample (``LLMEngine._launch``)::
             request
 
 So constrained and unconstrained requests share a batch, and the mask costs the device one
-elementwise pass over the logits. A constrained step is never launched ahead of its
-predecessor's read-back (``lookahead.py``): its mask needs the previous token.
+elementwise pass over the logits. With async scheduling a constrained step's forward pass
+is launched ahead as any other; its sampling waits until the previous step's tokens have
+advanced the grammars (``lookahead.py``).
 
 The tokenizer's special tokens that the detokenizer drops (``<|im_start|>``...) are never
 allowed inside a grammar, so the text the client sees is the text the grammar matched; the

@@ -98,6 +98,8 @@ def test_greedy_choice_matches_transformers_with_a_python_mask(make_engine, hf_m
     out = run(engine, {"c": ("Pick one: ", constrained), "f": ("Pick one: ", free)})
     expected = oracle_choice_greedy(hf_model, "Pick one: ", CHOICES, 30)
     assert out["c"] == expected
+    if engine.async_scheduling:  # the constrained row's sampling waited for each step
+        assert engine.stats.num_lookahead_steps > 0
     assert bytes(t for t in out["c"] if t < 256).decode() in CHOICES
     alone = run(make_engine(), {"f": ("Pick one: ", free)})
     assert out["f"] == alone["f"]
@@ -157,3 +159,20 @@ def test_length_bounded_strings_are_json_strings(engine, max_length):
 
     assert accepts(b'"\\n"') and json.loads('"\\n"') == "\n"
     assert not accepts(b'"\x06') and not accepts(b'"\t')
+
+
+def test_lookahead_samples_the_same_constrained_tokens(loaded, model_dir):
+    """With async scheduling a constrained step's sampling waits for the previous step's
+    tokens; what it samples must not change (seeded rows, mixed batch)."""
+    schema = {"type": "array", "items": {"type": "integer"}, "minItems": 50}
+    spec = GrammarSpec.of_format({"type": "json_schema", "json_schema": schema})
+    outs = []
+    for lookahead in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", progress=False,
+                                        async_scheduling=lookahead), loaded=loaded)
+        outs.append(run(engine, {
+            "j": ("[", SamplingParams(max_tokens=24, temperature=1.0, seed=5, structured=spec)),
+            "f": ("x", SamplingParams(max_tokens=24, temperature=1.0, seed=6,
+                                      ignore_eos=True))}))
+        assert (engine.stats.num_lookahead_steps > 0) == lookahead
+    assert outs[0] == outs[1]
