@@ -70,7 +70,8 @@ for spec in "$@"; do
     # 360 s for the decode grid alone (tests-kernels-grid_15ec4bb.log).
     # -v names each test as it ends, so a stage cut short by its limit still shows them.
     tests-gpu)     run_stage "$stage" "$limit" $PYTEST -n 8 -v --maxfail=1000 tests/kernels \
-                     tests/engine/test_engine_gpu.py tests/model/test_gpu.py ;;
+                     tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
+                     tests/model/test_gpu.py ;;
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
     # The same, in two parts (139 and 166 tests at ea80e5b; most of their time is Triton
@@ -151,6 +152,10 @@ for spec in "$@"; do
     # Random pieces against one run, memory only (benchmarks/probe_pieces.py); $PIECES_ARGS
     # are its arguments (default: its own cases and block sizes).
     probe-pieces)  run_stage "$stage" "$limit" python3 benchmarks/probe_pieces.py ${PIECES_ARGS:-} ;;
+    tests-prefill) run_stage "$stage" "$limit" $PYTEST -n 8 tests/kernels/test_paged_prefill.py ;;
+    # $PREFILL_ARGS: more bench_prefill.py arguments (--parts, --lengths, --configs).
+    bench-prefill) run_stage "$stage" "$limit" python3 benchmarks/bench_prefill.py \
+                     ${PREFILL_ARGS:-} --out "$OUT" ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     # A grammar's cost per decode step at batch 8 on the 27B shape (needs xgrammar and

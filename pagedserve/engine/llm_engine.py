@@ -30,6 +30,7 @@ from pagedserve.engine.sampler import (
 )
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pagedserve.engine.structured import StructuredOutputs
+from pagedserve.engine.warmup import warm_up
 from pagedserve.model.forward_batch import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.model.loader import LoadedModel, load_model
 
@@ -102,23 +103,31 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        started = time.perf_counter()
         self.loaded = loaded or load_model(config.model, config.device, config.dtype,
                                            progress=config.progress)
+        # Seconds per start-up phase (``warm_up`` adds its own).
+        self.startup_seconds = {"weights": time.perf_counter() - started}
         cfg = self.loaded.config
         max_len = config.max_model_len or min(4096, cfg.max_position_embeddings)
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max-model-len {max_len} exceeds the model's "
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.max_model_len = max_len
+        budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         self.runner = ModelRunner(
             self.loaded.model, config.cache_config(),
             RunnerConfig(max_model_len=max_len, max_num_seqs=config.max_num_seqs,
                          num_blocks=config.num_blocks,
                          gpu_memory_utilization=config.gpu_memory_utilization,
-                         cuda_graphs=config.cuda_graphs),
+                         cuda_graphs=config.cuda_graphs,
+                         prefill_graph_tokens=min(config.prefill_chunk, budget, max_len)),
         )
+        self.startup_seconds["kv_cache_and_graphs"] = (
+            time.perf_counter() - started - self.startup_seconds["weights"])
+        log.info("weights loaded in %.1f s; K/V cache, compiles and CUDA graphs in %.1f s",
+                 *self.startup_seconds.values())
         self.kv = self.runner.create_kv_manager()
-        budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
                             prefill_chunk=config.prefill_chunk, max_model_len=max_len),
@@ -195,6 +204,15 @@ class LLMEngine:
         req = self.make_request(request_id, prompt, params)
         self.enqueue(req)
         return req
+
+    def warm_up(self) -> float:
+        """Run one of each kind of step (``warmup.py``) so that no request waits for a
+        compile; returns and logs the seconds it took. Call it on an idle engine."""
+        seconds = warm_up(self)
+        self.startup_seconds["warm_up"] = seconds
+        self.stats = EngineStats()
+        log.info("warm-up (every kind of step compiled and tuned) in %.1f s", seconds)
+        return seconds
 
     def abort_request(self, request_id: str) -> bool:
         """Abort and free at once; False if the id is unknown or already finished."""

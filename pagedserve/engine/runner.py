@@ -4,8 +4,9 @@ It owns the decoder, one K and one V ``KVBlockStorage`` per full-attention layer
 one buffer when their types match: ``KVBlockStorage.allocate_pair``), and the
 ``StatePool`` of the linear-attention layers. ``execute(batch)`` runs one ``ForwardBatch``
 and returns the logits of each sequence's last new token. Decode-only batches on CUDA
-replay a captured CUDA graph (``DecodeGraphs``); everything else runs eagerly, and on the
-CPU everything is eager with the torch reference ops.
+replay a captured CUDA graph (``DecodeGraphs``), and so do steps that prefill one short
+chunk (``PrefillGraphs``); everything else runs eagerly, and on the CPU everything is eager
+with the torch reference ops.
 
 Layouts (``CacheConfig.kv_layout``)::
 
@@ -27,6 +28,7 @@ import torch
 
 from pagedserve.config import CacheConfig
 from pagedserve.engine.decode_graphs import DecodeGraphs
+from pagedserve.engine.prefill_graphs import PrefillGraphs
 from pagedserve.kernels.decode_plan import DecodeWorkspace, default_occupancy
 from pagedserve.kv import formats
 from pagedserve.kv.block_pool import BlockPool
@@ -60,6 +62,8 @@ class RunnerConfig:
             kernels (CUDA only; falls back to eager, with a warning, if compiling fails).
             This changes the model passed in, for every runner that shares it.
         max_graph_batch_size: largest decode batch run as a graph (default ``max_num_seqs``).
+        prefill_graph_tokens: largest one-sequence prefill chunk run as a graph
+            (``PrefillGraphs``; 0: none). At most the step's token budget.
     """
 
     max_model_len: int = 4096
@@ -69,6 +73,7 @@ class RunnerConfig:
     cuda_graphs: bool = True
     compile_elementwise: bool = True
     max_graph_batch_size: int | None = None
+    prefill_graph_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.max_model_len <= 0:
@@ -156,6 +161,7 @@ class ModelRunner:
             workspace,
         )
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         if self.device.type == "cuda":
             self._prepare_cuda()
 
@@ -175,6 +181,11 @@ class ModelRunner:
                 min(config.max_graph_batch_size or config.max_num_seqs, config.max_num_seqs),
                 self.max_blocks_per_seq, self.state_pool.null_slot,
             )
+            if config.prefill_graph_tokens > 1:
+                self.prefill_graphs = PrefillGraphs.try_capture(
+                    self._forward_logits, self.device, config.prefill_graph_tokens,
+                    self.max_blocks_per_seq, self.state_pool.null_slot, config.max_model_len,
+                )
 
     # ---- sizing ---------------------------------------------------------------------------
     def _kv_footprint(self, block_size: int) -> KVFootprint:
@@ -229,6 +240,8 @@ class ModelRunner:
             logits = self.graphs.run(batch)
             if logits is not None:
                 return logits
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(batch):
+            return self.prefill_graphs.run(batch)
         return self._forward_logits(batch)
 
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor:

@@ -4,7 +4,10 @@ Policy, per step, within ``max_num_batched_tokens``:
 
 1. Running decodes (one pending token each), oldest first: users already streaming never
    stall behind a long prompt.
-2. Running prefills (chunked: at most ``prefill_chunk`` tokens each), oldest first.
+2. Running prefills (chunked: at most ``prefill_chunk`` tokens each while any sequence
+   decodes in the step, so that the step stays short; in a step with no decode row at
+   most ``idle_prefill_chunk``, which may be larger, since nobody waits on that step but
+   the prompts themselves), oldest first.
 3. Waiting requests, first come first served (preempted ones at the front), while a state
    slot, a sequence row and the chunk's blocks are free. Admission never preempts.
 
@@ -31,10 +34,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk: int = 512
     max_model_len: int = 4096
+    idle_prefill_chunk: int = 0  # 0: prefill_chunk
 
     def __post_init__(self) -> None:
+        if self.idle_prefill_chunk == 0:
+            object.__setattr__(self, "idle_prefill_chunk", self.prefill_chunk)
         for name in ("max_num_seqs", "max_num_batched_tokens", "prefill_chunk",
-                     "max_model_len"):
+                     "max_model_len", "idle_prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be an integer > 0, "
@@ -152,11 +158,14 @@ class Scheduler:
         prefill: list[ScheduledChunk] = []
         preempted: list[Request] = []
 
+        chunk_cap = self.config.prefill_chunk
         for want_decode in (True, False):
+            if not want_decode and not decode:
+                chunk_cap = self.config.idle_prefill_chunk
             for req in list(self.running):
                 if req not in self.running or (req.num_pending_tokens == 1) != want_decode:
                     continue
-                n = self._chunk_len(req, budget)
+                n = self._chunk_len(req, budget, chunk_cap)
                 if n == 0:
                     continue
                 if not self._reserve_or_preempt(req, n, preempted):
@@ -167,7 +176,7 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = self._chunk_len(req, budget)
+            n = self._chunk_len(req, budget, chunk_cap)
             if not self._admit(req, n):
                 break  # head of the queue waits for memory; FCFS, no overtaking
             self.waiting.popleft()
@@ -182,10 +191,9 @@ class Scheduler:
                   and c.start_pos == c.request.num_computed_tokens]
         return SchedulerOutput(chunks, preempted)
 
-    def _chunk_len(self, req: Request, budget: int) -> int:
+    def _chunk_len(self, req: Request, budget: int, chunk_cap: int) -> int:
         pending = req.num_pending_tokens
-        return min(pending, budget) if pending == 1 else min(
-            pending, budget, self.config.prefill_chunk)
+        return min(pending, budget) if pending == 1 else min(pending, budget, chunk_cap)
 
     def _reserve_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
         while not self.kv.reserve(req.kv_handle, n):
@@ -203,9 +211,10 @@ class Scheduler:
             return False
         # The budget left after every running sequence's decode row.
         budget = self.config.max_num_batched_tokens - len(self.running)
+        cap = self.config.prefill_chunk if self.running else self.config.idle_prefill_chunk
         return (self.kv.num_free_seq_rows > 0 and self.states.num_free_slots > 0
-                and budget > 0 and self._blocks_free_for(self._chunk_len(self.waiting[0],
-                                                                         budget)))
+                and budget > 0 and self._blocks_free_for(
+                    self._chunk_len(self.waiting[0], budget, cap)))
 
     def _blocks_free_for(self, n: int) -> bool:
         # Keep a small reserve of free blocks for running sequences to grow into, so a new

@@ -31,7 +31,8 @@ PREFILL_BLOCK_C = 128
 STATE_BLOCK_C = 256
 
 
-@triton.jit
+# Step-dependent integers are not specialized, so that a warm-up covers every launch.
+@triton.jit(do_not_specialize=["t_begin", "t_end"])
 def _conv_prefill_kernel(
     x_ptr, w_ptr, state_ptr, slots_ptr, qsl_ptr, tok_seq_ptr, y_ptr,
     t_begin, t_end, C,
@@ -72,7 +73,7 @@ def _conv_prefill_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_begin"])
 def _conv_state_kernel(
     x_ptr, state_ptr, slots_ptr, qsl_ptr,
     seq_begin, C,
@@ -125,7 +126,10 @@ def conv_prefill(
         raise ValueError("x and out must have a contiguous last dim")
     # Sequence index of every prefill token, found on the device (no host round trip).
     rows = torch.arange(t_begin, t_end, dtype=query_start_loc.dtype, device=x.device)
-    tok_seq = torch.searchsorted(query_start_loc, rows, right=True) - 1  # [T_prefill] int64
+    # Rows past the device's last offset (a prefill graph's padding) count as the last
+    # sequence's: they read in-range inputs, and the state kernel uses real lengths.
+    tok_seq = (torch.searchsorted(query_start_loc, rows, right=True) - 1).clamp_(
+        max=len(query_start_loc_cpu) - 2)  # [T_prefill] int64
     grid = (triton.cdiv(t_end - t_begin, PREFILL_BLOCK_T), triton.cdiv(c, PREFILL_BLOCK_C))
     _conv_prefill_kernel[grid](
         x, weight, conv_state, state_slots, query_start_loc, tok_seq, out,
@@ -185,13 +189,18 @@ def gated_delta_rule_prefill_fla(
     if len(query_start_loc_cpu) - 1 <= seq_begin:
         return
     t0 = query_start_loc_cpu[seq_begin]
-    # fla wants int64 cu_seqlens starting at 0; the host copy spares it a device sync when
-    # it plans its chunk indices.
-    cu_seqlens = (query_start_loc[seq_begin:] - t0).long()
-    cu_seqlens_cpu = torch.tensor([c - t0 for c in query_start_loc_cpu[seq_begin:]],
-                                  dtype=torch.long)
     slots = state_slots[seq_begin:].long()
     initial = recurrent_state[slots]  # [N, Hv, Dk, Dv] float32 gather (a copy)
+    varlen = {}
+    if len(query_start_loc_cpu) - 1 - seq_begin > 1:
+        # fla wants int64 cu_seqlens starting at 0; the host copy spares it a device sync
+        # when it plans its chunk indices. One sequence runs as a batch of one instead,
+        # with no chunk plan at all (a prefill graph's padded batch needs that).
+        varlen = {
+            "cu_seqlens": (query_start_loc[seq_begin:] - t0).long(),
+            "cu_seqlens_cpu": torch.tensor([c - t0 for c in query_start_loc_cpu[seq_begin:]],
+                                           dtype=torch.long),
+        }
     o, final = chunk_rule(
         q[t0:].unsqueeze(0), k[t0:].unsqueeze(0), v[t0:].unsqueeze(0),
         g[t0:].unsqueeze(0).float(), beta[t0:].unsqueeze(0),
@@ -199,8 +208,7 @@ def gated_delta_rule_prefill_fla(
         initial_state=initial,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens,
-        cu_seqlens_cpu=cu_seqlens_cpu,
+        **varlen,
     )
     recurrent_state.index_copy_(0, slots, final.to(recurrent_state.dtype))
     out[t0:] = o[0]

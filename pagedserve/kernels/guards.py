@@ -197,3 +197,51 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_slots: int) -> None:
             f"slot_mapping[{t}] = {int(slot_mapping[t])} is outside the pool's "
             f"{num_slots} slots (and is not -1, the skip marker)"
         )
+
+
+def check_prefill_args(
+    q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    out: torch.Tensor, seq_begin: int,
+) -> None:
+    """Host-known checks of ``paged_prefill_attention``'s arguments (no sync)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens must be int32 [B], got shape {tuple(seq_lens.shape)}")
+    B = seq_lens.shape[0]
+    if q.shape[0] < B:
+        raise ValueError(f"q has {q.shape[0]} rows for {B} sequences; every sequence of a "
+                         "step has at least one new row")
+    # The storage, head_dim and table checks are decode's, on one query row per sequence.
+    check_decode_args(q[:B], cache_k, cache_v, block_tables, seq_lens, None)
+    if (query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1
+            or query_start_loc.shape[0] != B + 1 or not query_start_loc.is_contiguous()):
+        raise ValueError(f"query_start_loc must be contiguous int32 [{B + 1}], got "
+                         f"{query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    if query_start_loc.device != q.device:
+        raise ValueError(f"all tensors must be on {q.device}; found {query_start_loc.device}")
+    if not 0 <= seq_begin <= B:
+        raise ValueError(f"seq_begin {seq_begin} is outside [0, {B}]")
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1 \
+            or out.device != q.device:
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} on {q.device} with a "
+                         f"contiguous last dim, got {out.dtype} {tuple(out.shape)} on "
+                         f"{out.device}")
+
+
+def check_prefill_lengths(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int, seq_begin: int,
+) -> None:
+    """Full check (syncs): query offsets ascend within the step's ``num_tokens`` rows, and
+    every sequence from ``seq_begin`` on caches at least its new rows."""
+    qsl = query_start_loc.to(torch.int64).cpu()
+    lens = seq_lens.to(torch.int64).cpu()
+    if int(qsl[0]) != 0 or int(qsl[-1]) != num_tokens:
+        raise ValueError(f"query_start_loc must run from 0 to the step's {num_tokens} rows, "
+                         f"got {int(qsl[0])} .. {int(qsl[-1])}")
+    for b in range(seq_begin, lens.shape[0]):
+        n = int(qsl[b + 1] - qsl[b])
+        if n < 0 or n > int(lens[b]):
+            raise ValueError(f"sequence {b} has {n} new rows but seq_lens[{b}] = "
+                             f"{int(lens[b])}: it must cache at least its new rows")

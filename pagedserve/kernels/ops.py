@@ -96,3 +96,92 @@ def paged_decode_attention(
         return result
     out.copy_(result)
     return out
+
+
+# Prefill methods on CUDA: the paged Triton kernel, or the packed gather + flash varlen.
+PREFILL_METHODS = ("kernel", "flash")
+# From this many new rows in one sequence of a step on, ``method=None`` takes flash for
+# quantized K/V: the kernel dequantizes each K/V tile once per query tile, which costs
+# more than flash's one gather of the rows there (docs/kernel-decisions.md).
+FLASH_MIN_ROWS = 1024
+
+
+def prefill_method(q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
+                   query_lens_cpu: list[int] | None) -> str:
+    """The default method of a launch: flash for long chunks over quantized K/V in 16-bit
+    models; the kernel otherwise."""
+    quantized = formats.spec(cache_k.kv_type).quantized or formats.spec(cache_v.kv_type).quantized
+    if (quantized and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+            and query_lens_cpu and max(query_lens_cpu) >= FLASH_MIN_ROWS):
+        return "flash"
+    return "kernel"
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
+    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, *, out: torch.Tensor | None = None, seq_begin: int = 0,
+    query_start_loc_cpu: list[int] | None = None, seq_lens_cpu: list[int] | None = None,
+    method: str | None = None, num_splits: int | None = None, backend: str | None = None,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new rows over its cached prefix and themselves.
+
+    Args:
+        q: ``[T, Hq, D]``, the step's query rows, sequences concatenated.
+        cache_k, cache_v: ``KVBlockStorage`` of one layer (types independent), already
+            holding the new rows.
+        block_tables: int32 ``[B, max_blocks]``; one column = contiguous layout.
+        query_start_loc: int32 ``[B + 1]`` cu_seqlens of the new rows.
+        seq_lens: int32 ``[B]`` cached rows after the step (prefix + new).
+        scale: softmax scale.
+        out: optional ``[T, Hq, D]`` buffer in ``q.dtype``.
+        seq_begin: sequences before it (the step's decode rows) are skipped: their rows
+            of ``out`` are left as they are.
+        query_start_loc_cpu, seq_lens_cpu: host copies of the two (spare the reference
+            and the flash method a device sync).
+        method: Triton backend only: ``"kernel"`` (``kernels.paged_prefill``, reads the
+            pool in place, capturable in CUDA graphs) or ``"flash"``
+            (``kernels.prefill_gather``); ``None`` chooses by ``prefill_method``.
+        num_splits: the kernel's split of the key range (``None``: its own choice).
+
+    Returns:
+        ``out`` (or a new tensor), with the rows of sequences ``seq_begin ..`` written.
+    """
+    if out is None:
+        out = torch.empty_like(q)
+    guards.check_prefill_args(q, cache_k, cache_v, block_tables, query_start_loc, seq_lens,
+                              out, seq_begin)
+    if method is not None and method not in PREFILL_METHODS:
+        raise ValueError(f"method {method!r} is not one of {list(PREFILL_METHODS)} (or None)")
+    if guards.validate_requested(validate):
+        guards.check_prefill_lengths(query_start_loc, seq_lens, q.shape[0], seq_begin)
+        guards.check_block_tables(block_tables[seq_begin:], seq_lens[seq_begin:],
+                                  cache_k.num_blocks, cache_k.block_size)
+    on_triton = _pick(backend, q.device) == "triton"
+    if on_triton and method is None and query_start_loc_cpu is not None:
+        qsl = query_start_loc_cpu
+        method = prefill_method(q, cache_k, cache_v,
+                                [qsl[b + 1] - qsl[b] for b in range(seq_begin, len(qsl) - 1)])
+    if on_triton and method == "flash":
+        from pagedserve.kernels.prefill_gather import flash_prefill_attention
+
+        _check_triton_types(cache_k, cache_v)
+        return flash_prefill_attention(
+            q, cache_k, cache_v, block_tables, query_start_loc, seq_lens, scale, out,
+            seq_begin, query_start_loc_cpu or query_start_loc.tolist(),
+            seq_lens_cpu or seq_lens.tolist())
+    if on_triton:
+        from pagedserve.kernels import paged_prefill
+
+        _check_triton_types(cache_k, cache_v)
+        return paged_prefill.paged_prefill_attention(
+            q, cache_k, cache_v, block_tables, query_start_loc, seq_lens, scale, out,
+            seq_begin, query_start_loc_cpu, seq_lens_cpu, num_splits)
+    from pagedserve.kernels.prefill_attention import prefill_attention
+
+    qsl = query_start_loc_cpu or query_start_loc.tolist()
+    t0 = qsl[seq_begin]
+    out[t0:] = prefill_attention(q[t0:], cache_k, cache_v, block_tables, qsl,
+                                 seq_lens_cpu or seq_lens.tolist(), seq_begin, scale)
+    return out

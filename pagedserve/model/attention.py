@@ -3,7 +3,7 @@
 Per token: ``q_proj`` yields, for each query head, the query and an output gate side by
 side; q and k get an RMSNorm over head_dim and partial RoPE; the new K/V rows are written
 to the cache first; then decode rows read the cache through the paged decode op and
-prefill rows through ``prefill_attention``; the result is gated by ``sigmoid(gate)``.
+prefill rows through the paged prefill op; the result is gated by ``sigmoid(gate)``.
 
 Fused projection (``qkv_proj.weight``, rows)::
 
@@ -18,7 +18,6 @@ from torch import nn
 from pagedserve.config import ModelConfig
 from pagedserve.kernels import ops
 from pagedserve.kernels.decode_plan import DecodeWorkspace
-from pagedserve.kernels.prefill_attention import prefill_attention
 from pagedserve.kv.formats import KVBlockStorage
 from pagedserve.model.elementwise import EAGER, ElementwiseOps
 from pagedserve.model.forward_batch import ForwardBatch
@@ -76,21 +75,21 @@ class GatedAttention(nn.Module):
         self, q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
         batch: ForwardBatch, workspace: DecodeWorkspace | None,
     ) -> torch.Tensor:
+        """Decode rows through the paged decode op, prefill rows through the paged prefill
+        op, both into one ``[T, Hq, D]`` output."""
+        # Padding rows (a prefill graph's) get no attention: zeros, kept finite.
+        out = torch.empty_like(q) if batch.row_valid is None else torch.zeros_like(q)  # [T, Hq, D]
         # Decode rows come first and hold one token each, so row i is sequence i.
         nd = batch.num_decode_seqs
-        decode = prefill = None
         if nd:
-            decode = ops.paged_decode_attention(
+            ops.paged_decode_attention(
                 q[:nd], cache_k, cache_v, batch.block_tables[:nd], batch.seq_lens[:nd],
-                self.scale, workspace=workspace,
+                self.scale, workspace=workspace, out=out[:nd],
             )
         if nd < batch.num_seqs:
-            prefill = prefill_attention(
-                q[nd:], cache_k, cache_v, batch.block_tables, batch.query_start_loc_cpu,
-                batch.seq_lens_cpu, nd, self.scale,
+            ops.paged_prefill_attention(
+                q, cache_k, cache_v, batch.block_tables, batch.query_start_loc,
+                batch.seq_lens, self.scale, out=out, seq_begin=nd,
+                query_start_loc_cpu=batch.query_start_loc_cpu, seq_lens_cpu=batch.seq_lens_cpu,
             )
-        if prefill is None:
-            return decode
-        if decode is None:
-            return prefill
-        return torch.cat((decode, prefill), dim=0)
+        return out

@@ -26,6 +26,12 @@ class ForwardBatch:
 
     Host copies (plain lists, so planning never syncs the device):
         query_start_loc_cpu, seq_lens_cpu
+
+    Padding (prefill CUDA graphs, ``engine/prefill_graphs.py``):
+        row_valid:        bool ``[T]`` or ``None`` (every row real). A graph's batch is one
+                          sequence padded to a captured row count: the device
+                          ``query_start_loc`` ends at the real rows, the host copies at
+                          the padded count, and rows past the real ones are False here.
     """
 
     input_ids: torch.Tensor
@@ -39,6 +45,7 @@ class ForwardBatch:
     num_decode_seqs: int
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    row_valid: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

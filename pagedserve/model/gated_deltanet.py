@@ -99,6 +99,11 @@ class GatedDeltaNet(nn.Module):
         v = v.view(T, self.num_v_heads, self.head_v_dim)
 
         g, beta = self.ew.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
+        if batch.row_valid is not None:
+            # Padding rows neither decay nor write the state (g = 0, beta = 0), so the
+            # state after a padded chunk is the state after its last real row.
+            keep = batch.row_valid[:, None]  # [T, 1]
+            g, beta = g * keep, beta * keep
         o = gdn.gated_delta_rule_varlen(
             q, k, v, g, beta, recurrent_state, batch.query_start_loc,
             batch.query_start_loc_cpu, batch.state_slots, batch.num_decode_seqs,

@@ -12,11 +12,13 @@ from pagedserve.kv.state_pool import StatePool, StateShapes
 SHAPES = StateShapes(num_layers=1, conv=(4, 3), recurrent=(1, 2, 2), conv_dtype=torch.float32)
 
 
-def make(num_blocks=16, block_size=4, max_seqs=4, budget=64, chunk=8, max_len=64):
+def make(num_blocks=16, block_size=4, max_seqs=4, budget=64, chunk=8, max_len=64,
+         idle_chunk=0):
     kv = KVCacheManager(BlockPool(num_blocks, block_size), max_seqs, max_len // block_size)
     states = StatePool(SHAPES, max_seqs, "cpu")
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                          prefill_chunk=chunk, max_model_len=max_len)
+                          prefill_chunk=chunk, max_model_len=max_len,
+                          idle_prefill_chunk=idle_chunk)
     return Scheduler(cfg, kv, states)
 
 
@@ -166,3 +168,15 @@ def test_can_admit_next_matches_what_schedule_then_does():
         s.add(req(rid, 2, max_tokens=2))
     run_step(s)
     assert len(s.running) == 2 and len(s.waiting) == 1 and not s.can_admit_next()
+
+
+def test_steps_without_decode_rows_take_the_idle_chunk():
+    # Alone, a prompt takes idle_prefill_chunk tokens a step; once another sequence
+    # decodes, prompts are cut to prefill_chunk so that the decoding user's step stays short.
+    s = make(chunk=4, idle_chunk=12, budget=32)
+    s.add(req("a", 14))
+    assert shape(run_step(s)) == [("a", 12, 0)]
+    assert shape(run_step(s)) == [("a", 2, 12)]
+    s.add(req("b", 30))
+    assert shape(run_step(s)) == [("a", 1, 14), ("b", 4, 0)]
+    assert shape(run_step(s)) == [("a", 1, 15), ("b", 4, 4)]

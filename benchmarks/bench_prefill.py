@@ -1,0 +1,374 @@
+"""Prefill benchmark: the paged prefill attention op, and whole-model time to first token.
+
+Two parts, one GPU, one run:
+
+- **op**: one 4K-row chunk of the 27B attention shape (Hq 24, Hkv 4, head_dim 256) over a
+  cached prefix of 0, 8K, 32K and 128K rows: the paged prefill kernel reading bf16, q8_0
+  and q4_0 K/V from a shuffled pool, against ``F.scaled_dot_product_attention`` (flash) on
+  contiguous bf16 K/V of the same shape with a lower-right causal mask. Graph replay,
+  sides interleaved (``_common.time_sides``). TFLOP/s count causal FLOPs only
+  (``4 * Hq * D * sum_i (ctx + i + 1)``).
+- **ttft**: ``LLMEngine`` on the Qwen3.5-27B shape (random bf16 weights), one prompt at a
+  time, from ``add_request`` to its first token, for each scheduler configuration; each
+  engine first serves an untimed request that runs every chunk shape once. A
+  ``torch.profiler`` pass splits one prompt's GPU time into GEMMs, full attention, GDN
+  and the rest, each against its own floor.
+
+    python benchmarks/bench_prefill.py [--parts op,ttft] [--lengths 512,8192,32768,131072]
+    python benchmarks/bench_prefill.py --quick      # CPU dry run, numbers meaningless
+
+Writes ``docs/benchmarks/prefill.{md,json,png}`` (and copies to ``$OUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+from pagedserve.kernels import ops  # noqa: E402
+from pagedserve.kv.formats import KVBlockStorage  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+K = 1024
+PEAK_TFLOPS = 790.0  # H200 dense bf16 (docs/kernel-decisions.md); floors use it
+CATEGORIES = ("gemm", "attention", "gdn", "other")
+
+
+# ---- op ---------------------------------------------------------------------------------
+
+def causal_flops(n: int, ctx: int, hq: int, d: int) -> float:
+    return 4.0 * hq * d * (n * ctx + n * (n + 1) / 2)
+
+
+def op_case(kv_type: str, n: int, ctx: int, hq: int, hkv: int, d: int, device: str,
+            sweep: list[tuple[int, int, int, int]], block_size: int = 16) -> dict:
+    """One chunk: the paged kernel and the gather + flash method on ``kv_type``, against
+    SDPA on contiguous bf16. ``sweep``: more launch configurations of the kernel, timed
+    side by side as ``kernel BM/BN/W/S``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from pagedserve.kernels import paged_prefill
+
+    length = ctx + n
+    num_blocks = -(-length // block_size)
+    gen = torch.Generator(device=device).manual_seed(0)
+    cache_k, cache_v = KVBlockStorage.allocate_pair(kv_type, kv_type, num_blocks, block_size,
+                                                    hkv, d, device)
+    rows = torch.randn(num_blocks * block_size, hkv, d, device=device, generator=gen,
+                       dtype=torch.bfloat16)
+    slots = torch.arange(num_blocks * block_size, device=device)
+    ops.kv_write(cache_k, rows, slots)
+    ops.kv_write(cache_v, rows.flip(0), slots)
+    table = torch.randperm(num_blocks, device=device, generator=gen).int()[None]
+    q = torch.randn(n, hq, d, device=device, dtype=torch.bfloat16, generator=gen)
+    qsl = torch.tensor([0, n], dtype=torch.int32, device=device)
+    lens = torch.tensor([length], dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    scale = d ** -0.5
+    default_config = paged_prefill.launch_config
+
+    def method(name: str, config=None):
+        def call() -> None:
+            if config is not None:
+                paged_prefill.launch_config = lambda *_: config
+            try:
+                ops.paged_prefill_attention(q, cache_k, cache_v, table, qsl, lens, scale,
+                                            out=out, query_start_loc_cpu=[0, n],
+                                            seq_lens_cpu=[length], method=name)
+            finally:
+                paged_prefill.launch_config = default_config
+        return call
+
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    kc = rows[:length].transpose(0, 1)[None].contiguous()  # [1, Hkv, L, D]
+    vc = rows.flip(0)[:length].transpose(0, 1)[None].contiguous()
+    bias = causal_lower_right(n, length)
+
+    def sdpa() -> None:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(qh, kc, vc, attn_mask=bias, scale=scale,
+                                           enable_gqa=True)
+
+    sides = {"kernel": [method("kernel")], "flash": [method("flash")], "sdpa": [sdpa]}
+    for config in sweep:
+        sides["kernel " + "/".join(map(str, config))] = [method("kernel", config)]
+    us = _common.time_sides(sides, "graph" if device == "cuda" else "eager", min_rounds=5,
+                            min_seconds=0.2)
+    flops = causal_flops(n, ctx, hq, d)
+    return {"kv_type": kv_type, "chunk": n, "prefix": ctx, "us": us,
+            "tflops": {k: flops / v / 1e6 for k, v in us.items()},
+            "paged_us": us["kernel"], "sdpa_us": us["sdpa"], "flash_us": us["flash"],
+            "ratio": us["sdpa"] / us["kernel"], "flash_ratio": us["sdpa"] / us["flash"]}
+
+
+def run_op(args, device: str) -> list[dict]:
+    if args.quick:
+        shape, cases = (4, 2, 64), [(64, 0), (64, 128)]
+    else:
+        shape = (24, 4, 256)
+        cases = [tuple(int(v) for v in c.split("x")) for c in args.op_cases.split(",")]
+    rows = []
+    for kv_type in args.op_types.split(","):
+        for n, ctx in cases:
+            sweep = args.sweep if (n, ctx) in args.sweep_cases else []
+            r = op_case(kv_type, n, ctx, *shape, device, sweep)
+            rows.append(r)
+            sides = "  ".join(f"{k} {v:.1f} us ({r['tflops'][k]:.0f})" for k, v in
+                              r["us"].items())
+            print(f"op {kv_type:5s} chunk {n} over {ctx:6d}: {sides}", flush=True)
+    return rows
+
+
+# ---- ttft -------------------------------------------------------------------------------
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    if any(s in name for s in ("nvjet", "gemm", "cutlass", "xmma", "cublas", "splitk")):
+        return "gemm"
+    if any(s in name for s in ("paged_prefill", "paged_decode", "fragment", "flash", "fmha",
+                               "decode_merge")):
+        return "attention"
+    if any(s in name for s in ("chunk", "conv", "l2norm", "solve_tril", "wy", "recompute",
+                               "kkt", "rule", "gated_delta", "cumsum")):
+        return "gdn"
+    return "other"
+
+
+def first_token_seconds(engine, prompt_len: int, rid: str) -> float:
+    from pagedserve.engine.request import SamplingParams
+
+    prompt = torch.randint(0, engine.vocab_size, (prompt_len,)).tolist()
+    _sync()
+    t = time.perf_counter()
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - t
+
+
+def profile_prompt(engine, prompt_len: int) -> dict:
+    """GPU milliseconds by category for one prompt (kernel time summed, no overlap)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = first_token_seconds(engine, prompt_len, f"profile-{prompt_len}")
+        _sync()
+    by_cat = dict.fromkeys(CATEGORIES, 0.0)
+    launches = 0
+    kernels = []
+    for evt in prof.key_averages():
+        dev = getattr(evt, "self_device_time_total", 0.0)
+        if evt.device_type == torch.autograd.DeviceType.CUDA and dev > 0:
+            by_cat[category(evt.key)] += dev / 1e3
+            launches += evt.count
+            kernels.append((dev / 1e3, evt.count, evt.key[:100]))
+    top = [{"ms": ms, "calls": n, "name": name} for ms, n, name in sorted(kernels)[::-1][:15]]
+    for k in top:
+        print(f"      {k['ms']:8.2f} ms  x{k['calls']:<5d} {k['name']}")
+    return {"wall_ms_profiled": 1e3 * wall, "gpu_ms": by_cat, "launches": launches,
+            "top_kernels": top}
+
+
+def model_floors(cfg, prompt_len: int) -> dict:
+    """Milliseconds at PEAK_TFLOPS: linear layers (2 FLOPs per weight per token, the LM
+    head once) and causal attention of the full-attention layers."""
+    params = 0
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    for layer_type in cfg.layer_types:
+        if layer_type == "full_attention":
+            d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+            params += hidden * (2 * hq * d + 2 * hkv * d) + hq * d * hidden
+        else:
+            conv, value = cfg.conv_dim, cfg.linear_value_dim
+            hv = cfg.linear_num_value_heads
+            params += hidden * (conv + value + 2 * hv) + value * hidden
+        params += 3 * hidden * inter
+    gemm = 2.0 * params * prompt_len + 2.0 * hidden * cfg.vocab_size
+    attn = cfg.num_full_attention_layers * causal_flops(
+        prompt_len, 0, cfg.num_attention_heads, cfg.head_dim)
+    return {"gemm": gemm / PEAK_TFLOPS / 1e9, "attention": attn / PEAK_TFLOPS / 1e9}
+
+
+def run_ttft(args, device: str) -> dict:
+    from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
+    from pagedserve.model.loader import load_model
+
+    model = None if args.quick else "preset:qwen3.5-27b"
+    loaded = load_model(model, device, None if args.quick else "bfloat16", progress=False)
+    max_len = max(args.lengths) + 64
+    results = {"configs": []}
+    for chunk, budget in args.configs:
+        cfg = EngineConfig(model=model, device=device, dtype=None if args.quick else "bfloat16",
+                           cache_type_k=args.kv_type, cache_type_v=args.kv_type,
+                           max_model_len=max_len, max_num_seqs=4, prefill_chunk=chunk,
+                           max_num_batched_tokens=budget, gpu_memory_utilization=0.92,
+                           progress=False)
+        t = time.perf_counter()
+        engine = LLMEngine(cfg, loaded=loaded)
+        ready = time.perf_counter() - t
+        t = time.perf_counter()
+        first = first_token_seconds(engine, min(2 * chunk + 1, max_len - 8), "warm")
+        entry = {"prefill_chunk": chunk, "max_num_batched_tokens": budget,
+                 "engine_ready_s": ready, "first_request_s": first, "ttft_s": {},
+                 "profile": {}, "floors_ms": {}}
+        print(f"chunk {chunk} budget {budget}: ready {ready:.1f} s, first request "
+              f"{first:.2f} s")
+        for n in args.lengths:
+            if n > args.max_length_for.get(chunk, n):
+                continue
+            entry["ttft_s"][n] = first_token_seconds(engine, n, f"ttft-{n}")
+            entry["floors_ms"][n] = model_floors(loaded.config, n)
+            print(f"  TTFT {n:7d}: {entry['ttft_s'][n]:8.3f} s")
+            if n in args.profile_lengths:
+                entry["profile"][n] = p = profile_prompt(engine, n)
+                cats = "  ".join(f"{c} {p['gpu_ms'][c]:.1f}" for c in CATEGORIES)
+                print(f"    GPU ms: {cats}  ({p['launches']} launches)")
+        results["configs"].append(entry)
+        del engine
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---- report -----------------------------------------------------------------------------
+
+def markdown(res: dict) -> str:
+    meta = res["meta"]
+    out = [f"# Prefill benchmark\n\n{meta['date']}, {meta['gpu']}, commit {meta['commit']}, "
+           f"torch {meta['torch']}, triton {meta['triton']}.\n"]
+    if res.get("op"):
+        out.append("\n## Paged prefill attention vs SDPA flash (contiguous bf16)\n\n"
+                   "One chunk of the 27B attention shape over a cached prefix; graph "
+                   "replay, sides interleaved. TFLOP/s of causal FLOPs.\n\n")
+        out.append(_common.md_table(
+            ["K/V", "chunk", "prefix", "kernel us (TFLOP/s)", "gather + flash us (TFLOP/s)",
+             "SDPA us (TFLOP/s)", "SDPA / kernel", "SDPA / gather + flash"],
+            [[r["kv_type"], r["chunk"], r["prefix"],
+              f"{r['us']['kernel']:.1f} ({r['tflops']['kernel']:.0f})",
+              f"{r['us']['flash']:.1f} ({r['tflops']['flash']:.0f})",
+              f"{r['us']['sdpa']:.1f} ({r['tflops']['sdpa']:.0f})",
+              f"{r['ratio']:.2f}x", f"{r['flash_ratio']:.2f}x"] for r in res["op"]]))
+        swept = [r for r in res["op"] if len(r["us"]) > 3]
+        if swept:
+            out.append("\nKernel launch configurations (BLOCK_M/BLOCK_N/warps/stages), us:\n\n")
+            names = [k for k in swept[0]["us"] if k.startswith("kernel")]
+            out.append(_common.md_table(["K/V", "chunk", "prefix", *names],
+                                        [[r["kv_type"], r["chunk"], r["prefix"],
+                                          *(f"{r['us'][k]:.1f}" for k in names)]
+                                         for r in swept]))
+    ttft = res.get("ttft")
+    if ttft:
+        out.append(f"\n## Time to first token, one prompt ({ttft['kv_type']} K/V)\n\n")
+        rows = []
+        for c in ttft["configs"]:
+            for n, s in c["ttft_s"].items():
+                f = c["floors_ms"][n]
+                rows.append([c["prefill_chunk"], c["max_num_batched_tokens"], n, f"{s:.3f}",
+                             f"{(f['gemm'] + f['attention']) / 1e3:.3f}"])
+        out.append(_common.md_table(
+            ["prefill chunk", "token budget", "prompt", "TTFT s", "compute floor s"], rows))
+        out.append("\n### GPU time by part (profiled; kernel time summed)\n\n")
+        rows = []
+        for c in ttft["configs"]:
+            for n, p in c["profile"].items():
+                f = c["floors_ms"][n]
+                g = p["gpu_ms"]
+                rows.append([c["prefill_chunk"], n, f"{p['wall_ms_profiled']:.1f}",
+                             f"{g['gemm']:.1f} ({f['gemm']:.1f})",
+                             f"{g['attention']:.1f} ({f['attention']:.1f})",
+                             f"{g['gdn']:.1f}", f"{g['other']:.1f}", p["launches"]])
+        out.append(_common.md_table(
+            ["chunk", "prompt", "wall ms", "GEMM ms (floor)", "attention ms (floor)",
+             "GDN ms", "other ms", "launches"], rows))
+    return "".join(out)
+
+
+def figure(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c in res.get("ttft", {}).get("configs", []):
+        xs = sorted(int(n) for n in c["ttft_s"])
+        ax.plot(xs, [c["ttft_s"][n] for n in xs], marker="o",
+                label=f"chunk {c['prefill_chunk']}, budget {c['max_num_batched_tokens']}")
+        floor = [(c["floors_ms"][n]["gemm"] + c["floors_ms"][n]["attention"]) / 1e3
+                 for n in xs]
+    if res.get("ttft", {}).get("configs"):
+        ax.plot(xs, floor, linestyle="--", color="grey", label="compute floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (s)")
+    ax.legend()
+    ax.set_title(f"Prefill TTFT, {res['meta']['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in item.split("/")) for item in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="op,ttft")
+    ap.add_argument("--quick", action="store_true", help="CPU dry run on the embedded model")
+    ap.add_argument("--kv-type", default="q8_0")
+    ap.add_argument("--lengths", default="512,8192,32768,131072")
+    ap.add_argument("--configs", default="512/2048,4096/8192",
+                    help="prefill_chunk/max_num_batched_tokens pairs")
+    ap.add_argument("--profile-lengths", default="512,8192")
+    ap.add_argument("--max-length-for", default="512:32768",
+                    help="chunk:longest prompt timed with that chunk")
+    ap.add_argument("--op-types", default="bf16,q8_0,q4_0")
+    ap.add_argument("--op-cases", default="4096x0,4096x8192,4096x32768,4096x131072",
+                    help="CHUNKxPREFIX of the op part")
+    ap.add_argument("--sweep", default="",
+                    help="more kernel launch configs BM/BN/WARPS/STAGES, ';'-separated")
+    ap.add_argument("--sweep-cases", default="4096x32768,512x0")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    args = ap.parse_args(argv)
+    args.lengths = [int(v) for v in args.lengths.split(",")]
+    args.profile_lengths = {int(v) for v in args.profile_lengths.split(",") if v}
+    args.configs = parse_configs(args.configs)
+    args.sweep = [tuple(int(v) for v in c.split("/")) for c in args.sweep.split(";") if c]
+    args.sweep_cases = {tuple(int(v) for v in c.split("x")) for c in args.sweep_cases.split(",")}
+    args.max_length_for = dict(tuple(int(v) for v in item.split(":"))
+                               for item in args.max_length_for.split(",") if item)
+    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    if args.quick:
+        args.lengths, args.configs = [16, 48], [(16, 32)]
+        args.profile_lengths = {48}
+    parts = set(args.parts.split(","))
+    res = {"meta": _common.run_meta()}
+    if "op" in parts:
+        res["op"] = run_op(args, device)
+    if "ttft" in parts:
+        res["ttft"] = run_ttft(args, device) | {"kv_type": args.kv_type}
+    paths = _common.write_outputs(args.out, "prefill", res, markdown(res),
+                                  lambda p: figure(res, p))
+    print("wrote", *paths)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Warm-up: one of each kind of step the scheduler can produce, before the first request.
+
+Triton compiles a kernel at its first launch of each specialization, and fla-core and the
+compiled elementwise ops tune and compile at their first call of each shape class; on the
+27B shape that took most of a minute, inside the first request's time to first token. The
+kernels that vary by step mark their step-dependent integers ``do_not_specialize``, so one
+launch of each kind covers all of them. The kinds:
+
+* a prompt of two full chunks and a short tail: a chunk from position 0, a chunk over a
+  cached prefix (the flash method for long quantized chunks), a short chunk over a long
+  prefix (the kernel's split key range), then decode (graph replays);
+* three prompts of different lengths together: several prefill sequences in one step
+  (fla's varlen path), and steps that mix decode rows with a prefill chunk;
+* one-token and short prompts (the prefill graphs, when captured).
+
+Every warm-up request runs to its end, so the pools are empty again afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import TYPE_CHECKING
+
+from pagedserve.engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine
+
+WARMUP_PREFIX = "__warmup"
+
+
+def warm_up(engine: LLMEngine) -> float:
+    """Run the warm-up requests to their end; return the seconds it took."""
+    start = time.perf_counter()
+    rng = random.Random(0)
+    chunk = engine.scheduler.config.prefill_chunk
+    longest = engine.scheduler.token_capacity - 8
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(engine.vocab_size) for _ in range(max(1, min(n, longest)))]
+
+    def run(lengths: list[int], stagger: bool) -> None:
+        for i, n in enumerate(lengths):
+            engine.add_request(f"{WARMUP_PREFIX}-{n}-{i}", prompt(n),
+                               SamplingParams(max_tokens=4, ignore_eos=True))
+            if stagger:  # the next prompt arrives while this one decodes: mixed steps
+                for _ in range(2):
+                    engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    run([2 * chunk + 3], stagger=False)
+    run([5, 40, chunk + 1], stagger=True)
+    run([1, 17, 300], stagger=False)
+    return time.perf_counter() - start

@@ -1,0 +1,72 @@
+"""CUDA: prefill CUDA graphs give the eager steps' tokens, and a warmed-up engine compiles
+nothing during requests. Skipped without CUDA (run with ``gpu_run.sh tests-gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+from test_engine import greedy, prompts
+
+from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _engine(model_dir, **kw) -> LLMEngine:
+    kw.setdefault("prefill_chunk", 64)
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), device="cuda", dtype="float32", max_num_seqs=4,
+        max_num_batched_tokens=128, max_model_len=512, check_integrity=True,
+        progress=False, **kw))
+
+
+def _run(engine: LLMEngine, lengths: list[int], max_tokens: int = 8) -> dict[str, list[int]]:
+    """Each prompt alone (so that every prefill step holds one sequence)."""
+    out: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts(5, lengths)):
+        engine.add_request(f"r{i}", prompt, greedy(max_tokens))
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_prefill_graphs_match_eager_prefill(model_dir, kv_type):
+    lengths = [2, 5, 16, 17, 63, 64, 65, 200, 300]  # 65..300: chunks over a cached prefix
+    graphs = _engine(model_dir, cache_type_k=kv_type, cache_type_v=kv_type)
+    assert graphs.runner.prefill_graphs is not None
+    replays = []
+    run = graphs.runner.prefill_graphs.run
+    graphs.runner.prefill_graphs.run = lambda batch: replays.append(batch.num_tokens) or run(batch)
+    got = _run(graphs, lengths)
+    eager = _engine(model_dir, cache_type_k=kv_type, cache_type_v=kv_type, cuda_graphs=False)
+    assert eager.runner.prefill_graphs is None
+    assert got == _run(eager, lengths)
+    assert len(replays) >= len(lengths)  # every prompt's prefill went through a graph
+    assert graphs.kv.pool.num_used_blocks == 0
+
+
+def test_no_compile_after_warm_up(model_dir):
+    engine = LLMEngine(EngineConfig(
+        model=str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=4,
+        prefill_chunk=64, max_num_batched_tokens=128, max_model_len=512,
+        cache_type_k="q4_0", cache_type_v="q8_0", progress=False))
+    engine.warm_up()
+    compiled: list[str] = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(
+        kw["fn"].name if "fn" in kw else "?")
+    try:
+        # Lengths, batch mixes and prefixes the warm-up did not use.
+        for i, prompt in enumerate(prompts(9, [3, 77, 150, 11, 250])):
+            engine.add_request(f"q{i}", prompt, greedy(6))
+            engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
