@@ -71,7 +71,7 @@ for spec in "$@"; do
     # -v names each test as it ends, so a stage cut short by its limit still shows them.
     tests-gpu)     run_stage "$stage" "$limit" $PYTEST -n 8 -v --maxfail=1000 tests/kernels \
                      tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
-                     tests/model/test_gpu.py ;;
+                     tests/engine/test_structured_gpu.py tests/model/test_gpu.py ;;
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
     # The same, in two parts (139 and 166 tests at ea80e5b; most of their time is Triton
@@ -94,7 +94,8 @@ for spec in "$@"; do
     tests-graph)   run_stage "$stage" "$limit" $PYTEST \
                      tests/kernels/test_paged_decode_gpu.py::test_cuda_graph_capture_and_replay ;;
     tests-gdn)     run_stage "$stage" "$limit" $PYTEST tests/kernels/test_gdn_triton.py ;;
-    tests-engine)  run_stage "$stage" "$limit" $PYTEST tests/engine/test_engine_gpu.py ;;
+    tests-engine)  run_stage "$stage" "$limit" $PYTEST tests/engine/test_engine_gpu.py \
+                     tests/engine/test_structured_gpu.py ;;
     tests-model)   run_stage "$stage" "$limit" $PYTEST tests/model/test_gpu.py -s ;;
     bench-attention) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --out "$OUT" ;;
     bench-attention-sweep) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --sweep --out "$OUT" ;;
