@@ -120,8 +120,9 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     return {"input_tokens": len(ctx.encode(text))}
 
 
-@router.post("/v1/messages")
-async def create_message(body: MessagesRequest, request: Request):
+@router.post("/v1/messages", response_model=None)
+async def create_message(body: MessagesRequest,
+                         request: Request) -> dict[str, Any] | EventStreamResponse:
     ctx: ServingContext = request.app.state.ctx
     model = body.model or ctx.model_name
     ctx.check_model(body.model)
@@ -152,7 +153,8 @@ async def create_message(body: MessagesRequest, request: Request):
             "usage": {"input_tokens": len(prompt), "output_tokens": num_out}}
 
 
-async def _collect(job: EngineJob, fmt: OutputFormat):
+async def _collect(job: EngineJob,
+                   fmt: OutputFormat) -> tuple[AssistantMessage, str | None, Any, int]:
     parser, message = AssistantParser(fmt), AssistantMessage()
     reason, stop, num_out = None, None, 0
     async for _, out in job.outputs():

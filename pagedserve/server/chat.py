@@ -25,7 +25,12 @@ from fastapi import APIRouter, Request
 
 from pagedserve.engine.request import SamplingParams, TokenLogprob
 from pagedserve.engine.structured import GrammarSpec
-from pagedserve.server.agent_protocol import DeltaFunction, DeltaToolCall
+from pagedserve.server.agent_protocol import (
+    DeltaFunction,
+    DeltaToolCall,
+    ToolCall,
+    ToolCallFunction,
+)
 from pagedserve.server.assistant_output import (
     AssistantDelta,
     AssistantMessage,
@@ -135,9 +140,10 @@ def output_format(ctx: ServingContext, body: ChatCompletionRequest,
 
 
 async def compile_constraint(ctx: ServingContext, spec: GrammarSpec, param: str) -> None:
-    """Compile (or find cached) ``spec`` off the event loop; 400 if it is invalid."""
+    """Compile (or find cached) ``spec`` off the event loop -- the first use also builds
+    the compiler's view of the vocabulary -- and 400 if it is invalid."""
     try:
-        await asyncio.to_thread(ctx.llm.structured.compile, spec)
+        await asyncio.to_thread(lambda: ctx.llm.structured.compile(spec))
     except ValueError as exc:
         raise bad_request(str(exc), param=param) from None
 
@@ -147,7 +153,8 @@ def finish_reason(reason: str | None, has_calls: bool) -> str | None:
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+async def create_chat_completion(body: ChatCompletionRequest,
+                                 request: Request) -> ChatCompletionResponse | EventStreamResponse:
     ctx: ServingContext = request.app.state.ctx
     model = ctx.check_model(body.model)
     check_tool_choice(body)
@@ -204,7 +211,8 @@ def response_message(m: AssistantMessage) -> ChatResponseMessage:
         content = None
     return ChatResponseMessage(
         content=content, reasoning_content=reasoning, reasoning=reasoning,
-        tool_calls=[{"id": c.id, "function": {"name": c.name, "arguments": c.arguments}}
+        tool_calls=[ToolCall(id=c.id, function=ToolCallFunction(name=c.name,
+                                                                arguments=c.arguments))
                     for c in m.tool_calls])
 
 
