@@ -199,20 +199,31 @@ def test_gather_rows_is_the_dequantized_pool(kv_type):
 
 # ---- the full grid at real sizes (CUDA) --------------------------------------------------
 
+# A long chunk over a long prefix, a short chunk deep in a sequence, a fresh prompt, and
+# prefix lengths around block edges, in one launch.
+GRID_NEW = [700, 3, 257, 16, 1, 129]
+GRID_PREFIX = [3000, 5000, 0, 15, 17, 1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("k_type", GPU_TYPES)
 @pytest.mark.parametrize("v_type", GPU_TYPES)
-@pytest.mark.parametrize("head_dim, hkv, group", [(256, 4, 6), (128, 2, 8), (64, 8, 1),
-                                                  (256, 2, 2)])
 @pytest.mark.parametrize("method", ["kernel", "flash"])
-def test_gpu_grid(k_type, v_type, head_dim, hkv, group, method):
-    # A long chunk over a long prefix, a short chunk deep in a sequence, a fresh prompt,
-    # and prefix lengths around block edges, in one launch.
-    new_lens = [700, 3, 257, 16, 1, 129]
-    prefix_lens = [3000, 5000, 0, 15, 17, 1]
-    err = run_case("triton", k_type, v_type, new_lens, prefix_lens, hkv=hkv, group=group,
-                   head_dim=head_dim, device="cuda", seed=head_dim + group, method=method)
+def test_gpu_grid_27b_heads(k_type, v_type, method):
+    err = run_case("triton", k_type, v_type, GRID_NEW, GRID_PREFIX, hkv=4, group=6,
+                   head_dim=256, device="cuda", seed=3, method=method)
+    assert err < bound(k_type, v_type)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("types", ["f16:f16", "bf16:q8_0", "q4_0:q4_0", "q8_0:f16"])
+@pytest.mark.parametrize("head_dim, hkv, group", [(128, 2, 8), (64, 8, 1), (256, 2, 2)])
+def test_gpu_grid_other_shapes(types, head_dim, hkv, group):
+    k_type, v_type = types.split(":")
+    err = run_case("triton", k_type, v_type, GRID_NEW, GRID_PREFIX, hkv=hkv, group=group,
+                   head_dim=head_dim, device="cuda", seed=head_dim + group)
     assert err < bound(k_type, v_type)
 
 
