@@ -146,6 +146,8 @@ def run(args) -> dict:
     cfg = EngineConfig(model=model, device=device, max_model_len=4096, max_num_seqs=BATCH,
                        cache_type_k=args.kv_type, cache_type_v=args.kv_type, progress=False)
     engine = LLMEngine(cfg, loaded=loaded)
+    if not args.quick:
+        engine.warm_up()  # every kernel compiled before anything is timed
     json_spec = GrammarSpec.of_format(json_format(SCHEMA))
     tool_spec = GrammarSpec.of_format(tool_call_format({"fill_rows": TOOL}, None, True))
     compile_ms = {}
