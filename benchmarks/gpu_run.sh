@@ -8,14 +8,16 @@
 #         tests-select (pytest $TEST_ARGS)
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
-#         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve probe-decode
+#         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
+#         bench-structured probe-decode
 #         trace-decode probe-pieces ab-probe.
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/tools/probe_decode.py with the
 # arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default"),
 # once per '|'-separated list.
-# Needs: wheels in .whl/ (fla-core, and the server's fastapi/uvicorn/pydantic stack, which
-# the GPU image lacks), PAGEDSERVE_COMMIT set by the caller (the tree travels without .git).
+# Needs: wheels in .whl/ (fla-core, xgrammar + apache-tvm-ffi, and the server's
+# fastapi/uvicorn/pydantic stack, which the GPU image lacks), PAGEDSERVE_COMMIT set by the
+# caller (the tree travels without .git).
 # Optional: .triton-cache.tar from an earlier call's $OUT (carry it with .whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,7 +69,7 @@ for spec in "$@"; do
     # -v names each test as it ends, so a stage cut short by its limit still shows them.
     tests-gpu)     run_stage "$stage" "$limit" $PYTEST -n 8 -v --maxfail=1000 tests/kernels \
                      tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
-                     tests/model/test_gpu.py ;;
+                     tests/engine/test_structured_gpu.py tests/model/test_gpu.py ;;
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
     # The same, in two parts (most of their time is Triton compiling each configuration
@@ -89,7 +91,8 @@ for spec in "$@"; do
     tests-graph)   run_stage "$stage" "$limit" $PYTEST \
                      tests/kernels/test_paged_decode_gpu.py::test_cuda_graph_capture_and_replay ;;
     tests-gdn)     run_stage "$stage" "$limit" $PYTEST tests/kernels/test_gdn_triton.py ;;
-    tests-engine)  run_stage "$stage" "$limit" $PYTEST tests/engine/test_engine_gpu.py ;;
+    tests-engine)  run_stage "$stage" "$limit" $PYTEST tests/engine/test_engine_gpu.py \
+                     tests/engine/test_structured_gpu.py ;;
     tests-model)   run_stage "$stage" "$limit" $PYTEST tests/model/test_gpu.py -s ;;
     bench-attention) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --out "$OUT" ;;
     bench-attention-sweep) run_stage "$stage" "$limit" python3 benchmarks/bench_attention.py --sweep --out "$OUT" ;;
@@ -153,6 +156,10 @@ for spec in "$@"; do
                      ${PREFILL_ARGS:-} --out "$OUT" ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
+    # A grammar's cost per decode step at batch 8 on the 27B shape (needs xgrammar and
+    # apache-tvm-ffi among the carried wheels).
+    bench-structured) run_stage "$stage" "$limit" python3 benchmarks/bench_structured.py \
+                     --model preset:qwen3.5-27b --out "$OUT" ;;
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \
                      --model preset:qwen3.5-27b --device cuda --max-num-seqs 16 \
                      --num-prompts 16 --output-len 64 --max-model-len 4096 \

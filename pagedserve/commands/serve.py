@@ -54,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds to drain connections after SIGTERM before closing them")
+    p.add_argument("--reasoning-parser", default="auto", choices=("auto", "none", "qwen3"),
+                   help="split <think> blocks into reasoning_content (default auto: qwen3 "
+                        "when the chat template writes <think>)")
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=("auto", "none", "qwen3_coder"),
+                   help="read tool calls out of the output (default auto: qwen3_coder when "
+                        "the chat template writes <function=...> calls)")
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
@@ -149,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
     bind_socket(args.host, args.port).close()
     llm = LLMEngine(config)
     ctx = ServingContext.create(llm, served_names(args), max_queue=args.max_queue,
-                                api_key=args.api_key)
+                                api_key=args.api_key, reasoning_parser=args.reasoning_parser,
+                                tool_call_parser=args.tool_call_parser)
     try:
         sock = bind_socket(args.host, args.port)
     except ValueError:

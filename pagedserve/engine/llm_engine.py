@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -21,8 +22,15 @@ from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.lookahead import InflightStep, TokenReadback, lookahead_chunks
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
-from pagedserve.engine.sampler import SamplerOutput, SamplingTensors, plain_argmax, sample
+from pagedserve.engine.sampler import (
+    SamplerOutput,
+    SamplingTensors,
+    apply_token_bitmask,
+    plain_argmax,
+    sample,
+)
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.warmup import warm_up
 from pagedserve.model.loader import LoadedModel, load_model
 
@@ -141,6 +149,19 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(config.seed)
         self.stats = EngineStats()
+        self._structured: StructuredOutputs | None = None
+        self._structured_lock = threading.Lock()
+
+    @property
+    def structured(self) -> StructuredOutputs:
+        """The grammar compiler and its cache, made on first use (any thread)."""
+        with self._structured_lock:
+            if self._structured is None:
+                self._structured = StructuredOutputs(
+                    self.tokenizer, self.vocab_size,
+                    list(self.loaded.generation.eos_token_ids), self.config.max_num_seqs,
+                    self.runner.device)
+            return self._structured
 
     # ---- requests ---------------------------------------------------------------------
     def make_request(
@@ -162,6 +183,8 @@ class LLMEngine:
         eos = () if params.ignore_eos else self.loaded.generation.eos_token_ids
         req = Request(request_id, ids, params, eos_token_ids=eos)
         self.scheduler.check_fits(req)
+        if params.structured is not None:
+            req.grammar = self.structured.new_grammar(params.structured)
         return req
 
     def enqueue(self, req: Request) -> None:
@@ -219,7 +242,11 @@ class LLMEngine:
                 return []
         done = self._inflight
         self._inflight = self._launch_lookahead(done) if self.async_scheduling else None
-        return self._post_process(done)
+        outputs = self._post_process(done)
+        if self._inflight is not None and self._inflight.logits is not None:
+            # Its grammars have seen ``done``'s tokens now: its sampling can be queued.
+            self._queue_sampling(self._inflight, tokens_ahead=0)
+        return outputs
 
     def _launch_scheduled(self) -> InflightStep | None:
         plan = self.scheduler.schedule()
@@ -236,27 +263,38 @@ class LLMEngine:
         # batch gets a placeholder, and ``_launch`` swaps in the device tensor.
         seq_chunks = [self._seq_chunk(c, ids=(0,)) for c in chunks]
         self.stats.num_lookahead_steps += 1
+        # A grammar's mask needs the previous token: such a step's sampling waits for
+        # ``previous`` to be read back (``step``), its forward pass does not.
+        defer = any(c.request.grammar is not None for c in chunks)
         return self._launch(chunks, list(range(len(chunks))), seq_chunks,
-                            input_ids=previous.sampled.token_ids)
+                            input_ids=previous.sampled.token_ids, defer_sampling=defer)
 
     def _launch(self, chunks: list[ScheduledChunk], sampling: list[int],
                 seq_chunks: list[SeqChunk], input_ids: torch.Tensor | None = None,
-                ) -> InflightStep:
-        """Queue one forward pass and its sampling on the device; nothing waits for it."""
+                defer_sampling: bool = False) -> InflightStep:
+        """Queue one forward pass and (unless deferred) its sampling on the device;
+        nothing waits for it."""
         if self.kv.pending_copies:
             self.runner.apply_pending_copies(self.kv)
         batch = build_forward_batch(seq_chunks, self.kv, self.runner.device,
                                     staging=self._staging)
         if input_ids is not None:
             batch.input_ids = input_ids  # [B] int64, already on the device
-        logits = self.runner.execute(batch)  # [B, V] float32
-        reqs = [chunks[i].request for i in sampling]
-        sampled = self._sample(logits, reqs, sampling, tokens_ahead=int(input_ids is not None))
-        step = InflightStep(chunks, sampling, sampled)
+        step = InflightStep(chunks, sampling, None, logits=self.runner.execute(batch))
+        if not defer_sampling:
+            self._queue_sampling(step, tokens_ahead=int(input_ids is not None))
+        return step
+
+    def _queue_sampling(self, step: InflightStep, tokens_ahead: int) -> None:
+        """Queue the sampling of ``step``, whose forward pass is queued already."""
+        logits, step.logits = step.logits, None  # [B, V] float32
+        assert logits is not None
+        reqs = [step.chunks[i].request for i in step.sampling]
+        sampled = self._sample(logits, reqs, step.sampling, tokens_ahead)
+        step.sampled = sampled
         if (sampled is not None and self._readback is not None
                 and sampled.sampled_logprob is None):
             step.readback = self._readback.start(sampled.token_ids)
-        return step
 
     def _seq_chunk(self, c: ScheduledChunk, ids: tuple[int, ...] | None = None) -> SeqChunk:
         """``c`` as the batch builder takes it; ``ids`` default to the request's tokens."""
@@ -273,10 +311,17 @@ class LLMEngine:
         if len(rows) != logits.shape[0]:  # some rows end a prefill chunk mid-prompt
             index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
             logits = logits.index_select(0, index)
+        # Filled on the host while the device still runs the forward pass. A request that
+        # finished since the launch (its row is dropped) takes no mask.
+        grammars = [r.grammar if r.status is RequestStatus.RUNNING else None for r in reqs]
+        bitmask = self.structured.fill_bitmask(grammars) \
+            if any(g is not None for g in grammars) else None
         if plain_argmax(reqs):
+            if bitmask is not None:
+                logits = apply_token_bitmask(logits, bitmask)
             return SamplerOutput(token_ids=logits.argmax(dim=-1))
         return sample(logits, SamplingTensors.from_requests(
-            reqs, self.vocab_size, logits.device, tokens_ahead=tokens_ahead))
+            reqs, self.vocab_size, logits.device, tokens_ahead=tokens_ahead), bitmask)
 
     def _post_process(self, step: InflightStep) -> list[RequestOutput]:
         """Read ``step``'s tokens back (the one device -> host wait) and apply them.
@@ -330,9 +375,12 @@ class LLMEngine:
             len(req.output_token_ids), req)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
-        """Stop ids and EOS end a request (their text is not emitted); then stop strings;
-        then length: ``max_tokens`` or ``max_model_len``."""
+        """Stop ids and EOS end a request (their text is not emitted); then a grammar that
+        has terminated; then stop strings; then length: ``max_tokens`` or ``max_model_len``."""
         if token in req.params.stop_token_ids or token in req.eos_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and self._grammar_ends(req, token):
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         detok = self._detok.get(req.request_id)
@@ -343,6 +391,17 @@ class LLMEngine:
                 or req.num_tokens >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _grammar_ends(self, req: Request, token: int) -> bool:
+        """Advance ``req``'s grammar by ``token``; True when nothing may follow."""
+        assert req.grammar is not None
+        if not req.grammar.accept(token):
+            # The mask allowed only what the grammar accepts, so this is a bug; end the
+            # request rather than generate past its grammar.
+            log.error("request %s: token %d is outside its grammar; stopping it",
+                      req.request_id, token)
+            return True
+        return req.grammar.terminated
 
     # ---- introspection ----------------------------------------------------------------
     def kv_cache_usage(self) -> float:

@@ -20,6 +20,10 @@ them one step later. What that costs, and how each case stays exact:
   one extra row for that sequence. Its blocks and slot are freed when N is read, and that
   row's token is dropped when N+1 is read. Frees are safe: every later use of those
   blocks is launched after N+1 on the same stream.
+- **A grammar** (structured outputs) needs the token of step N for the mask of N+1: such
+  a step's forward pass is launched ahead, its sampling only once N has been read back
+  and its tokens have advanced the grammars (``InflightStep.logits`` holds the logits
+  meanwhile). The forward pass still overlaps the host's work on N.
 - **Seeded sampling** draws output index ``len(output) + 1`` for the row of N+1, the
   index the synchronous engine would use, so tokens do not change.
 """
@@ -41,13 +45,15 @@ class InflightStep:
     """A launched forward pass whose sampled tokens the host has not read yet.
 
     ``chunks``: what ran, decode chunks first; ``sampling``: the indices of the chunks that
-    sampled, in ``sampled``'s row order; ``readback``: the host copy of the ids, if started.
+    sampled, in ``sampled``'s row order; ``readback``: the host copy of the ids, if started;
+    ``logits``: the forward pass's logits while its sampling waits to be queued.
     """
 
     chunks: list[ScheduledChunk]
     sampling: list[int]
     sampled: SamplerOutput | None
     readback: HostTokens | None = None
+    logits: torch.Tensor | None = None  # [B, V] float32
 
     def host_output(self) -> dict | None:
         """The sampled ids (and logprobs) as lists; waits for the device if needed."""

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.kv.handles import Handle
+
+if TYPE_CHECKING:
+    from pagedserve.engine.structured import GrammarSpec, RequestGrammar
 
 MAX_LOGPROBS = 20
 
@@ -23,7 +27,8 @@ class SamplingParams:
     ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0``
     disable those filters. ``seed`` makes the request's tokens reproducible whatever else
     shares its batch. ``logprobs=N`` returns the sampled token's log-probability and the
-    N most likely alternatives at each step.
+    N most likely alternatives at each step. ``structured``: a grammar the output must
+    match (``engine/structured.py``).
     """
 
     max_tokens: int = 16
@@ -39,6 +44,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -114,6 +120,7 @@ class Request:
     sample_seed: int = 0  # the seed actually used (params.seed or one drawn at admission)
     output_text: str = ""
     stop_reason: str | int | None = None
+    grammar: RequestGrammar | None = None  # the state of params.structured, if any
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -140,10 +140,15 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
-    """Choose one token per row of ``logits`` float32 ``[B, V]``."""
+def sample(logits: torch.Tensor, st: SamplingTensors,
+           token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
+    """Choose one token per row of ``logits`` float32 ``[B, V]``; with ``token_bitmask``
+    (int32 ``[B, ceil(V / 32)]``, ``engine/structured.py``) only among allowed tokens.
+    Logprobs stay those of the model's own distribution."""
     raw = logits.float()
     x = apply_penalties(raw, st) if st.any_penalty else raw
+    if token_bitmask is not None:
+        x = apply_token_bitmask(x, token_bitmask)
     greedy_ids = x.argmax(dim=-1)
     if st.all_greedy:
         token_ids = greedy_ids
@@ -158,6 +163,17 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> SamplerOutput:
         if st.max_logprobs > 0:
             out.top_logprobs, out.top_ids = logp.topk(st.max_logprobs, dim=-1)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` float ``[B, V]`` with every token whose bit is clear in ``bitmask`` (int32
+    ``[B, ceil(V / 32)]``, bit ``t % 32`` of word ``t // 32``) set to -inf. One pass on the
+    logits' device, no host sync."""
+    B, V = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [B, W, 32]
+    allowed = bits.reshape(B, -1)[:, :V].bool()  # [B, V]
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """A byte-level tokenizer in Hugging Face format, built without any download.
 
 Token ``b`` (0..255) is the byte ``b``, spelled with GPT-2's printable byte alphabet, so any
-UTF-8 text round-trips; three ChatML special tokens follow. The BPE model has no merges, so
-nothing here depends on training data and the files are the same on every machine. The
-embedded default model and the tests' tiny checkpoints both use it.
+UTF-8 text round-trips; three ChatML special tokens follow. The BPE model has no merges,
+so nothing here depends on training data and the files are the same on every machine. The
+chat template is Qwen3.5's layout (``chat_template.py``). The embedded default model and
+the tests' tiny checkpoints both use it.
 
     ids 0..255   the 256 bytes
     id  256      <|endoftext|>   (pad)
@@ -18,18 +19,12 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from pagedserve.model.chat_template import CHAT_TEMPLATE
+
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258
 NUM_TOKENS = 256 + len(SPECIAL_TOKENS)
-
-# ChatML, as Qwen's own templates lay out turns (without tools or thinking blocks).
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
 
 
 def bytes_to_unicode() -> dict[int, str]:

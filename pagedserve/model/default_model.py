@@ -2,8 +2,9 @@
 
 ``pagedserve generate`` without ``--model`` serves this. It is a real hybrid in real Hugging
 Face format -- ``config.json``, ``model.safetensors``, ``tokenizer.json`` and
-``tokenizer_config.json`` (byte-level, ChatML template), ``generation_config.json`` -- and it
-goes through the same loader as any checkpoint. Its weights are random (seeded), so its text
+``tokenizer_config.json`` (byte-level; Qwen3.5's chat template, with its tool-call and
+thinking syntax), ``generation_config.json`` -- and it goes through the same loader as any
+checkpoint. Its weights are random (seeded), so its text
 is noise; it exists so that every code path runs with nothing downloaded.
 
 Shape: 8 layers (3 Gated DeltaNet, then 1 full attention, twice), hidden 256, GQA 4:2 with
@@ -28,7 +29,7 @@ from safetensors.torch import save_file
 
 from pagedserve.model import byte_tokenizer as bt
 
-NAME = "qwen3.5-tiny-random-v1"
+NAME = "qwen3.5-tiny-random-v2"
 SEED = 20251129
 LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
 

@@ -4,6 +4,7 @@ Routes::
 
     POST /v1/completions         completions.py    (auth)
     POST /v1/chat/completions    chat.py           (auth)
+    POST /v1/messages, /v1/messages/count_tokens   anthropic.py   (auth)
     GET  /v1/models                                (auth)
     POST /tokenize, /detokenize  tokens.py         (auth)
     GET  /server_info            info.py           (auth)
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import pagedserve
-from pagedserve.server import chat, completions, tokens
+from pagedserve.server import anthropic, chat, completions, tokens
 from pagedserve.server.auth import require_api_key
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import APIError, install_error_handlers
@@ -77,7 +78,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
     guarded = [Depends(require_api_key(ctx.api_key))]
-    for router in (completions.router, chat.router, tokens.router, _info):
+    for router in (completions.router, chat.router, anthropic.router, tokens.router, _info):
         app.include_router(router, dependencies=guarded)
     app.include_router(_open)
     return app

@@ -1,4 +1,5 @@
-"""Bearer-token auth for ``--api-key``.
+"""API-key auth for ``--api-key``: ``Authorization: Bearer KEY``, or Anthropic's
+``x-api-key: KEY``.
 
 Guarded: the OpenAI routes, ``/tokenize``, ``/detokenize`` and ``/server_info``. Open:
 ``/health`` (load balancers and orchestrators probe it without credentials) and
@@ -16,7 +17,7 @@ from fastapi import Request
 
 from pagedserve.server.errors import APIError
 
-_HINT = "send the header 'Authorization: Bearer <key>'"
+_HINT = "send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
 
 
 def require_api_key(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -26,12 +27,20 @@ def require_api_key(api_key: str | None) -> Callable[[Request], Awaitable[None]]
         if api_key is None:
             return
         header = request.headers.get("authorization")
-        if header is None:
+        x_api_key = request.headers.get("x-api-key")
+        if header is None and x_api_key is None:
             raise APIError(401, f"missing API key: {_HINT}", code="invalid_api_key")
-        scheme, _, token = header.partition(" ")
-        # compare_digest: the time taken does not reveal how much of a guess was right.
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), api_key.encode()):
+        if header is not None:
+            scheme, _, token = header.partition(" ")
+            ok = scheme.lower() == "bearer" and _same(token.strip(), api_key)
+        else:
+            ok = _same(x_api_key.strip(), api_key)  # type: ignore[union-attr]
+        if not ok:
             raise APIError(401, f"invalid API key: {_HINT}", code="invalid_api_key")
 
     return check
+
+
+def _same(token: str, api_key: str) -> bool:
+    # compare_digest: the time taken does not reveal how much of a guess was right.
+    return hmac.compare_digest(token.encode(), api_key.encode())

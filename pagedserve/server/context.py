@@ -12,6 +12,24 @@ from pagedserve.model.generation_defaults import GenerationDefaults
 from pagedserve.server.admission import Admission
 from pagedserve.server.errors import APIError, bad_request
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.reasoning import template_reasons
+from pagedserve.server.tool_parser import template_calls_tools
+
+REASONING_PARSERS = ("qwen3",)
+TOOL_CALL_PARSERS = ("qwen3_coder",)
+
+
+def resolve_parser(flag: str, value: str, names: tuple[str, ...],
+                   detected: bool) -> str | None:
+    """``value`` of ``--FLAG`` as a parser name or ``None``; ``ValueError`` if unknown."""
+    if value == "auto":
+        return names[0] if detected else None
+    if value == "none":
+        return None
+    if value not in names:
+        raise ValueError(f"--{flag} {value!r} is not supported; accepted: "
+                         f"{', '.join(('auto', 'none') + names)}")
+    return value
 
 
 @dataclass
@@ -25,6 +43,8 @@ class ServingContext:
         max_model_len: most tokens (prompt + output) one sequence may hold.
         context_limit: most tokens one sequence can really hold (``max_model_len``, or less
             when the K/V pool is smaller): the default chat ``max_tokens`` fills up to it.
+        reasoning_parser: ``"qwen3"`` (``<think>`` blocks are reasoning) or ``None``.
+        tool_call_parser: ``"qwen3_coder"`` (Qwen3.5's XML calls) or ``None`` (no tools).
     """
 
     engine: AsyncEngine
@@ -34,19 +54,31 @@ class ServingContext:
     api_key: str | None
     max_model_len: int
     context_limit: int
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def create(cls, llm: LLMEngine, served_model_names: tuple[str, ...],
-               max_queue: int | None = None, api_key: str | None = None) -> ServingContext:
+               max_queue: int | None = None, api_key: str | None = None,
+               reasoning_parser: str = "auto", tool_call_parser: str = "auto",
+               ) -> ServingContext:
+        """``reasoning_parser`` / ``tool_call_parser``: a name, ``"none"``, or ``"auto"``
+        (on when the model's chat template writes ``<think>`` / ``<function=`` calls)."""
         if not served_model_names or not all(served_model_names):
             raise ValueError(f"served-model-name must be non-empty, got {served_model_names}")
+        template = getattr(llm.tokenizer, "chat_template", None)
+        reasoning = resolve_parser("reasoning-parser", reasoning_parser, REASONING_PARSERS,
+                                   template_reasons(template))
+        tools = resolve_parser("tool-call-parser", tool_call_parser, TOOL_CALL_PARSERS,
+                               template_calls_tools(template))
         engine = AsyncEngine(llm)
         return cls(engine=engine, served_model_names=tuple(served_model_names),
                    admission=Admission(llm.config.max_num_seqs, max_queue),
                    metrics=ServerMetrics(engine, served_model_names[0]), api_key=api_key,
                    max_model_len=llm.max_model_len,
-                   context_limit=llm.scheduler.token_capacity)
+                   context_limit=llm.scheduler.token_capacity,
+                   reasoning_parser=reasoning, tool_call_parser=tools)
 
     # ---- the model --------------------------------------------------------------------
     @property
@@ -72,6 +104,13 @@ class ServingContext:
         raise APIError(404, f"the model '{name}' does not exist; this server serves "
                        f"{list(self.served_model_names)}", param="model",
                        code="model_not_found")
+
+    def require_tool_parser(self) -> str:
+        if self.tool_call_parser is None:
+            raise bad_request("tools need a tool-call parser, and this server has none: its "
+                              "chat template writes no tool calls, or it was started with "
+                              "--tool-call-parser none", param="tools")
+        return self.tool_call_parser
 
     def require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:

@@ -1,8 +1,10 @@
-"""Every failure the API reports, in OpenAI's shape.
+"""Every failure the API reports, in OpenAI's shape -- or Anthropic's on its routes.
 
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status, whatever went
 wrong: a bad field (pydantic's 422 becomes a 400 naming the field, the value and what is
-accepted), malformed JSON, an unknown route, or an ``APIError`` raised by a handler.
+accepted), malformed JSON, an unknown route, or an ``APIError`` raised by a handler. Under
+``/v1/messages`` the same errors read ``{"type": "error", "error": {"type", "message"}}``
+with Anthropic's error types.
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ _TYPE_BY_STATUS = {
     500: "internal_error",
     503: "service_unavailable",
 }
+_ANTHROPIC_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
 _MAX_REPORTED = 3  # validation problems listed in one message
 _NOT_AN_OBJECT = ("model_attributes_type", "model_type", "dict_type")
 
@@ -58,6 +71,19 @@ class ClientDisconnected(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+def anthropic_error_body(exc: APIError) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPE_BY_STATUS.get(exc.status, "invalid_request_error"
+                                         if exc.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": exc.message}}
+
+
+def _respond(request: Request, exc: APIError) -> JSONResponse:
+    if request.url.path.startswith(ANTHROPIC_PREFIX):
+        return JSONResponse(anthropic_error_body(exc), status_code=exc.status,
+                            headers=exc.headers)
+    return exc.response()
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -108,18 +134,18 @@ def validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, message, param=param)
 
 
-async def _on_api_error(_: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _respond(request, exc)
 
 
-async def _on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-    return validation_error(list(exc.errors())).response()
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return _respond(request, validation_error(list(exc.errors())))
 
 
-async def _on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     # Unknown routes (404) and wrong methods (405) get the same shape as everything else.
     headers = None if exc.headers is None else dict(exc.headers)
-    return APIError(exc.status_code, str(exc.detail), headers=headers).response()
+    return _respond(request, APIError(exc.status_code, str(exc.detail), headers=headers))
 
 
 async def _on_client_disconnected(_: Request, __: ClientDisconnected) -> Response:

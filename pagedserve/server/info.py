@@ -81,6 +81,8 @@ def server_info(ctx: ServingContext) -> dict[str, Any]:
         "prefill_chunk": cfg.prefill_chunk,
         "max_queue": ctx.admission.max_queue,
         "cuda_graphs": runner.graphs is not None,
+        "reasoning_parser": ctx.reasoning_parser,
+        "tool_call_parser": ctx.tool_call_parser,
         "pagedserve_version": pagedserve.__version__,
         "torch_version": torch.__version__,
         "commit": source_commit(),

@@ -6,7 +6,8 @@ coercion -- and ignore fields they do not know, because OpenAI's own clients sen
 and a bad value fails naming the field, the value and the accepted range (``errors.py``
 turns pydantic's report into an OpenAI error). ``SamplingParams`` checks the same ranges
 again as the engine's own contract. Fields pagedserve cannot honour (``echo``,
-``logit_bias``, tools...) are refused, never silently ignored.
+``logit_bias``...) are refused, never silently ignored. Tools and output constraints have
+their own module, ``agent_protocol.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ from pydantic import (
 )
 
 from pagedserve.engine.request import MAX_LOGPROBS
+from pagedserve.server.agent_protocol import (
+    MAX_TOOLS,
+    DeltaToolCall,
+    ResponseFormat,
+    StructuredOutputsParams,
+    ToolCall,
+    ToolCallIn,
+    ToolChoice,
+    ToolDefinition,
+)
 
 MAX_N = 128  # choices per request: a fan-out bound, far above any sane use
 PROMPT_FORMS = ("must be a string, a list of strings, a list of token ids, "
@@ -121,9 +132,14 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: its earlier calls
+    tool_call_id: str | None = None  # tool: the call this answers
+    reasoning_content: str | None = None  # assistant: its earlier thinking
+    reasoning: str | None = None  # the same, under vLLM's newer name
 
     def as_template_input(self) -> dict[str, Any]:
-        """The message as chat templates expect it: ``content`` a plain string."""
+        """The message as chat templates expect it: ``content`` a plain string, a call's
+        ``arguments`` a mapping. ``ValueError`` for arguments that are not a JSON object."""
         if isinstance(self.content, list):
             content = "".join(part.text for part in self.content)
         else:
@@ -131,6 +147,17 @@ class ChatMessage(_Body):
         out: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": c.function.arguments_object()}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None \
+            else self.reasoning
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
         return out
 
 
@@ -143,19 +170,17 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError(f"tool_choice {self.tool_choice!r} is not supported; "
-                             "accepted: 'none'")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format is not supported; accepted: {'type': 'text'}")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
@@ -245,8 +270,13 @@ class ChatChoiceLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
+    """``reasoning`` repeats ``reasoning_content`` under vLLM's newer name."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -270,6 +300,9 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_none(self, handler: Any) -> dict[str, Any]:

@@ -55,5 +55,5 @@ def test_openai_client(server):
     with pytest.raises(openai.AuthenticationError):
         client(server, api_key="wrong").models.list()
     out = client(server, api_key=KEY).completions.create(
-        model="qwen3.5-tiny-random-v1", prompt="k", max_tokens=2, temperature=0)
+        model="qwen3.5-tiny-random-v2", prompt="k", max_tokens=2, temperature=0)
     assert out.usage.completion_tokens >= 1

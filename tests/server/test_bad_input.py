@@ -59,12 +59,13 @@ CASES = {
     "echo": (CMPL, {"prompt": "x", "echo": True}, 400, None, ["echo", "not supported"]),
     "logit_bias": (CHAT, {"messages": USER, "logit_bias": {"1": 5}}, 400, None,
                    ["logit_bias"]),
-    "tools": (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, None, ["tools"]),
+    "tool without its function": (CHAT, {"messages": USER, "tools": [{"type": "function"}]},
+                                  400, "tools[0].function", ["missing", "tools[0].function"]),
     "image content": (CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content",
                       ["'text'"]),
     "unknown model": (CMPL, {"prompt": "x", "model": "gpt-4"}, 404, "model",
-                      ["gpt-4", "qwen3.5-tiny-random-v1"]),
+                      ["gpt-4", "qwen3.5-tiny-random-v2"]),
     "unknown model chat": (CHAT, {"messages": USER, "model": "nope"}, 404, "model", ["nope"]),
     "tokenize both inputs": ("/tokenize", {"prompt": "x", "messages": USER}, 400, None,
                              ["exactly one"]),
@@ -102,27 +103,27 @@ def test_server_still_answers_after_bad_input(server):
     for body in (b"{", b"[]", b'{"prompt": "x", "max_tokens": 0}'):
         httpx.post(server.url + CMPL, content=body, headers={"Content-Type": "application/json"})
     assert httpx.get(server.url + "/health").status_code == 200
-    out = client(server).completions.create(model="qwen3.5-tiny-random-v1", prompt="ok",
+    out = client(server).completions.create(model="qwen3.5-tiny-random-v2", prompt="ok",
                                             max_tokens=3, temperature=0)
     assert out.usage.completion_tokens >= 1
 
 
 def test_chat_default_max_tokens_fills_the_context(server):
     out = client(server).chat.completions.create(
-        model="qwen3.5-tiny-random-v1", messages=USER, temperature=0,
+        model="qwen3.5-tiny-random-v2", messages=USER, temperature=0,
         extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length"
     assert out.usage.total_tokens == MAX_LEN
 
 
 def test_completions_default_max_tokens_is_16(server):
-    out = client(server).completions.create(model="qwen3.5-tiny-random-v1", prompt="d",
+    out = client(server).completions.create(model="qwen3.5-tiny-random-v2", prompt="d",
                                             temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == 16
 
 
 def test_large_max_tokens_stops_at_the_context(server):
-    out = client(server).completions.create(model="qwen3.5-tiny-random-v1", prompt="abc",
+    out = client(server).completions.create(model="qwen3.5-tiny-random-v2", prompt="abc",
                                             max_tokens=1000, temperature=0,
                                             extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length"

@@ -33,12 +33,12 @@ def oai(server):
 def test_health_and_models(server, oai):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     models = oai.models.list().data
-    assert [m.id for m in models] == ["qwen3.5-tiny-random-v1"]
+    assert [m.id for m in models] == ["qwen3.5-tiny-random-v2"]
     assert models[0].max_model_len == 4096
 
 
 def test_greedy_completion_is_deterministic(oai):
-    runs = [oai.completions.create(model="qwen3.5-tiny-random-v1", prompt="The cat",
+    runs = [oai.completions.create(model="qwen3.5-tiny-random-v2", prompt="The cat",
                                    max_tokens=12, **GREEDY) for _ in range(2)]
     assert runs[0].choices[0].text == runs[1].choices[0].text
     assert runs[0].choices[0].finish_reason == "length"
@@ -47,7 +47,7 @@ def test_greedy_completion_is_deterministic(oai):
 
 
 def test_completion_stream_concatenates_to_whole_text(oai):
-    kwargs = dict(model="qwen3.5-tiny-random-v1", prompt="Once upon", max_tokens=10, **GREEDY)
+    kwargs = dict(model="qwen3.5-tiny-random-v2", prompt="Once upon", max_tokens=10, **GREEDY)
     whole = oai.completions.create(**kwargs)
     chunks = list(oai.completions.create(stream=True, stream_options={"include_usage": True},
                                          **kwargs))
@@ -60,9 +60,13 @@ def test_completion_stream_concatenates_to_whole_text(oai):
 
 
 def test_chat_stream_matches_whole_message(oai):
-    kwargs = dict(model="qwen3.5-tiny-random-v1", max_tokens=9,
+    # Thinking off: the random model never closes a <think> block, so its whole output
+    # would be reasoning (tests/server/test_tools_api.py covers that path).
+    kwargs = dict(model="qwen3.5-tiny-random-v2", max_tokens=9,
                   messages=[{"role": "system", "content": "Be brief."},
-                            {"role": "user", "content": "Hi there"}], **GREEDY)
+                            {"role": "user", "content": "Hi there"}], temperature=0.0,
+                  extra_body={"ignore_eos": True,
+                              "chat_template_kwargs": {"enable_thinking": False}})
     whole = oai.chat.completions.create(**kwargs)
     chunks = list(oai.chat.completions.create(stream=True, **kwargs))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -77,10 +81,10 @@ def test_chat_stream_matches_whole_message(oai):
 def test_chat_renders_the_models_template(server, oai):
     messages = [{"role": "user", "content": "hi"}]
     tok = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
-    # The embedded model's ChatML template, byte for byte.
-    expected = [257, *b"user\nhi", 258, 10, 257, *b"assistant\n"]
+    # The embedded model's template (Qwen3.5's layout), byte for byte.
+    expected = [257, *b"user\nhi", 258, 10, 257, *b"assistant\n<think>\n"]
     assert tok["tokens"] == expected
-    out = oai.chat.completions.create(model="qwen3.5-tiny-random-v1", messages=messages,
+    out = oai.chat.completions.create(model="qwen3.5-tiny-random-v2", messages=messages,
                                       max_tokens=2, temperature=0)
     assert out.usage.prompt_tokens == len(expected)
 
@@ -88,22 +92,22 @@ def test_chat_renders_the_models_template(server, oai):
 def test_prompt_forms_and_choice_order(server, oai):
     ids = httpx.post(server.url + "/tokenize", json={"prompt": "abc"}).json()["tokens"]
     assert ids == list(b"abc")
-    by_text = oai.completions.create(model="qwen3.5-tiny-random-v1", prompt=["abc", "xyz"],
+    by_text = oai.completions.create(model="qwen3.5-tiny-random-v2", prompt=["abc", "xyz"],
                                      n=2, max_tokens=5, **GREEDY)
     assert [c.index for c in by_text.choices] == [0, 1, 2, 3]
     texts = [c.text for c in by_text.choices]
     assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: a prompt's n agree
-    by_ids = oai.completions.create(model="qwen3.5-tiny-random-v1", prompt=ids, max_tokens=5,
+    by_ids = oai.completions.create(model="qwen3.5-tiny-random-v2", prompt=ids, max_tokens=5,
                                     **GREEDY)
     assert by_ids.choices[0].text == texts[0]
-    batch = oai.completions.create(model="qwen3.5-tiny-random-v1",
+    batch = oai.completions.create(model="qwen3.5-tiny-random-v2",
                                    prompt=[ids, list(b"xyz")], max_tokens=5, **GREEDY)
     assert [c.text for c in batch.choices] == [texts[0], texts[2]]
     assert by_text.usage.prompt_tokens == 6 and by_text.usage.completion_tokens == 20
 
 
 def test_n_with_seed_gives_distinct_reproducible_choices(oai):
-    kwargs = dict(model="qwen3.5-tiny-random-v1", prompt="Seeds", max_tokens=8,
+    kwargs = dict(model="qwen3.5-tiny-random-v2", prompt="Seeds", max_tokens=8,
                   temperature=1.0, top_p=1.0, extra_body={"top_k": 0, "ignore_eos": True})
     first = oai.completions.create(n=3, seed=7, **kwargs)
     again = oai.completions.create(n=3, seed=7, **kwargs)
@@ -117,13 +121,13 @@ def test_n_with_seed_gives_distinct_reproducible_choices(oai):
 
 def test_sixteen_concurrent_requests_match_lone_runs(oai, server):
     prompts = [f"request {i}: " + "z" * (i * 3) for i in range(16)]
-    alone = [oai.completions.create(model="qwen3.5-tiny-random-v1", prompt=p, max_tokens=6,
+    alone = [oai.completions.create(model="qwen3.5-tiny-random-v2", prompt=p, max_tokens=6,
                                     **GREEDY).choices[0].text for p in prompts]
 
     async def together() -> list[str]:
         aclient = async_client(server)
         outs = await asyncio.gather(*(aclient.completions.create(
-            model="qwen3.5-tiny-random-v1", prompt=p, max_tokens=6, **GREEDY) for p in prompts))
+            model="qwen3.5-tiny-random-v2", prompt=p, max_tokens=6, **GREEDY) for p in prompts))
         await aclient.close()
         return [o.choices[0].text for o in outs]
 
@@ -131,7 +135,7 @@ def test_sixteen_concurrent_requests_match_lone_runs(oai, server):
 
 
 def test_stop_string_cuts_the_text(oai):
-    kwargs = dict(model="qwen3.5-tiny-random-v1", prompt="Once upon", max_tokens=24, **GREEDY)
+    kwargs = dict(model="qwen3.5-tiny-random-v2", prompt="Once upon", max_tokens=24, **GREEDY)
     full = oai.completions.create(**kwargs).choices[0].text
     stop = next(ch for ch in full if ch != "\ufffd" and full.index(ch) >= 2)
     out = oai.completions.create(stop=[stop], **kwargs).choices[0]
@@ -142,7 +146,7 @@ def test_stop_string_cuts_the_text(oai):
 
 
 def test_completion_logprobs(oai):
-    out = oai.completions.create(model="qwen3.5-tiny-random-v1", prompt="Log", max_tokens=6,
+    out = oai.completions.create(model="qwen3.5-tiny-random-v2", prompt="Log", max_tokens=6,
                                  logprobs=3, **GREEDY)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
@@ -154,7 +158,7 @@ def test_completion_logprobs(oai):
 
 
 def test_chat_logprobs(oai):
-    out = oai.chat.completions.create(model="qwen3.5-tiny-random-v1", max_tokens=4,
+    out = oai.chat.completions.create(model="qwen3.5-tiny-random-v2", max_tokens=4,
                                       messages=[{"role": "user", "content": "x"}],
                                       logprobs=True, top_logprobs=2, **GREEDY)
     content = out.choices[0].logprobs.content
@@ -171,7 +175,7 @@ def test_tokenize_detokenize_round_trip(server):
 
 
 def test_metrics_report_requests(server, oai):
-    oai.completions.create(model="qwen3.5-tiny-random-v1", prompt="m", max_tokens=3, **GREEDY)
+    oai.completions.create(model="qwen3.5-tiny-random-v2", prompt="m", max_tokens=3, **GREEDY)
     text = get_metrics(server)
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds",
                  "e2e_request_latency_seconds", "request_queue_time_seconds"):
@@ -201,7 +205,7 @@ def test_bench_serve_quick(server, tmp_path, capsys):
         assert lv["output_tokens"] == 8 * lv["completed"]
         assert 0 < lv["p50_itl_ms"] <= lv["p99_itl_ms"]
         assert lv["p50_ttft_ms"] > 0 and lv["output_throughput"] > 0
-    assert report["server"]["model"] == "qwen3.5-tiny-random-v1"
+    assert report["server"]["model"] == "qwen3.5-tiny-random-v2"
     assert "| conc |" in (tmp_path / "b.md").read_text()
     assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
     assert "out tok/s" in capsys.readouterr().out
