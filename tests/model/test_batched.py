@@ -53,7 +53,9 @@ def test_mixed_batch_matches_each_sequence_alone(checkpoints) -> None:
     for seq, prompt in zip(seqs, prompts):
         alone = greedy(runner, prompt, NEW, chunk=chunk)
         assert seq.tokens == alone.tokens
+        # A batch's row count changes the GEMMs' blocking, so float32 sums round in another
+        # order: logits of unit scale move by ~1e-5. Any mix-up of rows moves them by ~1.
         torch.testing.assert_close(
-            torch.stack(seq.step_logits), torch.stack(alone.step_logits), atol=1e-5, rtol=0
+            torch.stack(seq.step_logits), torch.stack(alone.step_logits), atol=1e-4, rtol=1e-4
         )
         assert seq.tokens == hf_reference(ckpt.hf_model, prompt, NEW).tokens
