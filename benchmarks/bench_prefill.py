@@ -9,12 +9,14 @@ Two parts, one GPU, one run:
   sides interleaved (``_common.time_sides``). TFLOP/s count causal FLOPs only
   (``4 * Hq * D * sum_i (ctx + i + 1)``).
 - **ttft**: ``LLMEngine`` on the Qwen3.5-27B shape (random bf16 weights), one prompt at a
-  time, from ``add_request`` to its first token, for each scheduler configuration; each
-  engine first serves an untimed request that runs every chunk shape once. A
+  time, from ``add_request`` to its first token, for the engine's default step sizes and
+  any others asked for. Each engine warms up as it starts (its phases are reported); its
+  first ten short requests show whether the first waits on anything the tenth does not. A
   ``torch.profiler`` pass splits one prompt's GPU time into GEMMs, full attention, GDN
   and the rest, each against its own floor.
+- **hf**: transformers' Qwen3.5 (sdpa) on the same weights, the short prompt's TTFT.
 
-    python benchmarks/bench_prefill.py [--parts op,ttft] [--lengths 512,8192,32768,131072]
+    python benchmarks/bench_prefill.py [--parts op,ttft,hf] [--lengths 512,8192,32768,131072]
     python benchmarks/bench_prefill.py --quick      # CPU dry run, numbers meaningless
 
 Writes ``docs/benchmarks/prefill.{md,json,png}`` (and copies to ``$OUT``).
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
+from pagedserve import presets  # noqa: E402
 from pagedserve.kernels import ops  # noqa: E402
 from pagedserve.kv.formats import KVBlockStorage  # noqa: E402
 
@@ -199,46 +202,89 @@ def model_floors(cfg, prompt_len: int) -> dict:
     return {"gemm": gemm / PEAK_TFLOPS / 1e9, "attention": attn / PEAK_TFLOPS / 1e9}
 
 
-def run_ttft(args, device: str) -> dict:
+def run_ttft(args, device: str, loaded) -> dict:
     from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pagedserve.model.loader import load_model
 
-    model = None if args.quick else "preset:qwen3.5-27b"
-    loaded = load_model(model, device, None if args.quick else "bfloat16", progress=False)
     max_len = max(args.lengths) + 64
     results = {"configs": []}
-    for chunk, budget in args.configs:
-        cfg = EngineConfig(model=model, device=device, dtype=None if args.quick else "bfloat16",
+    for config in args.configs:
+        chunk, idle, budget = config or (None, None, None)
+        cfg = EngineConfig(device=device, dtype=None if args.quick else "bfloat16",
                            cache_type_k=args.kv_type, cache_type_v=args.kv_type,
-                           max_model_len=max_len, max_num_seqs=4, prefill_chunk=chunk,
+                           max_model_len=max_len, max_num_seqs=args.max_num_seqs,
+                           prefill_chunk=chunk, idle_prefill_chunk=idle,
                            max_num_batched_tokens=budget, gpu_memory_utilization=0.92,
-                           progress=False)
+                           warm_up=True, progress=False)
         t = time.perf_counter()
         engine = LLMEngine(cfg, loaded=loaded)
         ready = time.perf_counter() - t
-        t = time.perf_counter()
-        first = first_token_seconds(engine, min(2 * chunk + 1, max_len - 8), "warm")
-        entry = {"prefill_chunk": chunk, "max_num_batched_tokens": budget,
-                 "engine_ready_s": ready, "first_request_s": first, "ttft_s": {},
-                 "profile": {}, "floors_ms": {}}
-        print(f"chunk {chunk} budget {budget}: ready {ready:.1f} s, first request "
-              f"{first:.2f} s")
+        sched = engine.scheduler.config
+        entry = {"label": "defaults" if config is None else "set",
+                 "prefill_chunk": sched.prefill_chunk,
+                 "idle_prefill_chunk": sched.idle_prefill_chunk,
+                 "max_num_batched_tokens": sched.max_num_batched_tokens,
+                 "engine_ready_s": ready, "startup_s": dict(engine.startup_seconds),
+                 "ttft_s": {}, "profile": {}, "floors_ms": {}}
+        # The first requests after ready, one after another: the first must not wait on
+        # any compile that the tenth does not.
+        short = min(args.first_len, max_len - 8)
+        series = [first_token_seconds(engine, short, f"first-{i}") for i in range(10)]
+        entry["first_vs_tenth"] = {"prompt": short, "seconds": series,
+                                   "ratio": series[0] / series[9]}
+        print(f"{_label(entry)}: ready {ready:.1f} s ({_phases(entry['startup_s'])}); "
+              f"{short}-token TTFT first {series[0]:.3f} s, tenth {series[9]:.3f} s "
+              f"({series[0] / series[9]:.2f}x)", flush=True)
         for n in args.lengths:
-            if n > args.max_length_for.get(chunk, n):
+            if n > args.max_length_for.get(sched.idle_prefill_chunk, n):
                 continue
             entry["ttft_s"][n] = first_token_seconds(engine, n, f"ttft-{n}")
             entry["floors_ms"][n] = model_floors(loaded.config, n)
-            print(f"  TTFT {n:7d}: {entry['ttft_s'][n]:8.3f} s")
+            print(f"  TTFT {n:7d}: {entry['ttft_s'][n]:8.3f} s", flush=True)
             if n in args.profile_lengths:
                 entry["profile"][n] = p = profile_prompt(engine, n)
                 cats = "  ".join(f"{c} {p['gpu_ms'][c]:.1f}" for c in CATEGORIES)
-                print(f"    GPU ms: {cats}  ({p['launches']} launches)")
+                print(f"    GPU ms: {cats}  ({p['launches']} launches)", flush=True)
         results["configs"].append(entry)
         del engine
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     return results
+
+
+def run_hf(args, device: str, loaded) -> dict:
+    """transformers' Qwen3.5 on the same weights (views of ``loaded``'s): time to the
+    first token of one ``first_len``-token prompt, the median of five after two."""
+    import json
+
+    from bench_model import hf_sharing_weights
+
+    raw = json.loads((loaded.path / "config.json").read_text()) if args.quick else \
+        json.loads(presets.config_path("qwen3.5-27b").read_text())
+    hf = hf_sharing_weights(loaded.model, raw.get("text_config", raw), torch.device(device))
+    prompt = torch.randint(0, loaded.config.vocab_size, (1, args.first_len), device=device)
+    times = []
+    with torch.inference_mode():
+        for _ in range(7):
+            _sync()
+            t = time.perf_counter()
+            out = hf(input_ids=prompt, use_cache=False, logits_to_keep=1)
+            int(out.logits[0, -1].argmax())
+            times.append(time.perf_counter() - t)
+    del hf
+    gc.collect()
+    ttft = sorted(times[2:])[len(times[2:]) // 2]
+    print(f"transformers: {args.first_len}-token TTFT {ttft:.3f} s (median of 5)", flush=True)
+    return {"prompt": args.first_len, "ttft_s": ttft, "attn_implementation": "sdpa"}
+
+
+def _label(entry: dict) -> str:
+    return (f"{entry['label']}: chunk {entry['prefill_chunk']} / idle "
+            f"{entry['idle_prefill_chunk']} / budget {entry['max_num_batched_tokens']}")
+
+
+def _phases(seconds: dict) -> str:
+    return ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items())
 
 
 def _sync() -> None:
@@ -274,27 +320,44 @@ def markdown(res: dict) -> str:
                                          for r in swept]))
     ttft = res.get("ttft")
     if ttft:
-        out.append(f"\n## Time to first token, one prompt ({ttft['kv_type']} K/V)\n\n")
+        out.append(f"\n## Time to first token, one prompt ({ttft['kv_type']} K/V)\n\n"
+                   "Each engine warms up before it is ready; its first ten "
+                   f"{ttft['configs'][0]['first_vs_tenth']['prompt']}-token requests "
+                   "then run one after another.\n\n")
+        out.append(_common.md_table(
+            ["step sizes (chunk / idle chunk / budget)", "ready s (phases)",
+             "first / tenth TTFT s", "first / tenth"],
+            [[_label(c), f"{c['engine_ready_s']:.1f} ({_phases(c['startup_s'])})",
+              f"{c['first_vs_tenth']['seconds'][0]:.3f} / "
+              f"{c['first_vs_tenth']['seconds'][9]:.3f}",
+              f"{c['first_vs_tenth']['ratio']:.2f}x"] for c in ttft["configs"]]))
+        hf = res.get("hf")
+        if hf:
+            ours = min(c["first_vs_tenth"]["seconds"][9] for c in ttft["configs"])
+            out.append(f"\ntransformers (sdpa, same weights), {hf['prompt']}-token prompt: "
+                       f"{hf['ttft_s']:.3f} s; pagedserve (tenth request): {ours:.3f} s "
+                       f"({hf['ttft_s'] / ours:.2f}x faster).\n")
+        out.append("\n")
         rows = []
         for c in ttft["configs"]:
             for n, s in c["ttft_s"].items():
                 f = c["floors_ms"][n]
-                rows.append([c["prefill_chunk"], c["max_num_batched_tokens"], n, f"{s:.3f}",
-                             f"{(f['gemm'] + f['attention']) / 1e3:.3f}"])
+                floor = (f["gemm"] + f["attention"]) / 1e3
+                rows.append([_label(c), n, f"{s:.3f}", f"{floor:.3f}", f"{floor / s:.0%}"])
         out.append(_common.md_table(
-            ["prefill chunk", "token budget", "prompt", "TTFT s", "compute floor s"], rows))
+            ["step sizes", "prompt", "TTFT s", "compute floor s", "of floor"], rows))
         out.append("\n### GPU time by part (profiled; kernel time summed)\n\n")
         rows = []
         for c in ttft["configs"]:
             for n, p in c["profile"].items():
                 f = c["floors_ms"][n]
                 g = p["gpu_ms"]
-                rows.append([c["prefill_chunk"], n, f"{p['wall_ms_profiled']:.1f}",
+                rows.append([_label(c), n, f"{p['wall_ms_profiled']:.1f}",
                              f"{g['gemm']:.1f} ({f['gemm']:.1f})",
                              f"{g['attention']:.1f} ({f['attention']:.1f})",
                              f"{g['gdn']:.1f}", f"{g['other']:.1f}", p["launches"]])
         out.append(_common.md_table(
-            ["chunk", "prompt", "wall ms", "GEMM ms (floor)", "attention ms (floor)",
+            ["step sizes", "prompt", "wall ms", "GEMM ms (floor)", "attention ms (floor)",
              "GDN ms", "other ms", "launches"], rows))
     return "".join(out)
 
@@ -309,7 +372,7 @@ def figure(res: dict, path: Path) -> None:
     for c in res.get("ttft", {}).get("configs", []):
         xs = sorted(int(n) for n in c["ttft_s"])
         ax.plot(xs, [c["ttft_s"][n] for n in xs], marker="o",
-                label=f"chunk {c['prefill_chunk']}, budget {c['max_num_batched_tokens']}")
+                label=_label(c))
         floor = [(c["floors_ms"][n]["gemm"] + c["floors_ms"][n]["attention"]) / 1e3
                  for n in xs]
     if res.get("ttft", {}).get("configs"):
@@ -324,21 +387,26 @@ def figure(res: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def parse_configs(text: str) -> list[tuple[int, int]]:
-    return [tuple(int(v) for v in item.split("/")) for item in text.split(",")]
+def parse_configs(text: str) -> list[tuple[int, int, int] | None]:
+    """``defaults`` (the engine's own step sizes) or CHUNK/IDLE/BUDGET, comma-separated."""
+    return [None if item == "defaults" else tuple(int(v) for v in item.split("/"))
+            for item in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="op,ttft")
+    ap.add_argument("--parts", default="op,ttft,hf")
     ap.add_argument("--quick", action="store_true", help="CPU dry run on the embedded model")
     ap.add_argument("--kv-type", default="q8_0")
     ap.add_argument("--lengths", default="512,8192,32768,131072")
-    ap.add_argument("--configs", default="512/2048,4096/8192",
-                    help="prefill_chunk/max_num_batched_tokens pairs")
+    ap.add_argument("--configs", default="defaults,512/16384/16384",
+                    help="'defaults' or PREFILL_CHUNK/IDLE_PREFILL_CHUNK/BUDGET, comma-separated")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--first-len", type=int, default=512,
+                    help="prompt of the first-vs-tenth requests and of transformers")
     ap.add_argument("--profile-lengths", default="512,8192")
-    ap.add_argument("--max-length-for", default="512:32768",
-                    help="chunk:longest prompt timed with that chunk")
+    ap.add_argument("--max-length-for", default="",
+                    help="IDLE_CHUNK:LONGEST, the longest prompt timed with that idle chunk")
     ap.add_argument("--op-types", default="bf16,q8_0,q4_0")
     ap.add_argument("--op-cases", default="4096x0,4096x8192,4096x32768,4096x131072",
                     help="CHUNKxPREFIX of the op part")
@@ -356,14 +424,21 @@ def main(argv: list[str] | None = None) -> int:
                                for item in args.max_length_for.split(",") if item)
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     if args.quick:
-        args.lengths, args.configs = [16, 48], [(16, 32)]
-        args.profile_lengths = {48}
+        args.lengths, args.configs = [16, 48], [None, (16, 32, 32)]
+        args.profile_lengths, args.first_len, args.max_num_seqs = {48}, 24, 4
     parts = set(args.parts.split(","))
     res = {"meta": _common.run_meta()}
     if "op" in parts:
         res["op"] = run_op(args, device)
+    if parts & {"ttft", "hf"}:
+        from pagedserve.model.loader import load_model
+
+        model = None if args.quick else "preset:qwen3.5-27b"
+        loaded = load_model(model, device, None if args.quick else "bfloat16", progress=False)
     if "ttft" in parts:
-        res["ttft"] = run_ttft(args, device) | {"kv_type": args.kv_type}
+        res["ttft"] = run_ttft(args, device, loaded) | {"kv_type": args.kv_type}
+    if "hf" in parts:
+        res["hf"] = run_hf(args, device, loaded)
     paths = _common.write_outputs(args.out, "prefill", res, markdown(res),
                                   lambda p: figure(res, p))
     print("wrote", *paths)

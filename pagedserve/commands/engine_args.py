@@ -23,8 +23,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=default_max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens a step may carry (default: 8192 on cuda, 2048 on cpu)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens a step takes per prompt while other sequences "
+                        "decode (default 512)")
+    p.add_argument("--idle-prefill-chunk", type=int, default=None,
+                   help="prompt tokens a step takes per prompt while none decodes "
+                        "(default: 8192 on cuda, 512 on cpu)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="K/V blocks in the pool (default: sized from memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
@@ -42,7 +48,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
         block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_chunk=args.prefill_chunk, num_blocks=args.num_blocks,
+        prefill_chunk=args.prefill_chunk, idle_prefill_chunk=args.idle_prefill_chunk,
+        num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graphs=not args.no_cuda_graphs, seed=args.engine_seed,
         async_scheduling=False if args.no_async_scheduling else None,

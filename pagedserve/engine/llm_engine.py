@@ -54,12 +54,17 @@ class EngineConfig:
     block_size: int = 16
     max_model_len: int | None = None
     max_num_seqs: int = 8
+    # Step sizes; None takes the device's defaults (``scheduler.STEP_SIZES``).
     max_num_batched_tokens: int | None = None
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None
+    idle_prefill_chunk: int | None = None
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.90
     cuda_graphs: bool = True
     async_scheduling: bool | None = None  # None: on for CUDA, off for the CPU
+    # Compile and tune every kernel a request can reach before the engine is ready
+    # (``warmup.py``). None: on for CUDA; the CPU path runs torch ops, nothing compiles.
+    warm_up: bool | None = None
     seed: int = 0
     check_integrity: bool = False  # run the pools' invariant checks after every step
     progress: bool = True
@@ -72,6 +77,12 @@ class EngineConfig:
         CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max-model-len must be >= 2, got {self.max_model_len}")
+        # The step sizes, checked now rather than after the weights load.
+        SchedulerConfig.for_device(
+            torch.device(self.device).type, max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len or 4096, prefill_chunk=self.prefill_chunk,
+            idle_prefill_chunk=self.idle_prefill_chunk,
+            max_num_batched_tokens=self.max_num_batched_tokens)
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
@@ -114,25 +125,26 @@ class LLMEngine:
             raise ValueError(f"max-model-len {max_len} exceeds the model's "
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.max_model_len = max_len
-        budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        device_type = torch.device(config.device).type
+        sched_config = SchedulerConfig.for_device(
+            device_type, max_num_seqs=config.max_num_seqs, max_model_len=max_len,
+            prefill_chunk=config.prefill_chunk, idle_prefill_chunk=config.idle_prefill_chunk,
+            max_num_batched_tokens=config.max_num_batched_tokens)
+        budget = sched_config.max_num_batched_tokens
         self.runner = ModelRunner(
             self.loaded.model, config.cache_config(),
             RunnerConfig(max_model_len=max_len, max_num_seqs=config.max_num_seqs,
                          num_blocks=config.num_blocks,
                          gpu_memory_utilization=config.gpu_memory_utilization,
                          cuda_graphs=config.cuda_graphs,
-                         prefill_graph_tokens=min(config.prefill_chunk, budget, max_len)),
+                         prefill_graph_tokens=min(sched_config.prefill_chunk, max_len)),
         )
         self.startup_seconds["kv_cache_and_graphs"] = (
             time.perf_counter() - started - self.startup_seconds["weights"])
         log.info("weights loaded in %.1f s; K/V cache, compiles and CUDA graphs in %.1f s",
                  *self.startup_seconds.values())
         self.kv = self.runner.create_kv_manager()
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
-                            prefill_chunk=config.prefill_chunk, max_model_len=max_len),
-            self.kv, self.runner.state_pool,
-        )
+        self.scheduler = Scheduler(sched_config, self.kv, self.runner.state_pool)
         cuda = self.runner.device.type == "cuda"
         # Pinned buffers for each step's host->device copies (CUDA only; see HostStaging).
         self._staging = HostStaging(self.runner.device, budget, config.max_num_seqs,
@@ -151,6 +163,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
+        if cuda if config.warm_up is None else config.warm_up:
+            self.warm_up()
 
     @property
     def structured(self) -> StructuredOutputs:

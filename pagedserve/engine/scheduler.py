@@ -29,12 +29,45 @@ from pagedserve.kv.state_pool import StatePool
 
 
 @dataclass(frozen=True)
+class StepSizes:
+    """A device's default step sizes, in prompt tokens: ``chunk`` per prompt while any
+    sequence decodes, ``idle_chunk`` per prompt while none does, ``budget`` per step."""
+
+    chunk: int
+    idle_chunk: int
+    budget: int
+
+
+# On CUDA a lone prompt advances 8192 tokens a step: GEMMs of that many rows run near the
+# tensor cores' peak, and the host's per-step work is amortized. Once any sequence
+# decodes, prompts advance 512 tokens a step, so that a decode step carrying a prefill
+# chunk stays near 50 ms on the 27B shape (docs/kernel-decisions.md, "Prefill step
+# sizes"). The CPU runs small steps: its per-token cost does not fall with step size.
+STEP_SIZES = {"cuda": StepSizes(chunk=512, idle_chunk=8192, budget=8192),
+              "cpu": StepSizes(chunk=512, idle_chunk=512, budget=2048)}
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
     prefill_chunk: int = 512
     max_model_len: int = 4096
     idle_prefill_chunk: int = 0  # 0: prefill_chunk
+
+    @classmethod
+    def for_device(cls, device_type: str, *, max_num_seqs: int, max_model_len: int,
+                   prefill_chunk: int | None = None, idle_prefill_chunk: int | None = None,
+                   max_num_batched_tokens: int | None = None) -> SchedulerConfig:
+        """The device's step sizes (``STEP_SIZES``) wherever the caller gives none. A given
+        budget caps the default chunks; a given chunk raises the default idle chunk."""
+        sizes = STEP_SIZES["cuda" if device_type == "cuda" else "cpu"]
+        budget = max_num_batched_tokens or max(sizes.budget, max_num_seqs)
+        chunk = prefill_chunk or min(sizes.chunk, budget)
+        idle = idle_prefill_chunk or max(chunk, min(sizes.idle_chunk, budget))
+        return cls(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                   prefill_chunk=chunk, max_model_len=max_model_len,
+                   idle_prefill_chunk=idle)
 
     def __post_init__(self) -> None:
         if self.idle_prefill_chunk == 0:

@@ -6,7 +6,7 @@ compiled elementwise ops tune and compile at their first call of each shape clas
 kernels that vary by step mark their step-dependent integers ``do_not_specialize``, so one
 launch of each kind covers all of them. The kinds:
 
-* a prompt of two full chunks and a short tail: a chunk from position 0, a chunk over a
+* a prompt of two full idle-step chunks and a short tail: a chunk from position 0, a chunk over a
   cached prefix (the flash method for long quantized chunks), a short chunk over a long
   prefix (the kernel's split key range), then decode (graph replays);
 * three prompts of different lengths together: several prefill sequences in one step
@@ -35,6 +35,7 @@ def warm_up(engine: LLMEngine) -> float:
     start = time.perf_counter()
     rng = random.Random(0)
     chunk = engine.scheduler.config.prefill_chunk
+    idle_chunk = engine.scheduler.config.idle_prefill_chunk
     longest = engine.scheduler.token_capacity - 8
 
     def prompt(n: int) -> list[int]:
@@ -50,7 +51,7 @@ def warm_up(engine: LLMEngine) -> float:
         while engine.has_unfinished_requests():
             engine.step()
 
-    run([2 * chunk + 3], stagger=False)
+    run([2 * idle_chunk + 3], stagger=False)
     run([5, 40, chunk + 1], stagger=True)
     run([1, 17, 300], stagger=False)
     return time.perf_counter() - start

@@ -78,7 +78,8 @@ def server_info(ctx: ServingContext) -> dict[str, Any]:
         "num_state_slots": runner.state_pool.num_slots,
         "max_num_seqs": cfg.max_num_seqs,
         "max_num_batched_tokens": llm.scheduler.config.max_num_batched_tokens,
-        "prefill_chunk": cfg.prefill_chunk,
+        "prefill_chunk": llm.scheduler.config.prefill_chunk,
+        "idle_prefill_chunk": llm.scheduler.config.idle_prefill_chunk,
         "max_queue": ctx.admission.max_queue,
         "cuda_graphs": runner.graphs is not None,
         "reasoning_parser": ctx.reasoning_parser,
@@ -86,6 +87,7 @@ def server_info(ctx: ServingContext) -> dict[str, Any]:
         "pagedserve_version": pagedserve.__version__,
         "torch_version": torch.__version__,
         "commit": source_commit(),
+        "startup_seconds": dict(llm.startup_seconds),
     }
 
 
@@ -97,4 +99,6 @@ def ready_line(ctx: ServingContext, url: str) -> str:
             f"{i['device']} {i['dtype']} | kv {i['kv_layout']}, K {i['cache_type_k']} / "
             f"V {i['cache_type_v']}, {i['num_blocks']} blocks x {i['block_size']} tokens | "
             f"{i['num_state_slots']} state slots, max-num-seqs {i['max_num_seqs']}, "
-            f"max-model-len {i['max_model_len']}, max-queue {queue}")
+            f"max-model-len {i['max_model_len']}, max-queue {queue} | started in "
+            + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s"
+                        for k, v in i["startup_seconds"].items()))

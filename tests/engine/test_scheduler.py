@@ -135,6 +135,25 @@ def test_config_errors_name_the_value():
         SchedulerConfig(prefill_chunk=0)
 
 
+def test_step_sizes_fill_in_only_what_the_caller_left_out():
+    cuda = SchedulerConfig.for_device("cuda", max_num_seqs=16, max_model_len=4096)
+    assert (cuda.prefill_chunk, cuda.idle_prefill_chunk, cuda.max_num_batched_tokens) \
+        == (512, 8192, 8192)
+    cpu = SchedulerConfig.for_device("cpu", max_num_seqs=16, max_model_len=4096)
+    assert (cpu.prefill_chunk, cpu.idle_prefill_chunk, cpu.max_num_batched_tokens) \
+        == (512, 512, 2048)
+    # A smaller budget caps both chunks; a larger chunk raises the idle chunk with it.
+    small = SchedulerConfig.for_device("cuda", max_num_seqs=4, max_model_len=4096,
+                                       max_num_batched_tokens=256)
+    assert (small.prefill_chunk, small.idle_prefill_chunk) == (256, 256)
+    big = SchedulerConfig.for_device("cpu", max_num_seqs=4, max_model_len=4096,
+                                     prefill_chunk=1024)
+    assert (big.prefill_chunk, big.idle_prefill_chunk) == (1024, 1024)
+    # Many sequences raise the budget so that each can decode in every step.
+    assert SchedulerConfig.for_device("cpu", max_num_seqs=4096,
+                                      max_model_len=64).max_num_batched_tokens == 4096
+
+
 def test_a_victim_readmitted_in_the_same_step_runs_once_from_the_start():
     # "new" decodes first; "old"'s next prefill chunk then preempts it (the newest), and
     # the freed blocks let it back in from the queue's front within the same schedule().
