@@ -7,7 +7,7 @@ kernels that vary by step mark their step-dependent integers ``do_not_specialize
 launch of each kind covers all of them. The kinds:
 
 * a prompt of two full idle-step chunks and a short tail: a chunk from position 0, a chunk over a
-  cached prefix (the flash method for long quantized chunks), a short chunk over a long
+  cached prefix (the dequantized method for long quantized chunks), a short chunk over a long
   prefix (the kernel's split key range), then decode (graph replays);
 * three prompts of different lengths together: several prefill sequences in one step
   (fla's varlen path), and steps that mix decode rows with a prefill chunk;

@@ -104,22 +104,23 @@ def paged_decode_attention(
     return out
 
 
-# Prefill methods on CUDA: the paged Triton kernel, or the packed gather + flash varlen.
-PREFILL_METHODS = ("kernel", "flash")
-# From this many new rows in one sequence of a step on, ``method=None`` takes flash for
-# quantized K/V: the kernel dequantizes each K/V tile once per query tile, which costs
-# more than flash's one gather of the rows there (docs/kernel-decisions.md).
-FLASH_MIN_ROWS = 1024
+# Prefill methods on CUDA: the paged Triton kernel on the pool in place, or the same kernel
+# over a scratch copy of the rows dequantized once (``prefill_gather``).
+PREFILL_METHODS = ("kernel", "dequantized")
+# From this many new rows in one sequence of a step on, ``method=None`` dequantizes first
+# for quantized K/V: the kernel dequantizes each K/V tile once per query tile, which costs
+# more than one copy of the rows there (docs/kernel-decisions.md).
+DEQUANTIZE_MIN_ROWS = 1024
 
 
 def prefill_method(q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
                    query_lens_cpu: list[int] | None) -> str:
-    """The default method of a launch: flash for long chunks over quantized K/V in 16-bit
-    models; the kernel otherwise."""
+    """The default method of a launch: ``dequantized`` for long chunks over quantized K/V
+    in 16-bit models; the kernel in place otherwise."""
     quantized = formats.spec(cache_k.kv_type).quantized or formats.spec(cache_v.kv_type).quantized
     if (quantized and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-            and query_lens_cpu and max(query_lens_cpu) >= FLASH_MIN_ROWS):
-        return "flash"
+            and query_lens_cpu and max(query_lens_cpu) >= DEQUANTIZE_MIN_ROWS):
+        return "dequantized"
     return "kernel"
 
 
@@ -145,10 +146,11 @@ def paged_prefill_attention(
         seq_begin: sequences before it (the step's decode rows) are skipped: their rows
             of ``out`` are left as they are.
         query_start_loc_cpu, seq_lens_cpu: host copies of the two (spare the reference
-            and the flash method a device sync).
+            and the dequantized method a device sync).
         method: Triton backend only: ``"kernel"`` (``kernels.paged_prefill``, reads the
-            pool in place, capturable in CUDA graphs) or ``"flash"``
-            (``kernels.prefill_gather``); ``None`` chooses by ``prefill_method``.
+            pool in place, capturable in CUDA graphs) or ``"dequantized"`` (the kernel
+            over a dequantized copy, ``kernels.prefill_gather``); ``None`` chooses by
+            ``prefill_method``.
         num_splits: the kernel's split of the key range (``None``: its own choice).
 
     Returns:
@@ -169,11 +171,11 @@ def paged_prefill_attention(
         qsl = query_start_loc_cpu
         method = prefill_method(q, cache_k, cache_v,
                                 [qsl[b + 1] - qsl[b] for b in range(seq_begin, len(qsl) - 1)])
-    if on_triton and method == "flash":
-        from pagedserve.kernels.prefill_gather import flash_prefill_attention
+    if on_triton and method == "dequantized":
+        from pagedserve.kernels.prefill_gather import dequantized_prefill_attention
 
         _check_triton_types(cache_k, cache_v)
-        return flash_prefill_attention(
+        return dequantized_prefill_attention(
             q, cache_k, cache_v, block_tables, query_start_loc, seq_lens, scale, out,
             seq_begin, query_start_loc_cpu or query_start_loc.tolist(),
             seq_lens_cpu or seq_lens.tolist())

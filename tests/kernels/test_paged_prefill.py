@@ -155,6 +155,19 @@ def test_split_key_range(num_splits):
     assert err < bound("q8_0", "bf16")
 
 
+@needs_triton
+@pytest.mark.parametrize("types, block_size", [("q8_0:q4_0", 16), ("q4_0:f16", 16),
+                                               ("q8_0:q8_0", 128)])
+def test_dequantized_method(types, block_size):
+    # The kernel over a scratch copy of the rows dequantized once: decode rows skipped,
+    # sequences of very different lengths, blocks shuffled (and the contiguous layout).
+    k_type, v_type = types.split(":")
+    err = run_case("triton", k_type, v_type, new_lens=[1, 1, 40, 7, 19],
+                   prefix_lens=[9, 30, 0, 70, 3], seq_begin=2, block_size=block_size,
+                   method="dequantized")
+    assert err < bound(k_type, v_type)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_contiguous_layout(backend):
     # The contiguous layout: one block of max_model_len rows per sequence.
@@ -182,7 +195,7 @@ def test_bad_arguments_name_the_problem():
 @needs_triton
 @pytest.mark.parametrize("kv_type", GPU_TYPES)
 def test_gather_rows_is_the_dequantized_pool(kv_type):
-    # The flash method's gather: every cached row of each sequence, packed, equal bit for
+    # The dequantized method's copy: every cached row of each sequence, packed, equal bit for
     # bit to formats.dequantize of the stored rows rounded to the model dtype.
     from pagedserve.kernels.prefill_gather import gather_rows
 
@@ -209,7 +222,7 @@ GRID_PREFIX = [3000, 5000, 0, 15, 17, 1]
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("k_type", GPU_TYPES)
 @pytest.mark.parametrize("v_type", GPU_TYPES)
-@pytest.mark.parametrize("method", ["kernel", "flash"])
+@pytest.mark.parametrize("method", ["kernel", "dequantized"])
 def test_gpu_grid_27b_heads(k_type, v_type, method):
     err = run_case("triton", k_type, v_type, GRID_NEW, GRID_PREFIX, hkv=4, group=6,
                    head_dim=256, device="cuda", seed=3, method=method)
@@ -230,7 +243,7 @@ def test_gpu_grid_other_shapes(types, head_dim, hkv, group):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("chunk", [1, 2, 5, 16, 63, 64, 65, 512, 1024])
-@pytest.mark.parametrize("method", ["kernel", "flash", None])
+@pytest.mark.parametrize("method", ["kernel", "dequantized", None])
 def test_gpu_chunk_lengths_27b_shape(chunk, method):
     # With the host lengths the kernel splits the 8K key range of the short chunks.
     err = run_case("triton", "q8_0", "q4_0", [chunk, chunk], [8191, 4], hkv=4, group=6,
