@@ -160,9 +160,11 @@ for spec in "$@"; do
     # apache-tvm-ffi among the carried wheels).
     bench-structured) run_stage "$stage" "$limit" python3 benchmarks/bench_structured.py \
                      --model preset:qwen3.5-27b --out "$OUT" ;;
+    # $SERVE_CONCURRENCY (default 4,16) and $SERVE_PROMPTS requests per level (default 64).
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \
                      --model preset:qwen3.5-27b --device cuda --max-num-seqs 16 \
-                     --num-prompts 16 --output-len 64 --max-model-len 4096 \
+                     --concurrency "${SERVE_CONCURRENCY:-4,16}" \
+                     --num-prompts "${SERVE_PROMPTS:-64}" --output-len 64 --max-model-len 4096 \
                      --cache-type-k q4_0 --cache-type-v q4_0 --out-dir "$OUT" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
