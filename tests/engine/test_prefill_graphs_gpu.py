@@ -17,7 +17,9 @@ pytestmark = [
 
 
 def _engine(model_dir, **kw) -> LLMEngine:
+    # Every prefill chunk fits the 64-row graphs, idle steps included.
     kw.setdefault("prefill_chunk", 64)
+    kw.setdefault("idle_prefill_chunk", 64)
     return LLMEngine(EngineConfig(
         model=str(model_dir), device="cuda", dtype="float32", max_num_seqs=4,
         max_num_batched_tokens=128, max_model_len=512, check_integrity=True,
@@ -56,7 +58,7 @@ def test_no_compile_after_warm_up(model_dir):
         model=str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=4,
         prefill_chunk=64, max_num_batched_tokens=128, max_model_len=512,
         cache_type_k="q4_0", cache_type_v="q8_0", progress=False))
-    engine.warm_up()
+    assert "warm_up" in engine.startup_seconds  # on CUDA the engine warms up as it starts
     compiled: list[str] = []
     triton.knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(
         kw["fn"].name if "fn" in kw else "?")
