@@ -130,6 +130,10 @@ class DecodeGraphs:
         self.graphs[size].replay()
         return self.outputs[size][: batch.num_seqs].clone()
 
+    def holds(self, batch: ForwardBatch) -> bool:
+        """Whether a captured size holds ``batch`` (decode-only)."""
+        return bool(self.sizes) and batch.num_seqs <= self.sizes[-1]
+
     def load(self, batch: ForwardBatch) -> int | None:
         """Copy ``batch`` into the buffers and pad it (table above); return the padded size
         (``None`` if no captured size holds it). ``static_batch(size)`` then describes it."""

@@ -5,7 +5,8 @@ one buffer when their types match: ``KVBlockStorage.allocate_pair``), and the
 ``StatePool`` of the linear-attention layers. ``execute(batch)`` runs one ``ForwardBatch``
 and returns the logits of each sequence's last new token. Decode-only batches on CUDA
 replay a captured CUDA graph (``DecodeGraphs``), and so do steps that prefill one short
-chunk (``PrefillGraphs``); everything else runs eagerly, and on the CPU everything is eager
+chunk (``PrefillGraphs``), with or without decode rows beside it (each part replays its
+own graph); everything else runs eagerly, and on the CPU everything is eager
 with the torch reference ops.
 
 Layouts (``CacheConfig.kv_layout``)::
@@ -242,7 +243,28 @@ class ModelRunner:
                 return logits
         if self.prefill_graphs is not None and self.prefill_graphs.fits(batch):
             return self.prefill_graphs.run(batch)
+        split = self._split_for_graphs(batch)
+        if split is not None:
+            return split
         return self._forward_logits(batch)
+
+    def _split_for_graphs(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Decode rows beside one short prefill chunk: both graphs, one after the other.
+
+        Such a mixed step, run eagerly, is bound by the host's launches (several times its
+        GPU time); its two halves each fit a captured graph. Every sequence's result is
+        its own either way: sequences share no state within a step. ``None`` when the
+        step does not split so.
+        """
+        if (self.graphs is None or self.prefill_graphs is None or batch.is_decode_only
+                or batch.num_seqs != batch.num_decode_seqs + 1 or batch.row_valid is not None):
+            return None
+        decode, prefill = batch.split_decode()
+        if not self.prefill_graphs.fits(prefill) or not self.graphs.holds(decode):
+            return None
+        decode_logits = self.graphs.run(decode)
+        assert decode_logits is not None
+        return torch.cat([decode_logits, self.prefill_graphs.run(prefill)])  # [B, vocab]
 
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch, self.caches)  # [T, H]

@@ -66,3 +66,20 @@ class ForwardBatch:
     def context_lens_cpu(self) -> list[int]:
         """Tokens cached before this step, per sequence."""
         return [s - n for s, n in zip(self.seq_lens_cpu, self.query_lens_cpu())]
+
+    def split_decode(self) -> tuple[ForwardBatch, ForwardBatch]:
+        """``(decode rows, the rest)``: two batches that together are this one, each
+        indexing its own rows from 0. Needs decode rows and at least one other sequence."""
+        d = self.num_decode_seqs
+        assert 0 < d < self.num_seqs, (d, self.num_seqs)
+        decode = ForwardBatch(
+            self.input_ids[:d], self.positions[:d], self.query_start_loc[:d + 1],
+            self.seq_lens[:d], self.block_tables[:d], self.slot_mapping[:d],
+            self.state_slots[:d], self.logits_indices[:d], d,
+            self.query_start_loc_cpu[:d + 1], self.seq_lens_cpu[:d])
+        rest = ForwardBatch(
+            self.input_ids[d:], self.positions[d:], self.query_start_loc[d:] - d,
+            self.seq_lens[d:], self.block_tables[d:], self.slot_mapping[d:],
+            self.state_slots[d:], self.logits_indices[d:] - d, 0,
+            [q - d for q in self.query_start_loc_cpu[d:]], self.seq_lens_cpu[d:])
+        return decode, rest

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from test_engine import greedy, prompts
+from test_engine import greedy, prompts, run_with_arrivals
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
 
@@ -51,6 +51,23 @@ def test_prefill_graphs_match_eager_prefill(model_dir, kv_type):
     assert got == _run(eager, lengths)
     assert len(replays) >= len(lengths)  # every prompt's prefill went through a graph
     assert graphs.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q4_0"])
+def test_mixed_steps_split_into_both_graphs(model_dir, kv_type):
+    # Prompts arriving while others decode: steps of decode rows plus one chunk replay the
+    # decode graph and the prefill graph, and give the eager steps' tokens.
+    lengths, arrivals = [9, 40, 100, 23, 60], [0, 2, 5, 6, 12]
+    items = [(a, f"r{i}", p, greedy(20))
+             for i, (a, p) in enumerate(zip(arrivals, prompts(7, lengths)))]
+    graphs = _engine(model_dir, cache_type_k=kv_type, cache_type_v=kv_type)
+    splits = []
+    split = graphs.runner._split_for_graphs
+    graphs.runner._split_for_graphs = lambda batch: splits.append(batch.num_seqs) or split(batch)
+    got = run_with_arrivals(graphs, items)
+    eager = _engine(model_dir, cache_type_k=kv_type, cache_type_v=kv_type, cuda_graphs=False)
+    assert got == run_with_arrivals(eager, items)
+    assert len(splits) >= 4 and graphs.kv.pool.num_used_blocks == 0
 
 
 def test_no_compile_after_warm_up(model_dir):
