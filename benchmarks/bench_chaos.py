@@ -1,0 +1,555 @@
+"""Chaos run (issue 32): a real ``pagedserve serve`` overloaded by mixed traffic, with
+clients that walk away, must leak nothing, answer no 5xx, and leave the outputs of the
+requests it finished unchanged.
+
+The server: ``--model preset:qwen3.5-27b`` (random bf16 weights of the 27B shape) on the
+GPU, q4_0 K and V, and a K/V pool of ``--pool-factor`` times the longest request (1.5 by
+default), so that a few concurrent long prompts cannot all fit and running sequences are
+preempted. The client sends ``--num-requests`` completions (token-id prompts, greedy,
+``ignore_eos``, ``logprobs``) at ``--concurrency`` in flight, more than ``--max-num-seqs``:
+
+- prompt lengths: lognormal around ``--short-len`` tokens, and a ``--long-fraction`` of
+  long ones, uniform in [``--max-prompt-len`` / 4, ``--max-prompt-len``], sent in bursts
+  of ``--long-burst`` so that long prompts run concurrently;
+- four kinds, in equal shares: ``stream`` (read to the end), ``stream_cut`` (closed after
+  a random number of tokens), ``whole`` (non-streaming), ``whole_timeout`` (non-streaming,
+  abandoned by a client timeout; it counts as complete if it answered in time).
+
+Checks, each a line of the report; the script exits 1 if any fails:
+
+1. ``no_5xx``: no HTTP status >= 500 and no error event inside a stream.
+2. ``no_unexpected_errors``: every answer is 200 (or 429, which is counted), and no
+   connection failed except those the client cut on purpose.
+3. ``no_leaks``: once the client is done, /metrics reads 0 requests running, waiting and
+   admitted, 0 K/V blocks owned, 0 state slots leased and 0 live sequences (after the
+   chaos phase and again at the end).
+4. ``preempted``: the server counted at least one preemption.
+5. ``outputs_match``: up to ``--num-verify`` complete requests (an eighth of them long
+   where there are enough) are sent again, one at a time, to the idle server; each must
+   generate the same tokens as in the chaos phase, up to near-ties (criterion below).
+6. ``clean_exit``: /health answers 200 at the end, the server exits 0 on SIGTERM, and its
+   log holds no traceback.
+
+Near-ties: random weights give logits with no meaning, and a different batch shape
+changes the floating-point rounding of every GEMM, so two greedy runs can pick different
+tokens where the top two logits are within rounding of each other. At the first position
+where the chaos and the solo run differ (the prefixes are equal, so both runs saw the same
+context), let ``a`` be the token the chaos run chose and ``b`` the solo run's. The gap is
+``max(lp_solo(b) - lp_solo(a), lp_chaos(a) - lp_chaos(b))`` from each run's
+``top_logprobs``; a token outside the other run's top ``--logprobs`` has a gap of at
+least the chosen logprob minus the smallest one listed. A divergence with gap <=
+``--tie-tolerance`` nats is a near-tie (counted, not a failure); a larger one is a
+failure: a sequence that read another's K/V, or a stale state slot, moves the logits by
+about their whole spread (the preset's logits have a standard deviation near 1.4 nats), not
+by rounding. The report also gives the logprob drift over the equal prefixes, the rounding
+noise the tolerance must stand above.
+
+``--quick``: the embedded tiny model on the CPU, 40 short requests on a pool of a few
+blocks, in well under a minute (CI runs it: tests/server/test_bench_chaos_quick.py).
+
+Writes ``chaos.{md,json,png}`` (``--quick``: ``chaos_quick``) to ``--out-dir`` (default
+``docs/benchmarks``; copies to ``$OUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _chaos_report  # noqa: E402
+import _common  # noqa: E402
+
+from pagedserve.server.info import cpu_name, source_commit  # noqa: E402
+from pagedserve.server.launcher import ServerProcess  # noqa: E402
+
+KINDS = ("stream", "stream_cut", "whole", "whole_timeout")
+# /metrics gauges that must all read 0 on an idle server (without the prefix).
+LEAK_GAUGES = ("num_requests_running", "num_requests_waiting", "num_requests_admitted",
+               "kv_cache_used_blocks", "state_slots_used", "num_live_sequences")
+TIMELINE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_used_blocks",
+                   "num_preemptions")
+
+
+# ---- the workload --------------------------------------------------------------------------
+@dataclass
+class Spec:
+    """One request of the chaos phase."""
+
+    index: int
+    kind: str
+    prompt: list[int]
+    max_tokens: int
+    long: bool
+    cut_after: int = 0  # stream_cut: tokens read before closing
+    timeout_s: float = 0.0  # whole_timeout: the client's patience
+
+
+@dataclass
+class Outcome:
+    """What the client saw of one request; ``tokens`` etc. only when it completed."""
+
+    index: int
+    kind: str
+    prompt_len: int
+    max_tokens: int
+    long: bool
+    start_s: float = 0.0
+    end_s: float = 0.0
+    status: int | None = None  # HTTP status; None: no answer (cut or failed)
+    result: str = ""  # complete | cut | timed_out | refused | error
+    error: str | None = None
+    finish_reason: str | None = None
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+
+
+def make_specs(args: argparse.Namespace, vocab_size: int) -> list[Spec]:
+    """The chaos phase's requests, in sending order (seeded: reruns send the same)."""
+    rng = random.Random(args.seed)
+    num_long = round(args.num_requests * args.long_fraction)
+    specs: list[Spec] = []
+    for i in range(args.num_requests):
+        long = i < num_long
+        if long:
+            n = rng.randint(max(1, args.max_prompt_len // 4), args.max_prompt_len)
+        else:
+            n = round(math.exp(rng.gauss(math.log(args.short_len), 0.8)))
+            n = min(args.max_prompt_len, max(1, n))
+        kind = KINDS[i % len(KINDS)]
+        max_tokens = rng.randint(max(2, args.output_len // 2), args.output_len)
+        spec = Spec(i, kind, [rng.randrange(vocab_size) for _ in range(n)], max_tokens, long)
+        if kind == "stream_cut":
+            spec.cut_after = rng.randint(1, max_tokens - 1)
+        if kind == "whole_timeout":
+            spec.timeout_s = rng.uniform(*args.timeout_range)
+        specs.append(spec)
+    shorts, longs = specs[num_long:], specs[:num_long]
+    rng.shuffle(shorts)
+    order = list(shorts)
+    for b in range(0, len(longs), args.long_burst):  # each burst at a random place
+        at = rng.randint(0, len(order))
+        order[at:at] = longs[b:b + args.long_burst]
+    for i, s in enumerate(order):
+        s.index = i
+    return order
+
+
+def body_of(spec: Spec, model: str, logprobs: int, stream: bool) -> dict:
+    body = {"model": model, "prompt": spec.prompt, "max_tokens": spec.max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "logprobs": logprobs, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+# ---- the client ----------------------------------------------------------------------------
+def _take_logprobs(out: Outcome, lp: dict | None) -> None:
+    if lp:
+        out.tokens += lp["tokens"]
+        out.token_logprobs += lp["token_logprobs"]
+        out.top_logprobs += lp["top_logprobs"]
+
+
+async def _stream(http: httpx.AsyncClient, spec: Spec, body: dict, out: Outcome) -> None:
+    async with http.stream("POST", "/v1/completions", json=body) as resp:
+        out.status = resp.status_code
+        if resp.status_code != 200:
+            out.result, out.error = "refused", (await resp.aread()).decode(errors="replace")
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                out.result, out.error = "error", f"in stream: {chunk['error']}"
+                return
+            for choice in chunk.get("choices") or []:
+                _take_logprobs(out, choice.get("logprobs"))
+                out.finish_reason = choice.get("finish_reason") or out.finish_reason
+            if spec.kind == "stream_cut" and len(out.tokens) >= spec.cut_after \
+                    and out.finish_reason is None:
+                out.result = "cut"
+                return  # leaving the block closes the connection mid-stream
+        out.result = "complete"
+
+
+async def _whole(http: httpx.AsyncClient, body: dict, out: Outcome) -> None:
+    resp = await http.post("/v1/completions", json=body)
+    out.status = resp.status_code
+    if resp.status_code != 200:
+        out.result, out.error = "refused", resp.text
+        return
+    choice = resp.json()["choices"][0]
+    _take_logprobs(out, choice.get("logprobs"))
+    out.finish_reason = choice.get("finish_reason")
+    out.result = "complete"
+
+
+async def send(http: httpx.AsyncClient, spec: Spec, model: str, logprobs: int,
+               t0: float, stream: bool | None = None) -> Outcome:
+    """Send ``spec`` as its kind says (``stream`` overrides: the solo reruns)."""
+    out = Outcome(spec.index, spec.kind, len(spec.prompt), spec.max_tokens, spec.long)
+    streaming = spec.kind.startswith("stream") if stream is None else stream
+    body = body_of(spec, model, logprobs, streaming)
+    out.start_s = time.perf_counter() - t0
+    try:
+        if streaming:
+            await _stream(http, spec, body, out)
+        elif spec.kind == "whole_timeout" and stream is None:
+            try:
+                await asyncio.wait_for(_whole(http, body, out), spec.timeout_s)
+            except TimeoutError:
+                out.result = "timed_out"
+        else:
+            await _whole(http, body, out)
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError) as exc:
+        out.result, out.error = "error", f"{type(exc).__name__}: {exc}"
+    out.end_s = time.perf_counter() - t0
+    if out.result == "complete" and (out.finish_reason != "length"
+                                     or len(out.tokens) != spec.max_tokens):
+        out.result = "error"
+        out.error = (f"finish_reason {out.finish_reason!r} after {len(out.tokens)} of "
+                     f"{spec.max_tokens} tokens (ignore_eos: expected 'length')")
+    return out
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every unlabelled-by-value sample of /metrics, keyed without the ``pagedserve:``
+    prefix (counters as their family name, without ``_total``)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name.removeprefix("pagedserve:")
+        for sample in family.samples:
+            if sample.name.removeprefix("pagedserve:") in (name, name + "_total"):
+                values[name] = values.get(name, 0.0) + sample.value
+    return values
+
+
+async def _poll(url: str, t0: float, period: float, timeline: list[dict],
+                stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            values = await asyncio.to_thread(scrape, url)
+            timeline.append({"t": round(time.perf_counter() - t0, 3),
+                             **{k: values.get(k) for k in TIMELINE_GAUGES}})
+        except httpx.HTTPError as exc:
+            timeline.append({"t": round(time.perf_counter() - t0, 3), "error": repr(exc)})
+        try:
+            await asyncio.wait_for(stop.wait(), period)
+        except TimeoutError:
+            pass
+
+
+async def chaos_phase(url: str, model: str, specs: list[Spec], args: argparse.Namespace
+                      ) -> tuple[list[Outcome], list[dict], float]:
+    """Every spec at ``args.concurrency`` in flight, /metrics sampled alongside."""
+    limits = httpx.Limits(max_connections=args.concurrency + 4,
+                          max_keepalive_connections=args.concurrency)
+    timeline: list[dict] = []
+    stop = asyncio.Event()
+    t0 = time.perf_counter()
+    poller = asyncio.create_task(_poll(url, t0, args.poll_s, timeline, stop))
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None),
+                                 limits=limits) as http:
+        gate = asyncio.Semaphore(args.concurrency)
+
+        async def gated(spec: Spec) -> Outcome:
+            async with gate:
+                return await send(http, spec, model, args.logprobs, t0)
+
+        outcomes = await asyncio.gather(*(gated(s) for s in specs))
+    duration = time.perf_counter() - t0
+    stop.set()
+    await poller
+    return list(outcomes), timeline, duration
+
+
+def wait_idle(url: str, timeout: float) -> dict[str, float]:
+    """/metrics once every leak gauge reads 0, or the last reading after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = scrape(url)
+        if all(values.get(g) == 0 for g in LEAK_GAUGES) or time.monotonic() > deadline:
+            return values
+        time.sleep(0.2)
+
+
+# ---- the solo reruns and their comparison -----------------------------------------------
+def compare(chaos: Outcome, solo: Outcome, tolerance: float) -> dict[str, Any]:
+    """The near-tie criterion of the module docstring, for one request."""
+    n = min(len(chaos.tokens), len(solo.tokens))
+    first = next((i for i in range(n) if chaos.tokens[i] != solo.tokens[i]), None)
+    prefix = n if first is None else first
+    drift = max((abs(chaos.token_logprobs[i] - solo.token_logprobs[i]) for i in range(prefix)),
+                default=0.0)
+    row: dict[str, Any] = {"index": chaos.index, "prompt_len": chaos.prompt_len,
+                           "long": chaos.long, "num_tokens": len(chaos.tokens),
+                           "drift": round(drift, 6)}
+    if first is None and len(chaos.tokens) == len(solo.tokens):
+        return {**row, "verdict": "exact"}
+    if first is None:
+        return {**row, "verdict": "failed", "position": n, "gap": None,
+                "note": f"lengths differ: {len(chaos.tokens)} vs {len(solo.tokens)}"}
+    a, b = chaos.tokens[first], solo.tokens[first]
+    gap_solo, solo_bound = _gap(solo, first, b, a)
+    gap_chaos, chaos_bound = _gap(chaos, first, a, b)
+    gap = max(gap_solo, gap_chaos)
+    bounded = (gap_solo == gap and solo_bound) or (gap_chaos == gap and chaos_bound)
+    verdict = "near_tie" if gap <= tolerance else "failed"
+    return {**row, "verdict": verdict, "position": first, "chaos_token": a, "solo_token": b,
+            "gap": round(gap, 6), "gap_is_lower_bound": bool(bounded)}
+
+
+def _gap(run: Outcome, i: int, chosen: str, other: str) -> tuple[float, bool]:
+    """``run``'s logprob of ``chosen`` minus that of ``other`` at position ``i``, and
+    whether it is only a lower bound (``other`` outside the listed top logprobs)."""
+    top = run.top_logprobs[i] or {}
+    if other in top:
+        return run.token_logprobs[i] - top[other], False
+    floor = min(top.values()) if top else run.token_logprobs[i]
+    return run.token_logprobs[i] - floor, True
+
+
+def pick_verify(outcomes: list[Outcome], num: int, seed: int) -> list[Outcome]:
+    """Up to ``num`` complete requests, an eighth of them long when there are enough (a
+    long one costs a solo run seconds of prefill)."""
+    rng = random.Random(seed + 1)
+    complete = [o for o in outcomes if o.result == "complete"]
+    longs = [o for o in complete if o.long]
+    shorts = [o for o in complete if not o.long]
+    rng.shuffle(longs)
+    rng.shuffle(shorts)
+    chosen = longs[:max(num // 8, num - len(shorts))]
+    chosen += shorts[:num - len(chosen)]
+    return sorted(chosen, key=lambda o: o.index)
+
+
+async def solo_phase(url: str, model: str, specs: list[Spec], picked: list[Outcome],
+                     args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
+    """Each picked request again, alone, non-streaming; stops at ``args.verify_budget_s``."""
+    rows = []
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None)) as http:
+        for chaos in picked:
+            if time.perf_counter() - t0 > args.verify_budget_s:
+                break
+            solo = await send(http, specs[chaos.index], model, args.logprobs, t0, stream=False)
+            if solo.result != "complete":
+                rows.append({"index": chaos.index, "verdict": "failed", "gap": None,
+                             "note": f"solo run {solo.result}: {solo.error}"})
+            else:
+                rows.append(compare(chaos, solo, args.tie_tolerance))
+    return rows, time.perf_counter() - t0
+
+
+# ---- the checks ----------------------------------------------------------------------------
+def checks(outcomes: list[Outcome], after_chaos: dict[str, float], after_all: dict[str, float],
+           matches: list[dict[str, Any]], num_picked: int, exit_info: dict[str, Any]
+           ) -> list[dict[str, Any]]:
+    statuses = Counter(o.status for o in outcomes if o.status is not None)
+    five = {s: c for s, c in statuses.items() if s >= 500}
+    in_stream = [o for o in outcomes if o.error and o.error.startswith("in stream")]
+    unexpected = [o for o in outcomes if o.result == "error"
+                  or (o.result == "refused" and o.status != 429)]
+    leaks = {f"{when}:{g}": v.get(g) for when, v in (("chaos", after_chaos), ("end", after_all))
+             for g in LEAK_GAUGES if v.get(g) != 0}
+    failed = [m for m in matches if m["verdict"] == "failed"]
+    out = [
+        ("no_5xx", not five and not in_stream,
+         f"statuses {dict(sorted(statuses.items()))}; {len(in_stream)} error events in "
+         "streams"),
+        ("no_unexpected_errors", not unexpected,
+         f"{len(unexpected)} unexpected: " + "; ".join(
+             f"#{o.index} {o.kind} {o.status}: {(o.error or '')[:160]}" for o in unexpected[:5])),
+        ("no_leaks", not leaks, "every leak gauge 0 after the chaos phase and at the end"
+         if not leaks else f"nonzero: {leaks}"),
+        ("preempted", (after_chaos.get("num_preemptions") or 0) > 0,
+         f"{after_chaos.get('num_preemptions')} preemptions"),
+        ("outputs_match", bool(matches) and not failed,
+         f"{len(matches)} of {num_picked} picked compared: "
+         f"{sum(m['verdict'] == 'exact' for m in matches)} exact, "
+         f"{sum(m['verdict'] == 'near_tie' for m in matches)} near-ties, {len(failed)} failed"),
+        ("clean_exit", exit_info["health"] == 200 and exit_info["exit_status"] == 0
+         and not exit_info["tracebacks"],
+         f"/health {exit_info['health']}, exit status {exit_info['exit_status']}, "
+         f"{exit_info['tracebacks']} tracebacks in the log"),
+    ]
+    return [{"check": name, "passed": bool(ok), "detail": detail} for name, ok, detail in out]
+
+
+# ---- the run -------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
+    p.add_argument("--model", default=None, help="default preset:qwen3.5-27b (--quick: the "
+                   "embedded tiny model)")
+    p.add_argument("--device", default=None, help="default cuda (--quick: cpu)")
+    p.add_argument("--kv-type", default="q4_0", help="K and V storage type (default q4_0)")
+    p.add_argument("--num-requests", type=int, default=None, help="default 500 (quick 40)")
+    p.add_argument("--concurrency", type=int, default=None, help="default 96 (quick 12)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default 32 (quick 4)")
+    p.add_argument("--max-prompt-len", type=int, default=None,
+                   help="longest prompt (default 32768; quick 96)")
+    p.add_argument("--short-len", type=int, default=None,
+                   help="median short prompt (default 256; quick 12)")
+    p.add_argument("--long-fraction", type=float, default=None,
+                   help="share of long prompts (default 0.04; quick 0.2)")
+    p.add_argument("--long-burst", type=int, default=4, help="long prompts sent together")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="most tokens a request generates (default 24; quick 16)")
+    p.add_argument("--pool-factor", type=float, default=1.5,
+                   help="K/V pool size in longest requests (default 1.5)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="K/V pool blocks (default: from --pool-factor)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prompt tokens per step and sequence (default: the server's, 512; "
+                        "quick 16, so that long prompts grow into the pool chunk by chunk)")
+    p.add_argument("--timeout-range", type=float, nargs=2, default=None,
+                   metavar=("LO", "HI"), help="whole_timeout patience in seconds "
+                   "(default 0.5 8; quick 0.05 3)")
+    p.add_argument("--num-verify", type=int, default=None,
+                   help="complete requests rerun alone (default 64; quick: all)")
+    p.add_argument("--verify-budget-s", type=float, default=60.0,
+                   help="start no solo rerun after this long (default 60)")
+    p.add_argument("--logprobs", type=int, default=5, help="top logprobs per token")
+    p.add_argument("--tie-tolerance", type=float, default=0.1,
+                   help="largest logprob gap (nats) of a near-tie (default 0.1)")
+    p.add_argument("--poll-s", type=float, default=None, help="/metrics period (1; quick 0.2)")
+    p.add_argument("--server-args", default="",
+                   help="more `pagedserve serve` flags, one string")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="docs/benchmarks")
+    p.add_argument("--name", default=None, help="output stem (default chaos; quick chaos_quick)")
+    args = p.parse_args(argv)
+    q = args.quick
+    defaults = {
+        "model": None if q else "preset:qwen3.5-27b", "device": "cpu" if q else "cuda",
+        "num_requests": 40 if q else 500, "concurrency": 12 if q else 96,
+        "max_num_seqs": 4 if q else 32, "max_prompt_len": 96 if q else 32768,
+        "short_len": 12 if q else 256, "long_fraction": 0.2 if q else 0.04,
+        "output_len": 16 if q else 24, "prefill_chunk": 16 if q else None,
+        "timeout_range": [0.05, 3.0] if q else [0.5, 8.0],
+        "num_verify": 10**9 if q else 64, "poll_s": 0.2 if q else 1.0,
+        "name": "chaos_quick" if q else "chaos",
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    for key in ("num_requests", "concurrency", "max_num_seqs", "max_prompt_len", "short_len",
+                "long_burst", "block_size", "logprobs"):
+        if getattr(args, key) < 1:
+            raise SystemExit(f"--{key.replace('_', '-')} must be >= 1, got {getattr(args, key)}")
+    if args.output_len < 2:
+        raise SystemExit(f"--output-len must be >= 2, got {args.output_len}")
+    if not 0.0 <= args.long_fraction <= 1.0:
+        raise SystemExit(f"--long-fraction must be in [0, 1], got {args.long_fraction}")
+    if args.pool_factor < 1.0:
+        raise SystemExit(f"--pool-factor must be >= 1 (the longest request must fit), got "
+                         f"{args.pool_factor}")
+    args.max_model_len = args.max_prompt_len + args.output_len
+    if args.num_blocks is None:
+        args.num_blocks = math.ceil(args.pool_factor * args.max_model_len / args.block_size)
+    return args
+
+
+def server_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--no-access-log", "--device", args.device, "--cache-type-k", args.kv_type,
+             "--cache-type-v", args.kv_type, "--max-num-seqs", str(args.max_num_seqs),
+             "--max-model-len", str(args.max_model_len), "--num-blocks", str(args.num_blocks),
+             "--block-size", str(args.block_size)]
+    if args.model:
+        flags += ["--model", args.model]
+    if args.prefill_chunk:
+        flags += ["--prefill-chunk", str(args.prefill_chunk)]
+    return flags + shlex.split(args.server_args)
+
+
+def run(args: argparse.Namespace, url: str, server: ServerProcess) -> dict[str, Any]:
+    info = httpx.get(url + "/server_info", timeout=30).json()
+    specs = make_specs(args, info["vocab_size"])
+    print(f"chaos: {len(specs)} requests at concurrency {args.concurrency}", file=sys.stderr)
+    outcomes, timeline, duration = asyncio.run(chaos_phase(url, info["model"], specs, args))
+    after_chaos = wait_idle(url, timeout=60)
+    picked = pick_verify(outcomes, args.num_verify, args.seed)
+    print(f"chaos phase {duration:.1f} s; rerunning {len(picked)} alone", file=sys.stderr)
+    matches, verify_s = asyncio.run(solo_phase(url, info["model"], specs, picked, args))
+    after_all = wait_idle(url, timeout=30)
+    health = httpx.get(url + "/health", timeout=30).status_code
+    exit_status = server.stop(timeout=60)
+    exit_info = {"health": health, "exit_status": exit_status,
+                 "tracebacks": server.log_text().count("Traceback")}
+    results = checks(outcomes, after_chaos, after_all, matches, len(picked), exit_info)
+    records = [{k: v for k, v in asdict(o).items()
+                if k not in ("tokens", "token_logprobs", "top_logprobs")} for o in outcomes]
+    return {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python benchmarks/bench_chaos.py " + shlex.join(sys.argv[1:]),
+        "gpu": info.get("device_name"),
+        "client_cpu": cpu_name(),
+        "commit": info.get("commit") or source_commit(),
+        "server": info,
+        "server_flags": server_flags(args),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out_dir",)},
+        "passed": all(c["passed"] for c in results),
+        "checks": results,
+        "statuses": {str(k): v for k, v in sorted(Counter(
+            o.status for o in outcomes if o.status is not None).items())},
+        "results": dict(Counter(f"{o.kind}:{o.result}" for o in outcomes)),
+        "chaos_s": round(duration, 2),
+        "verify_s": round(verify_s, 2),
+        "metrics_after_chaos": after_chaos,
+        "metrics_after_all": after_all,
+        "exit": exit_info,
+        "matches": matches,
+        "timeline": timeline,
+        "requests": records,
+        "server_log_tail": server.log_tail(30) if exit_status != 0 else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # A stage's time limit sends SIGTERM: unwind, so the server is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with tempfile.TemporaryDirectory(prefix="pagedserve-chaos-") as tmp:
+        server = ServerProcess(server_flags(args), Path(tmp) / "serve.log")
+        print(f"starting: pagedserve serve {shlex.join(server.args)}", file=sys.stderr)
+        url = server.start()
+        try:
+            report = run(args, url, server)
+        except BaseException:
+            print(f"server log tail:\n{server.log_tail()}", file=sys.stderr)
+            raise
+        finally:
+            server.stop(timeout=60)
+    paths = _common.write_outputs(Path(args.out_dir), args.name, report,
+                                  _chaos_report.markdown(report),
+                                  lambda png: _chaos_report.figure(report, png))
+    print(_chaos_report.summary(report))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
