@@ -13,7 +13,7 @@ _SERVER_FIELDS = ("model", "device_name", "dtype", "kv_layout", "cache_type_k", 
                   "max_num_batched_tokens", "max_model_len", "max_queue", "cuda_graphs",
                   "commit", "torch_version")
 _RESULT_COLORS = {"complete": "tab:green", "cut": "tab:orange", "timed_out": "tab:purple",
-                  "refused": "tab:gray", "error": "tab:red"}
+                  "refused": "tab:gray", "error": "tab:red", "cut_at_deadline": "tab:brown"}
 
 CRITERION = """\
 **Output criterion.** Every request is greedy (temperature 0, `ignore_eos`, `logprobs`
@@ -161,5 +161,4 @@ def summary(res: dict) -> str:
     lines = [f"{'check':22s} result  detail"]
     lines += [f"{c['check']:22s} {'pass' if c['passed'] else 'FAIL':6s}  {c['detail']}"
               for c in res["checks"]]
-    lines.append("passed" if res["passed"] else "FAILED")
     return "\n".join(lines)

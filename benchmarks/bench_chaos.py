@@ -17,6 +17,9 @@ preempted. The client sends ``--num-requests`` completions (token-id prompts, gr
 
 Checks, each a line of the report; the script exits 1 if any fails:
 
+0. ``workload_sent``: every request was sent and ended within ``--chaos-budget-s``
+   (past it, the client abandons whatever is still in flight -- one more disconnect storm
+   for the leak check -- and this check fails: the run did not do what it was asked).
 1. ``no_5xx``: no HTTP status >= 500 and no error event inside a stream.
 2. ``no_unexpected_errors``: every answer is 200 (or 429, which is counted), and no
    connection failed except those the client cut on purpose.
@@ -203,13 +206,18 @@ async def _whole(http: httpx.AsyncClient, body: dict, out: Outcome) -> None:
     out.result = "complete"
 
 
-async def send(http: httpx.AsyncClient, spec: Spec, model: str, logprobs: int,
+def outcome_of(spec: Spec) -> Outcome:
+    return Outcome(spec.index, spec.kind, len(spec.prompt), spec.max_tokens, spec.long)
+
+
+async def send(http: httpx.AsyncClient, spec: Spec, out: Outcome, model: str, logprobs: int,
                t0: float, stream: bool | None = None) -> Outcome:
-    """Send ``spec`` as its kind says (``stream`` overrides: the solo reruns)."""
-    out = Outcome(spec.index, spec.kind, len(spec.prompt), spec.max_tokens, spec.long)
+    """Send ``spec`` as its kind says (``stream`` overrides: the solo reruns), filling
+    ``out`` as it goes (a cancelled send leaves it ``in_flight``)."""
     streaming = spec.kind.startswith("stream") if stream is None else stream
     body = body_of(spec, model, logprobs, streaming)
     out.start_s = time.perf_counter() - t0
+    out.result = "in_flight"
     try:
         if streaming:
             await _stream(http, spec, body, out)
@@ -268,19 +276,28 @@ async def chaos_phase(url: str, model: str, specs: list[Spec], args: argparse.Na
     stop = asyncio.Event()
     t0 = time.perf_counter()
     poller = asyncio.create_task(_poll(url, t0, args.poll_s, timeline, stop))
+    outcomes = [outcome_of(spec) for spec in specs]
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None),
                                  limits=limits) as http:
         gate = asyncio.Semaphore(args.concurrency)
 
-        async def gated(spec: Spec) -> Outcome:
+        async def gated(spec: Spec, out: Outcome) -> None:
             async with gate:
-                return await send(http, spec, model, args.logprobs, t0)
+                await send(http, spec, out, model, args.logprobs, t0)
 
-        outcomes = await asyncio.gather(*(gated(s) for s in specs))
+        tasks = [asyncio.create_task(gated(s, o)) for s, o in zip(specs, outcomes)]
+        _, late = await asyncio.wait(tasks, timeout=args.chaos_budget_s)
+        for task in late:  # past the budget: every client still waiting walks away
+            task.cancel()
+        await asyncio.gather(*late, return_exceptions=True)
     duration = time.perf_counter() - t0
     stop.set()
     await poller
-    return list(outcomes), timeline, duration
+    for out in outcomes:
+        if out.result in ("", "in_flight"):
+            out.result = "not_sent" if out.result == "" else "cut_at_deadline"
+            out.end_s = duration
+    return outcomes, timeline, duration
 
 
 def wait_idle(url: str, timeout: float) -> dict[str, float]:
@@ -352,7 +369,9 @@ async def solo_phase(url: str, model: str, specs: list[Spec], picked: list[Outco
         for chaos in picked:
             if time.perf_counter() - t0 > args.verify_budget_s:
                 break
-            solo = await send(http, specs[chaos.index], model, args.logprobs, t0, stream=False)
+            spec = specs[chaos.index]
+            solo = await send(http, spec, outcome_of(spec), model, args.logprobs, t0,
+                              stream=False)
             if solo.result != "complete":
                 rows.append({"index": chaos.index, "verdict": "failed", "gap": None,
                              "note": f"solo run {solo.result}: {solo.error}"})
@@ -373,7 +392,13 @@ def checks(outcomes: list[Outcome], after_chaos: dict[str, float], after_all: di
     leaks = {f"{when}:{g}": v.get(g) for when, v in (("chaos", after_chaos), ("end", after_all))
              for g in LEAK_GAUGES if v.get(g) != 0}
     failed = [m for m in matches if m["verdict"] == "failed"]
+    unsent = Counter(o.result for o in outcomes if o.result in ("not_sent", "cut_at_deadline"))
     out = [
+        ("workload_sent", not unsent,
+         f"all {len(outcomes)} requests sent and finished within the chaos budget"
+         if not unsent else f"past --chaos-budget-s: {unsent['not_sent']} never sent, "
+         f"{unsent['cut_at_deadline']} abandoned in flight; raise the budget or lower "
+         "--num-requests / --max-prompt-len"),
         ("no_5xx", not five and not in_stream,
          f"statuses {dict(sorted(statuses.items()))}; {len(in_stream)} error events in "
          "streams"),
@@ -430,6 +455,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(default 0.5 8; quick 0.05 3)")
     p.add_argument("--num-verify", type=int, default=None,
                    help="complete requests rerun alone (default 64; quick: all)")
+    p.add_argument("--chaos-budget-s", type=float, default=None,
+                   help="cut the chaos phase after this long: every request still in "
+                        "flight is abandoned, and the workload_sent check fails (default "
+                        "150; quick: none)")
     p.add_argument("--verify-budget-s", type=float, default=60.0,
                    help="start no solo rerun after this long (default 60)")
     p.add_argument("--logprobs", type=int, default=5, help="top logprobs per token")
@@ -451,6 +480,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "output_len": 16 if q else 24, "prefill_chunk": 16 if q else None,
         "timeout_range": [0.05, 3.0] if q else [0.5, 8.0],
         "num_verify": 10**9 if q else 64, "poll_s": 0.2 if q else 1.0,
+        "chaos_budget_s": None if q else 150.0,
         "name": "chaos_quick" if q else "chaos",
     }
     for key, value in defaults.items():
@@ -548,7 +578,9 @@ def main(argv: list[str] | None = None) -> int:
                                   lambda png: _chaos_report.figure(report, png))
     print(_chaos_report.summary(report))
     print("wrote " + ", ".join(str(p) for p in paths))
-    return 0 if report["passed"] else 1
+    failed = [c["check"] for c in report["checks"] if not c["passed"]]
+    print("chaos: " + (f"failed ({', '.join(failed)})" if failed else "passed"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

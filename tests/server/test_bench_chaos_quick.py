@@ -23,8 +23,8 @@ def test_chaos_quick_passes_every_check(serve_env, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "c.json").read_text())
     checks = {c["check"]: c for c in report["checks"]}
-    assert set(checks) == {"no_5xx", "no_unexpected_errors", "no_leaks", "preempted",
-                           "outputs_match", "clean_exit"}
+    assert set(checks) == {"workload_sent", "no_5xx", "no_unexpected_errors", "no_leaks",
+                           "preempted", "outputs_match", "clean_exit"}
     assert all(c["passed"] for c in checks.values()), checks
     assert report["passed"] and report["metrics_after_chaos"]["num_preemptions"] > 0
     results = report["results"]
