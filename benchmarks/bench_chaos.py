@@ -458,9 +458,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chaos-budget-s", type=float, default=None,
                    help="cut the chaos phase after this long: every request still in "
                         "flight is abandoned, and the workload_sent check fails (default "
-                        "150; quick: none)")
-    p.add_argument("--verify-budget-s", type=float, default=60.0,
-                   help="start no solo rerun after this long (default 60)")
+                        "120; quick: none)")
+    p.add_argument("--verify-budget-s", type=float, default=45.0,
+                   help="start no solo rerun after this long (default 45)")
     p.add_argument("--logprobs", type=int, default=5, help="top logprobs per token")
     p.add_argument("--tie-tolerance", type=float, default=0.1,
                    help="largest logprob gap (nats) of a near-tie (default 0.1)")
@@ -480,7 +480,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "output_len": 16 if q else 24, "prefill_chunk": 16 if q else None,
         "timeout_range": [0.05, 3.0] if q else [0.5, 8.0],
         "num_verify": 10**9 if q else 64, "poll_s": 0.2 if q else 1.0,
-        "chaos_budget_s": None if q else 150.0,
+        "chaos_budget_s": None if q else 120.0,
         "name": "chaos_quick" if q else "chaos",
     }
     for key, value in defaults.items():
