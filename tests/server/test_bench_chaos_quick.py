@@ -12,6 +12,57 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_chaos.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import bench_chaos  # noqa: E402
+
+
+def _run(tokens: list[str], logprobs: list[float], tops: list[dict[str, float]]
+         ) -> bench_chaos.Outcome:
+    out = bench_chaos.Outcome(0, "stream", 4, len(tokens), False, result="complete")
+    out.tokens, out.token_logprobs, out.top_logprobs = tokens, logprobs, tops
+    return out
+
+
+def test_compare_tells_near_ties_from_corruption():
+    solo = _run(["a", "b", "c"], [-1.0, -2.0, -3.0],
+                [{"a": -1.0}, {"b": -2.0, "x": -2.05, "y": -4.0}, {"c": -3.0}])
+    same = bench_chaos.compare(_run(["a", "b", "c"], [-1.0, -2.001, -3.0], solo.top_logprobs),
+                               solo, tolerance=0.2)
+    assert same["verdict"] == "exact" and abs(same["drift"] - 0.001) < 1e-9
+    # Rounding swapped b and x (0.05 apart in both runs): a near-tie at position 1.
+    tie = _run(["a", "x", "q"], [-1.0, -2.04, -9.0],
+               [{"a": -1.0}, {"x": -2.04, "b": -2.06}, {"q": -9.0}])
+    verdict = bench_chaos.compare(tie, solo, tolerance=0.2)
+    assert verdict["verdict"] == "near_tie" and verdict["position"] == 1
+    assert abs(verdict["gap"] - 0.05) < 1e-9 and not verdict["gap_is_lower_bound"]
+    # The chaos run chose y, 2 nats below the solo run's choice: corruption.
+    bad = _run(["a", "y", "q"], [-1.0, -0.5, -9.0],
+               [{"a": -1.0}, {"y": -0.5, "z": -0.6}, {"q": -9.0}])
+    verdict = bench_chaos.compare(bad, solo, tolerance=0.2)
+    assert verdict["verdict"] == "failed" and verdict["gap"] == 2.0
+    # b is outside the chaos run's top list (a lower bound of 0.1 there), but the solo
+    # side's exact 2.0 decides.
+    assert verdict["gap_is_lower_bound"] is False
+    short = bench_chaos.compare(_run(["a", "b"], [-1.0, -2.0], solo.top_logprobs[:2]), solo,
+                                tolerance=0.2)
+    assert short["verdict"] == "failed" and "lengths differ" in short["note"]
+
+
+def test_checks_fail_on_5xx_leaks_and_no_preemption():
+    ok = _run(["a"], [-1.0], [{"a": -1.0}])
+    ok.status = 200
+    broken = _run([], [], [])
+    broken.status, broken.result, broken.error = 500, "refused", "internal error"
+    idle = dict.fromkeys(bench_chaos.LEAK_GAUGES, 0.0) | {"num_preemptions": 0.0}
+    leaked = idle | {"kv_cache_used_blocks": 3.0}
+    results = bench_chaos.checks([ok, broken], idle, leaked, [{"verdict": "exact"}], 1,
+                                 {"health": 200, "exit_status": 0, "tracebacks": 0})
+    passed = {c["check"]: c["passed"] for c in results}
+    assert passed == {"workload_sent": True, "no_5xx": False, "no_unexpected_errors": False,
+                      "no_leaks": False, "preempted": False, "outputs_match": True,
+                      "clean_exit": True}
+    detail = {c["check"]: c["detail"] for c in results}
+    assert "end:kv_cache_used_blocks" in detail["no_leaks"] and "500: 1" in detail["no_5xx"]
 
 
 def test_chaos_quick_passes_every_check(serve_env, tmp_path):
