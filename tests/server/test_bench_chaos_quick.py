@@ -55,14 +55,14 @@ def test_checks_fail_on_5xx_leaks_and_no_preemption():
     broken.status, broken.result, broken.error = 500, "refused", "internal error"
     idle = dict.fromkeys(bench_chaos.LEAK_GAUGES, 0.0) | {"num_preemptions": 0.0}
     leaked = idle | {"kv_cache_used_blocks": 3.0}
-    results = bench_chaos.checks([ok, broken], idle, leaked, [{"verdict": "exact"}], 1,
+    results = bench_chaos.checks([ok, broken], idle, leaked, [{"verdict": "exact"}], 1, 1,
                                  {"health": 200, "exit_status": 0, "tracebacks": 0})
     passed = {c["check"]: c["passed"] for c in results}
     assert passed == {"workload_sent": True, "no_5xx": False, "no_unexpected_errors": False,
                       "no_leaks": False, "preempted": False, "outputs_match": True,
                       "clean_exit": True}
     detail = {c["check"]: c["detail"] for c in results}
-    assert "end:kv_cache_used_blocks" in detail["no_leaks"] and "500: 1" in detail["no_5xx"]
+    assert "at the end: kv_cache_used_blocks" in detail["no_leaks"] and "500: 1" in detail["no_5xx"]
 
 
 def test_chaos_quick_passes_every_check(serve_env, tmp_path):
