@@ -122,7 +122,9 @@ class Outcome:
     start_s: float = 0.0
     end_s: float = 0.0
     status: int | None = None  # HTTP status; None: no answer (cut or failed)
-    result: str = ""  # complete | cut | timed_out | refused | error
+    # complete | cut | timed_out | refused (an HTTP error status) | error; past the chaos
+    # budget: not_sent | cut_at_deadline
+    result: str = ""
     error: str | None = None
     finish_reason: str | None = None
     tokens: list[str] = field(default_factory=list)
@@ -184,7 +186,10 @@ async def _stream(http: httpx.AsyncClient, spec: Spec, body: dict, out: Outcome)
             out.result, out.error = "refused", (await resp.aread()).decode(errors="replace")
             return
         async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if line == "data: [DONE]":
+                out.result = "complete"
+                return
+            if not line.startswith("data: "):
                 continue
             chunk = json.loads(line[len("data: "):])
             if "error" in chunk:
@@ -197,7 +202,7 @@ async def _stream(http: httpx.AsyncClient, spec: Spec, body: dict, out: Outcome)
                     and out.finish_reason is None:
                 out.result = "cut"
                 return  # leaving the block closes the connection mid-stream
-        out.result = "complete"
+        out.result, out.error = "error", "the stream ended without data: [DONE]"
 
 
 async def _whole(http: httpx.AsyncClient, body: dict, out: Outcome) -> None:
