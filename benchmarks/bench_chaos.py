@@ -17,20 +17,20 @@ preempted. The client sends ``--num-requests`` completions (token-id prompts, gr
 
 Checks, each a line of the report; the script exits 1 if any fails:
 
-0. ``workload_sent``: every request was sent and ended within ``--chaos-budget-s``
+1. ``workload_sent``: every request was sent and ended within ``--chaos-budget-s``
    (past it, the client abandons whatever is still in flight -- one more disconnect storm
    for the leak check -- and this check fails: the run did not do what it was asked).
-1. ``no_5xx``: no HTTP status >= 500 and no error event inside a stream.
-2. ``no_unexpected_errors``: every answer is 200 (or 429, which is counted), and no
+2. ``no_5xx``: no HTTP status >= 500 and no error event inside a stream.
+3. ``no_unexpected_errors``: every answer is 200 (or 429, which is counted), and no
    connection failed except those the client cut on purpose.
-3. ``no_leaks``: once the client is done, /metrics reads 0 requests running, waiting and
+4. ``no_leaks``: once the client is done, /metrics reads 0 requests running, waiting and
    admitted, 0 K/V blocks owned, 0 state slots leased and 0 live sequences (after the
    chaos phase and again at the end).
-4. ``preempted``: the server counted at least one preemption.
-5. ``outputs_match``: up to ``--num-verify`` complete requests (an eighth of them long
+5. ``preempted``: the server counted at least one preemption.
+6. ``outputs_match``: up to ``--num-verify`` complete requests (an eighth of them long
    where there are enough) are sent again, one at a time, to the idle server; each must
    generate the same tokens as in the chaos phase, up to near-ties (criterion below).
-6. ``clean_exit``: /health answers 200 at the end, the server exits 0 on SIGTERM, and its
+7. ``clean_exit``: /health answers 200 at the end, the server exits 0 on SIGTERM, and its
    log holds no traceback.
 
 Near-ties: random weights give logits with no meaning, and a different batch shape
@@ -51,10 +51,15 @@ its choice sits typically a nat or more below the clean run's (often outside its
 measures as the drift: the largest difference of the chosen tokens' logprobs over the equal
 prefix. The tolerance must stand well above the drift; a single corrupted position can still
 land on a near-tie by chance (about tolerance / 0.3 of the time), so one request proves
-little but hundreds are a sharp test.
+little, but dozens are a sharp test.
 
-``--quick``: the embedded tiny model on the CPU, 40 short requests on a pool of a few
-blocks, in well under a minute (CI runs it: tests/server/test_bench_chaos_quick.py).
+Defaults: 500 requests, prompts up to 32K tokens (4% long, the rest around 256), up to 24
+output tokens, concurrency 96 against max-num-seqs 32, 64 solo reruns; the chaos phase is
+cut at 120 s and the solo reruns at 45 s (``benchmarks/gpu_run.sh`` stage ``bench-chaos``).
+``--quick``: the embedded tiny model on the CPU, 40 requests of up to 96 tokens on an
+11-block pool with prefill chunks of 16 tokens (so that prompts grow into the pool chunk by
+chunk and preempt each other), in well under a minute (CI runs it:
+tests/server/test_bench_chaos_quick.py).
 
 Writes ``chaos.{md,json,png}`` (``--quick``: ``chaos_quick``) to ``--out-dir`` (default
 ``docs/benchmarks``; copies to ``$OUT``).
