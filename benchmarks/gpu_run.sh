@@ -9,7 +9,7 @@
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
-#         bench-structured probe-decode
+#         bench-structured bench-chaos probe-decode
 #         trace-decode probe-pieces ab-probe.
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/tools/probe_decode.py with the
@@ -166,6 +166,16 @@ for spec in "$@"; do
                      --concurrency "${SERVE_CONCURRENCY:-4,16}" \
                      --num-prompts "${SERVE_PROMPTS:-64}" --output-len 64 --max-model-len 4096 \
                      --cache-type-k q4_0 --cache-type-v q4_0 --out-dir "$OUT" ;;
+    # The chaos run (issue 32): a 27B-shape server (random bf16 weights, q4_0 K/V, a pool
+    # of 1.5 longest requests) under 500 requests of up to 32K tokens with client
+    # disconnects; checks no 5xx, no leaked blocks or slots, preemptions, outputs equal to
+    # solo reruns. Sized for a 300 s limit: the chaos phase is cut at --chaos-budget-s 120
+    # (its workload_sent check fails if it is) and solo reruns start within
+    # --verify-budget-s 45, which leaves about 100 s for the server's start and shutdown.
+    # $CHAOS_ARGS: more bench_chaos.py arguments (--num-requests, --max-prompt-len,
+    # --concurrency, --num-verify, --tie-tolerance, --chaos-budget-s ...).
+    bench-chaos)   run_stage "$stage" "$limit" python3 benchmarks/bench_chaos.py \
+                     ${CHAOS_ARGS:-} --out-dir "$OUT" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

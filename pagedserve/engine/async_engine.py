@@ -25,11 +25,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineSnapshot:
-    """Gauges and counters published after every step (read by /metrics)."""
+    """Gauges and counters published after every step (read by /metrics).
+
+    ``num_used_blocks``, ``num_used_state_slots`` and ``num_live_seqs`` are the pools'
+    own accounting: with nothing running or waiting each is 0, or something leaked.
+    """
 
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_usage: float = 0.0
+    num_used_blocks: int = 0
+    num_used_state_slots: int = 0
+    num_live_seqs: int = 0
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
@@ -164,6 +171,9 @@ class AsyncEngine:
         self.snapshot = EngineSnapshot(
             num_running=e.num_running, num_waiting=e.num_waiting,
             kv_cache_usage=e.kv_cache_usage(),
+            num_used_blocks=e.kv.pool.num_used_blocks,
+            num_used_state_slots=e.runner.state_pool.num_used_slots,
+            num_live_seqs=e.kv.num_live_seqs,
             num_preemptions=e.scheduler.num_preemptions,
             num_prompt_tokens=e.stats.num_prompt_tokens,
             num_generation_tokens=e.stats.num_generation_tokens,

@@ -73,9 +73,11 @@ class ServingContext:
         tools = resolve_parser("tool-call-parser", tool_call_parser, TOOL_CALL_PARSERS,
                                template_calls_tools(template))
         engine = AsyncEngine(llm)
+        admission = Admission(llm.config.max_num_seqs, max_queue)
         return cls(engine=engine, served_model_names=tuple(served_model_names),
-                   admission=Admission(llm.config.max_num_seqs, max_queue),
-                   metrics=ServerMetrics(engine, served_model_names[0]), api_key=api_key,
+                   admission=admission,
+                   metrics=ServerMetrics(engine, served_model_names[0], admission),
+                   api_key=api_key,
                    max_model_len=llm.max_model_len,
                    context_limit=llm.scheduler.token_capacity,
                    reasoning_parser=reasoning, tool_call_parser=tools)

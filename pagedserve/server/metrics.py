@@ -7,7 +7,9 @@ private ``CollectorRegistry`` (tests run several apps in one process). Two sourc
   (monotonic seconds set by the engine thread: arrival, first scheduled, first token,
   last token, finished);
 * engine gauges and counters, read at scrape time from ``AsyncEngine.snapshot``, which the
-  step thread republishes after every step and every abort, so an idle engine reads 0.
+  step thread republishes after every step and every abort, so an idle engine reads 0
+  (the pools' exact counts among them: owned blocks, leased state slots, live sequences),
+  and the admission count (engine requests admitted and not yet released).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from pagedserve.engine.async_engine import AsyncEngine
 from pagedserve.engine.request import Request
+from pagedserve.server.admission import Admission
 
 PREFIX = "pagedserve:"
 
@@ -35,18 +38,29 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 class _EngineCollector(Collector):
     """Scrape-time view of the engine's snapshot."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str,
+                 admission: Admission | None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.admission = admission
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.snapshot
-        gauges = (
+        gauges: tuple[tuple[str, str, float], ...] = (
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
             ("kv_cache_usage_perc", "Fraction of K/V blocks in use (0 to 1).",
              s.kv_cache_usage),
+            # The pools' exact counts: all 0 on an idle engine unless something leaked.
+            ("kv_cache_used_blocks", "K/V blocks owned by sequences.", s.num_used_blocks),
+            ("state_slots_used", "Recurrent-state slots leased to sequences.",
+             s.num_used_state_slots),
+            ("num_live_sequences", "Sequence rows (block tables) in use.", s.num_live_seqs),
         )
+        if self.admission is not None:
+            gauges += (("num_requests_admitted", "Engine requests admitted and not yet "
+                        "released (the --max-queue bound counts these).",
+                        self.admission.num_in_flight),)
         for name, doc, value in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
@@ -66,10 +80,11 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """The app's metrics; ``render()`` is the ``/metrics`` body."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str,
+                 admission: Admission | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_EngineCollector(engine, model_name, admission))
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,

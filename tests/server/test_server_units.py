@@ -248,3 +248,32 @@ def test_model_without_tokenizer_serves_token_ids(loaded):
     assert chunks[0]["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
     for resp in (text, chat):
         assert resp.status_code == 400 and "tokenizer" in resp.json()["error"]["message"]
+
+
+def test_metrics_count_pool_leases_and_return_to_zero(loaded):
+    """/metrics gives the pools' exact counts while a request runs, and 0 once it ends."""
+    from server_harness import metric
+
+    from pagedserve.engine.async_engine import wait_idle
+
+    names = ("kv_cache_used_blocks", "state_slots_used", "num_live_sequences",
+             "num_requests_admitted")
+
+    async def scenario(http, ctx):
+        body = {"prompt": [1] * 40, "max_tokens": 200, "ignore_eos": True}
+        job = asyncio.create_task(http.post("/v1/completions", json=body))
+        for _ in range(2000):  # the in-process transport answers whole: poll beside it
+            during = (await http.get("/metrics")).text
+            if metric(during, "pagedserve:generation_tokens_total") > 0:
+                break
+            await asyncio.sleep(0.005)
+        assert (await job).status_code == 200
+        assert await asyncio.to_thread(wait_idle, ctx.engine)
+        return during, (await http.get("/metrics")).text
+
+    during, after = _serve_in_process(loaded, scenario)
+    counts = {n: metric(during, f"pagedserve:{n}") for n in names}
+    assert counts["kv_cache_used_blocks"] >= 3, counts  # 41+ tokens in blocks of 16
+    assert counts["state_slots_used"] == counts["num_live_sequences"] == 1, counts
+    assert counts["num_requests_admitted"] == 1, counts
+    assert all(metric(after, f"pagedserve:{n}") == 0 for n in names), after
