@@ -15,8 +15,11 @@ import torch
 
 FINISH_ERROR = "error"
 
-# A device error leaves the CUDA context unusable, wherever it surfaces.
-_DEVICE_ERROR_WORDS = ("CUDA", "cuDNN", "cuBLAS", "NCCL", "device-side assert")
+# A device error leaves the CUDA context unusable, wherever it surfaces. torch raises
+# ``AcceleratorError`` for most; older paths raise a ``RuntimeError`` whose message starts
+# with one of these (a prefix, so that client text quoted in a message cannot match).
+_DEVICE_ERROR_PREFIXES = ("CUDA error", "CUDA driver error", "CUBLAS_STATUS", "cuDNN error",
+                          "NCCL error")
 
 
 class RequestFailedError(RuntimeError):
@@ -32,7 +35,7 @@ def is_fatal(exc: BaseException) -> bool:
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(exc, accelerator_error):
         return True
-    return any(word in str(exc) for word in _DEVICE_ERROR_WORDS)
+    return isinstance(exc, RuntimeError) and str(exc).startswith(_DEVICE_ERROR_PREFIXES)
 
 
 def describe(exc: BaseException) -> str:
