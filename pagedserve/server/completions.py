@@ -2,13 +2,16 @@
 
 Choice ``p * n + i`` is choice ``i`` of prompt ``p``. Logprobs use the legacy completions
 format: parallel ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` lists
-with one entry per generated token. With ``echo`` each choice's text starts with its prompt
-(a text prompt as sent, token ids decoded); a stream sends it as each choice's first chunk.
+with one entry per generated token. ``response_format``, ``structured_outputs`` and
+``guided_*`` constrain the output as on chat (``constraints.py``). With ``echo`` each
+choice's text starts with its prompt (a text prompt as sent, token ids decoded); a stream
+sends it as each choice's first chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -16,6 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from pagedserve.engine.request import TokenLogprob
+from pagedserve.server.chat import compile_constraint
+from pagedserve.server.constraints import completion_constraint
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import APIError
 from pagedserve.server.generation import (
@@ -80,13 +85,18 @@ async def create_completion(body: CompletionRequest,
     for ids in prompts:
         check_context(body.max_tokens, len(ids), ctx.max_model_len)
     echo = await asyncio.to_thread(_echo_texts, ctx, body) if body.echo else None
+    constraint = completion_constraint(body)
+    if constraint is not None:
+        await compile_constraint(ctx, *constraint)
+    spec = constraint[0] if constraint else None
     defaults = ctx.generation
     max_tokens = body.max_tokens or default_max_tokens(defaults)
     rid = new_request_id("cmpl")
     reqs = await asyncio.to_thread(
         make_requests, ctx, rid, prompts, body.n,
-        lambda ids, i: build_sampling_params(body, defaults, max_tokens=max_tokens,
-                                             choice_index=i, logprobs=body.logprobs),
+        lambda ids, i: dataclasses.replace(
+            build_sampling_params(body, defaults, max_tokens=max_tokens, choice_index=i,
+                                  logprobs=body.logprobs), structured=spec),
         "prompt")
     job = EngineJob(ctx, reqs)
     num_prompt_tokens = sum(len(p) for p in prompts)

@@ -107,7 +107,17 @@ class SamplingFields(RequestBody):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(SamplingFields):
+class ConstraintFields(RequestBody):
+    """Output constraints both generation routes take (``constraints.py``)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+
+
+class CompletionRequest(SamplingFields, ConstraintFields):
     """``POST /v1/completions``. ``prompt``: text, texts, token ids or token-id lists."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -186,7 +196,7 @@ class ChatMessage(NestedBody):
         return out
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ConstraintFields):
     """``POST /v1/chat/completions``, rendered with the model's own chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -202,11 +212,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsParams | None = None
-    guided_json: dict[str, Any] | bool | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ChatCompletionRequest:

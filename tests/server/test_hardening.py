@@ -233,3 +233,22 @@ def test_structured_outputs_still_work_on_chat(server):
                                "guided_choice": ["yes", "no"],
                                "chat_template_kwargs": {"enable_thinking": False}})
     assert resp.json()["choices"][0]["message"]["content"] in ("yes", "no")
+
+
+def test_structured_outputs_constrain_completions(server):
+    for field, value in (("structured_outputs", {"choice": ["alpha", "beta"]}),
+                         ("guided_choice", ["alpha", "beta"]),
+                         ("guided_regex", "[0-9]{3}")):
+        resp = post(server, CMPL, {"prompt": "Pick:", "max_tokens": 10, "temperature": 0,
+                                   field: value})
+        assert resp.status_code == 200, resp.text
+        text = resp.json()["choices"][0]["text"]
+        if field == "guided_regex":
+            assert len(text) == 3 and text.isdigit(), text
+        else:
+            assert text in ("alpha", "beta"), text
+    resp = post(server, CMPL, {"prompt": "x", "guided_json": {"type": "object"},
+                               "guided_regex": "a"})
+    assert resp.status_code == 400 and "at most one" in resp.json()["error"]["message"]
+    resp = post(server, CMPL, {"prompt": "x", "guided_regex": "("})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "guided_regex"
