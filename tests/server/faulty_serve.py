@@ -6,6 +6,8 @@ Run as ``python faulty_serve.py serve ...``. A request is marked by a stop strin
     FAULT_SAMPLING      its sampling settings raise (a per-request failure, found by
                         isolating the batch; the request must not be greedy)
     FAULT_FATAL         the next step raises a CUDA-like error (the engine dies)
+
+and a route raises an unexpected exception for ``"model": "FAULT_ROUTE"``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 
 from pagedserve.engine import llm_engine, sampler
 from pagedserve.engine.request import Request
+from pagedserve.server.context import ServingContext
 
 
 def _marked(req: Request, mark: str) -> bool:
@@ -43,6 +46,14 @@ def install() -> None:
                                "(injected)")
         return launch(self)
 
+    check_model = ServingContext.check_model
+
+    def faulty_check_model(self, name):  # type: ignore[no-untyped-def]
+        if name == "FAULT_ROUTE":
+            raise ZeroDivisionError("injected fault in a route")
+        return check_model(self, name)
+
+    ServingContext.check_model = faulty_check_model  # type: ignore[method-assign]
     llm_engine.LLMEngine._stop_status = faulty_stop_status  # type: ignore[method-assign]
     sampler.SamplingTensors.from_requests = classmethod(  # type: ignore[method-assign]
         faulty_from_requests)

@@ -81,6 +81,26 @@ def test_a_failing_stream_ends_with_an_error_event(server):
     assert metric(wait_idle(server), "pagedserve:kv_cache_usage_perc") == 0.0
 
 
+@pytest.mark.parametrize("route, body", [
+    (CMPL, {"prompt": "x", "model": "FAULT_ROUTE"}),
+    ("/tokenize", {"prompt": "x", "model": "FAULT_ROUTE"}),
+    ("/v1/messages", {"model": "FAULT_ROUTE", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": "x"}]}),
+])
+def test_an_unhandled_route_error_is_a_json_500(server, route, body):
+    resp = httpx.post(server.url + route, json=body, timeout=60)
+    assert resp.status_code == 500, resp.text
+    assert resp.headers["content-type"] == "application/json"
+    payload = resp.json()
+    if route.startswith("/v1/messages"):
+        assert payload["type"] == "error" and payload["error"]["type"] == "api_error"
+    else:
+        assert payload["error"]["type"] == "internal_error"
+        assert payload["error"]["code"] == "internal_error"
+    assert "ZeroDivisionError: injected fault in a route" in payload["error"]["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_a_fatal_engine_error_exits_the_process_non_zero(serve_env, tmp_path):
     server = faulty_server(serve_env, tmp_path / "serve.log")
     server.start()
