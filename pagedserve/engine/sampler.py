@@ -183,15 +183,18 @@ def ban_tokens(bitmask: torch.Tensor | None, bans: list[tuple[int, list[int]]], 
                V: int, device: torch.device | str) -> torch.Tensor | None:
     """``bitmask`` (int32 ``[B, ceil(V / 32)]``, or ``None``: all allowed) with the bit of
     every ``(row, token ids)`` in ``bans`` cleared; ids outside ``[0, V)`` are ignored.
-    ``None`` when nothing is constrained."""
+    ``None`` when nothing is constrained. Built on the host in a few tensor ops, however
+    many ids a row bans."""
     if not bans:
         return bitmask
-    host = torch.full((B, (V + 31) // 32), -1, dtype=torch.int32)  # [B, W]
-    for row, ids in bans:
-        for t in ids:
-            if 0 <= t < V:
-                word = int(host[row, t // 32]) & _M32 & ~(1 << (t % 32))
-                host[row, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+    W = (V + 31) // 32
+    allowed = torch.ones(B, W * 32, dtype=torch.bool)  # [B, W * 32]
+    pairs = [(row, t) for row, ids in bans for t in ids if 0 <= t < V]
+    if pairs:
+        index = torch.tensor(pairs, dtype=torch.long)  # [N, 2]
+        allowed[index[:, 0], index[:, 1]] = False
+    words = (allowed.view(B, W, 32).long() << torch.arange(32)).sum(-1)  # [B, W] unsigned
+    host = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     host_gpu = host.to(device, non_blocking=True)
     return host_gpu if bitmask is None else bitmask & host_gpu
 

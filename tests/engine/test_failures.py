@@ -98,3 +98,22 @@ def test_min_tokens_bans_eos_and_stop_ids(make_engine):
     assert [t for o in outs["stopped"] for t in o.new_token_ids] == [first]
     held = [t for o in outs["held"] for t in o.new_token_ids]
     assert len(held) >= 4 and first not in held[:4]
+
+
+def test_ban_tokens_clears_exactly_the_banned_bits():
+    from pagedserve.engine.sampler import apply_token_bitmask, ban_tokens
+
+    B, V = 3, 70
+    bans = [(0, [0, 31, 32, 69, 70, -1]), (2, [5, 5, 63])]
+    mask = ban_tokens(None, bans, B, V, "cpu")
+    banned = apply_token_bitmask(torch.zeros(B, V), mask) == float("-inf")
+    want = torch.zeros(B, V, dtype=torch.bool)
+    for row, ids in ((0, [0, 31, 32, 69]), (2, [5, 63])):
+        want[row, ids] = True
+    assert torch.equal(banned, want)
+    grammar = torch.full((B, 3), -1, dtype=torch.int32)
+    grammar[1, 0] = 0  # the grammar bans tokens 0..31 of row 1
+    both = apply_token_bitmask(torch.zeros(B, V), ban_tokens(grammar, bans, B, V, "cpu"))
+    assert torch.equal(both == float("-inf"), want | (torch.arange(V) < 32) * (
+        torch.arange(B) == 1)[:, None])
+    assert ban_tokens(grammar, [], B, V, "cpu") is grammar
