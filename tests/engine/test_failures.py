@@ -117,3 +117,20 @@ def test_ban_tokens_clears_exactly_the_banned_bits():
     assert torch.equal(both == float("-inf"), want | (torch.arange(V) < 32) * (
         torch.arange(B) == 1)[:, None])
     assert ban_tokens(grammar, [], B, V, "cpu") is grammar
+
+
+def test_offline_generate_reports_the_failed_prompt(model_dir, monkeypatch):
+    from pagedserve.engine.llm import LLM
+
+    original = LLMEngine._stop_status
+
+    def faulty(self, req, token):
+        if req.request_id == "llm-1":
+            raise KeyError("injected")
+        return original(self, req, token)
+
+    monkeypatch.setattr(LLMEngine, "_stop_status", faulty)
+    llm = LLM(str(model_dir), dtype="float32", progress=False)
+    outs = llm.generate([PROMPT, PROMPT], greedy(4, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["length", "error"]
+    assert len(outs[0].token_ids) == 4
