@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+echo "serve.sh: starting pagedserve serve (the model loads and warms up before its" \
+     "'pagedserve ready at' line)..." >&2
 exec .venv/bin/pagedserve serve "$@"

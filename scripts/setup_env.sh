@@ -18,8 +18,13 @@ if [ -f .venv/.stamp ] && [ "$(cat .venv/.stamp)" = "$stamp_src" ]; then
   exit 0
 fi
 
+say() { echo "setup_env: $*" >&2; }
+say "setting up .venv with $PY (the first run installs torch and the test tools, ~1-2 min)..."
 "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
+say "installing torch 2.13.0 (CPU)..."
 .venv/bin/python -m pip install -q torch==2.13.0
+say "installing pagedserve and its dependencies..."
 .venv/bin/python -m pip install -q -c requirements/cpu-constraints.txt -e '.[test,bench]'
 echo "$stamp_src" > .venv/.stamp
+say ".venv is ready"

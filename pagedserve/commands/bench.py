@@ -11,7 +11,6 @@ run that finishes in seconds on a CPU with the embedded model.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shlex
 import sys
@@ -127,6 +126,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _benchmark(url: str, args: argparse.Namespace, settings: dict[str, Any]) -> int:
+    import asyncio
+
     from pagedserve.bench.client import LevelRun, get_json, run_level
     from pagedserve.bench.report import results_table, write_report
     from pagedserve.bench.stats import summarize

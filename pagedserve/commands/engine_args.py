@@ -1,13 +1,16 @@
 """Engine options shared by ``generate``, ``serve`` and ``bench``: one mapping onto
-``EngineConfig``."""
+``EngineConfig``, which checks them all before any weight loads. Nothing here imports
+torch until ``engine_config`` runs, so ``--help`` stays fast."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pagedserve.engine.llm_engine import EngineConfig
-from pagedserve.kv import formats
+from pagedserve.kv.type_names import KV_TYPES
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int = 8) -> None:
@@ -18,8 +21,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
                    help="float32, bfloat16 or float16 (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--kv-layout", default="paged", choices=("paged", "contiguous"))
     kv_help = "K/V storage type (default f16; f32 is exact and CPU-only)"
-    p.add_argument("--cache-type-k", default="f16", choices=formats.KV_TYPES, help=kv_help)
-    p.add_argument("--cache-type-v", default="f16", choices=formats.KV_TYPES, help=kv_help)
+    p.add_argument("--cache-type-k", default="f16", choices=KV_TYPES, help=kv_help)
+    p.add_argument("--cache-type-v", default="f16", choices=KV_TYPES, help=kv_help)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=default_max_num_seqs)
@@ -43,6 +46,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    from pagedserve.engine.llm_engine import EngineConfig
+
     fields = dict(
         model=args.model, device=args.device, dtype=args.dtype, kv_layout=args.kv_layout,
         cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,

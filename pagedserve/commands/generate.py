@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from typing import TYPE_CHECKING
 
 from pagedserve.commands.engine_args import add_engine_arguments, engine_config
-from pagedserve.engine.llm import LLM
-from pagedserve.engine.request import SamplingParams
-from pagedserve.model.generation_defaults import GenerationDefaults
+
+if TYPE_CHECKING:
+    from pagedserve.engine.request import SamplingParams
+    from pagedserve.model.generation_defaults import GenerationDefaults
 
 HELP = "generate text for one or more prompts"
 
@@ -45,7 +48,27 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the first sampling flag out of range (before the model loads).
+    As at the API, a ``--top-k`` at or beyond the vocabulary means no top-k."""
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    t = args.temperature
+    if t is not None and not (math.isfinite(t) and 0.0 <= t <= 100.0):
+        raise ValueError(f"--temperature must be in [0, 100], got {t}")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k is not None and args.top_k < -1:
+        raise ValueError(f"--top-k must be -1 or 0 (no top-k) or a positive integer, got "
+                         f"{args.top_k}")
+    if args.seed is not None and not -(2**63) <= args.seed < 2**64:
+        raise ValueError(f"--seed must be a 64-bit integer, in [-2**63, 2**64), got "
+                         f"{args.seed}")
+
+
 def sampling_params(args: argparse.Namespace, defaults: GenerationDefaults) -> SamplingParams:
+    from pagedserve.engine.request import SEED_RANGE, SamplingParams
+
     greedy_default = defaults.do_sample is not True
     temperature = args.temperature
     if temperature is None:
@@ -54,14 +77,15 @@ def sampling_params(args: argparse.Namespace, defaults: GenerationDefaults) -> S
         max_tokens=args.max_tokens, temperature=temperature,
         top_p=args.top_p if args.top_p is not None else (defaults.top_p or 1.0),
         top_k=args.top_k if args.top_k is not None else (defaults.top_k or 0),
-        seed=args.seed,
+        seed=None if args.seed is None else args.seed % SEED_RANGE,
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagedserve.engine.llm import LLM
+
     # Checked before the model loads, so a bad flag fails at start-up.
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    check_sampling_flags(args)
     prompts = args.prompt or [_parse_ids(t) for t in args.prompt_token_ids]
     llm = LLM(**vars(engine_config(args, progress=not args.json)))
     params = sampling_params(args, llm.engine.loaded.generation)

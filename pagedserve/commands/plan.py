@@ -1,14 +1,19 @@
-"""``pagedserve plan``: K/V blocks and state slots that fit a memory budget."""
+"""``pagedserve plan``: K/V blocks and state slots that fit a memory budget.
+
+Every flag is checked before anything is planned: ``--max-model-len`` must be in
+``[2, max_position_embeddings]`` and no ``--seq-lens`` entry may exceed it."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
-from pagedserve import plan as planning
 from pagedserve import presets
-from pagedserve.config import CacheConfig, ModelConfig
-from pagedserve.kv import formats
+from pagedserve.kv.type_names import KV_TYPES
+
+if TYPE_CHECKING:
+    from pagedserve.config import ModelConfig
 
 HELP = "capacity plan: K/V blocks and state slots that fit a memory budget"
 
@@ -17,8 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="config.json path, checkpoint directory, or preset:NAME "
                         f"(presets: {', '.join(presets.names())})")
-    p.add_argument("--cache-type-k", default="f16", choices=formats.KV_TYPES)
-    p.add_argument("--cache-type-v", default="f16", choices=formats.KV_TYPES)
+    p.add_argument("--cache-type-k", default="f16", choices=KV_TYPES)
+    p.add_argument("--cache-type-v", default="f16", choices=KV_TYPES)
     p.add_argument("--block-size", type=int, default=16)
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--memory", help="K/V + state budget, e.g. 40GiB, 3.5e9")
@@ -36,26 +41,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(model: str) -> ModelConfig:
+    from pagedserve.config import ModelConfig
+
     preset = presets.preset_name(model)
     if preset is not None:
         return ModelConfig.from_path(presets.config_path(preset))
     return ModelConfig.from_path(model)
 
 
+def check_lengths(max_model_len: int | None, max_position_embeddings: int,
+                  seq_lens: list[int]) -> int:
+    """The length to plan for; ``ValueError`` naming the flag that is out of range."""
+    if max_model_len is not None and not 2 <= max_model_len <= max_position_embeddings:
+        raise ValueError(f"--max-model-len must be in [2, {max_position_embeddings}] (the "
+                         f"model's max_position_embeddings), got {max_model_len}")
+    max_len = max_model_len or max_position_embeddings
+    too_long = [n for n in seq_lens if n > max_len]
+    if too_long:
+        raise ValueError(f"--seq-lens {too_long[0]} is longer than the planned maximum "
+                         f"length {max_len} (--max-model-len, or the model's "
+                         "max_position_embeddings)")
+    return max_len
+
+
 def run(args: argparse.Namespace) -> int:
+    from pagedserve import plan as planning
+    from pagedserve.config import CacheConfig
+
+    if args.max_num_seqs < 1:
+        raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    seq_lens = planning.parse_seq_lens(args.seq_lens) if args.seq_lens else []
     model = resolve_config(args.model)
+    max_len = check_lengths(args.max_model_len, model.max_position_embeddings, seq_lens)
     cache = CacheConfig(args.cache_type_k, args.cache_type_v, args.block_size)
     if args.memory is not None:
         budget = planning.parse_bytes(args.memory)
     else:
         budget = planning.gpu_free_bytes(args.gpu_memory_fraction)
-    max_len = args.max_model_len or model.max_position_embeddings
     result = planning.plan_capacity(model, cache, budget, args.max_num_seqs, max_len)
     report = None
-    if args.seq_lens:
-        report = planning.workload_report(
-            planning.footprint(model, cache), planning.parse_seq_lens(args.seq_lens)
-        )
+    if seq_lens:
+        report = planning.workload_report(planning.footprint(model, cache), seq_lens)
     if args.json:
         out = {"plan": result.as_dict()}
         if report is not None:

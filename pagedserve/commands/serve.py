@@ -7,30 +7,20 @@ line once it accepts connections (``--port 0`` picks a free port; the line names
 
 On SIGTERM or Ctrl-C: admission closes (new requests get 503), every request in flight is
 aborted (streams end with ``finish_reason: "abort"``, non-streaming requests get 503),
-uvicorn drains its connections, the engine thread stops, and the process exits 0.
+uvicorn drains its connections, the engine thread stops, and the process exits 0. If the
+engine dies instead (``server/graceful.py``), the same stop ends with exit status 1.
+Heavy modules (torch, the engine, uvicorn) are imported in ``run``, so ``--help`` is fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
 import os
-import signal
 import socket
 import sys
-from collections.abc import Iterator
-from types import FrameType
-
-import uvicorn
 
 from pagedserve.commands.engine_args import add_engine_arguments, engine_config
-from pagedserve.engine.llm_engine import LLMEngine
-from pagedserve.model.default_model import NAME as DEFAULT_MODEL_NAME
-from pagedserve.server.api import create_app
-from pagedserve.server.context import ServingContext
-from pagedserve.server.info import ready_line
 
 HELP = "serve the OpenAI-compatible HTTP API (default: the embedded model)"
 DEFAULT_MAX_QUEUE = 1024
@@ -64,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--no-access-log", action="store_true", help="do not log every request")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body; larger ones get 413 (default: max-model-len "
+                        "x 8 bytes + 4 MiB, room for the longest prompt that fits)")
     add_engine_arguments(p, default_max_num_seqs=16)
 
 
@@ -76,6 +69,8 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--shutdown-timeout must be > 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -101,52 +96,16 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-class GracefulServer(uvicorn.Server):
-    """uvicorn, with pagedserve's shutdown: abort in-flight work first, then exit 0.
-
-    uvicorn on its own waits for open streams to finish and then re-raises the signal, so
-    a SIGTERM'd process dies with status 143; here the signal starts a graceful stop.
-    """
-
-    def __init__(self, config: uvicorn.Config, ctx: ServingContext, url: str) -> None:
-        super().__init__(config)
-        self.ctx = ctx
-        self.url = url
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().startup(sockets)
-        if self.started:
-            log.info(ready_line(self.ctx, self.url))
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit and self._loop is not None:
-            log.info("received %s: refusing new requests, aborting those in flight",
-                     signal.Signals(sig).name)
-            # The handler runs between two bytecodes of the loop thread: defer the work
-            # to the loop rather than touching its state from here.
-            self._loop.call_soon_threadsafe(self.ctx.begin_shutdown)
-        super().handle_exit(sig, frame)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        previous = {sig: signal.signal(sig, self.handle_exit)
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-
 def served_names(args: argparse.Namespace) -> tuple[str, ...]:
     if args.served_model_name:
         return tuple(args.served_model_name)
+    from pagedserve.model.default_model import NAME as DEFAULT_MODEL_NAME
+
     return (args.model or DEFAULT_MODEL_NAME,)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until a signal (exit status 0) or the engine's death (exit status 1)."""
     check_server_args(args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -154,6 +113,13 @@ def run(args: argparse.Namespace) -> int:
     # A busy port is reported now, not after minutes of loading a large checkpoint; the
     # probe is released at once, so the port stays unbound until the engine is ready.
     bind_socket(args.host, args.port).close()
+    import uvicorn
+
+    from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.server.api import create_app
+    from pagedserve.server.context import ServingContext
+    from pagedserve.server.graceful import GracefulServer
+
     llm = LLMEngine(config)
     ctx = ServingContext.create(llm, served_names(args), max_queue=args.max_queue,
                                 api_key=args.api_key, reasoning_parser=args.reasoning_parser,
@@ -163,10 +129,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         ctx.engine.shutdown()
         raise
-    app = create_app(ctx)
+    app = create_app(ctx, max_request_bytes=args.max_request_bytes)
     uv_config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.no_access_log,
                                timeout_graceful_shutdown=args.shutdown_timeout)
     server = GracefulServer(uv_config, ctx, url_of(sock))
+    ctx.engine.on_fatal = server.on_engine_fatal
+    if ctx.engine.error is not None:  # died before it could be told whom to call
+        server.on_engine_fatal(ctx.engine.error)
     server.run(sockets=[sock])
-    log.info("pagedserve stopped")
-    return 0
+    log.log(logging.CRITICAL if server.exit_code else logging.INFO,
+            "pagedserve stopped (exit status %d)", server.exit_code)
+    return server.exit_code

@@ -5,6 +5,12 @@ command queue (add, abort) that the loop drains between steps, and receive outpu
 through per-request ``asyncio.Queue``s fed with ``call_soon_threadsafe``. An abort
 therefore takes effect before the next forward pass: its blocks and slot are free within
 one step.
+
+Failures (``failures.py``): a request that fails alone gets ``RequestFailedError`` on its
+stream while the loop goes on. An exception that escapes a step is fatal: every open stream
+gets ``EngineDeadError``, ``error`` is set, and ``on_fatal`` (if given) is called once from
+the loop's thread -- the server exits non-zero from there rather than stay up unable to
+serve.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from pagedserve.engine.failures import RequestFailedError, describe
 from pagedserve.engine.llm_engine import LLMEngine, RequestOutput
 from pagedserve.engine.request import Request, SamplingParams
 
@@ -47,8 +54,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_fatal = on_fatal
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -126,16 +135,19 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                    self._deliver(out.request_id, out if out.error is None else
+                                  RequestFailedError(f"the request failed: {out.error}"))
                 self._publish()
             self._drain_commands()
         except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
-            log.exception("engine loop crashed")
+            log.critical("engine loop crashed; no request can make progress", exc_info=exc)
             self.error = exc
             with self._lock:
                 streams = list(self._streams)
             for rid in streams:
-                self._deliver(rid, EngineDeadError(f"the engine stopped: {exc!r}"))
+                self._deliver(rid, EngineDeadError(f"the engine stopped: {describe(exc)}"))
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
 
     def _drain_commands(self) -> None:
         while True:
@@ -148,6 +160,10 @@ class AsyncEngine:
                     self.engine.enqueue(arg)
                 except ValueError as exc:
                     self._deliver(arg.request_id, exc)
+                except Exception as exc:  # noqa: BLE001 - this request's own set-up
+                    out = self.engine.fail_request(arg, exc)
+                    self._deliver(arg.request_id, RequestFailedError(
+                        f"the request failed: {out.error}"))
             elif kind == "abort":
                 self.engine.abort_request(arg)
             elif kind == "abort_all":

@@ -7,6 +7,7 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
+from pagedserve.engine.failures import FINISH_ERROR
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
 from pagedserve.engine.request import SamplingParams, TokenLogprob
 
@@ -28,7 +29,8 @@ class LLM:
     """``LLM(model=None, **EngineConfig fields).generate(prompts, params)``.
 
     ``model=None`` is the embedded default model. Every prompt goes through the same
-    continuous-batching engine as the server.
+    continuous-batching engine as the server. A prompt whose own work fails
+    (``engine/failures.py``) comes back with ``finish_reason: "error"``; the others finish.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
@@ -53,11 +55,15 @@ class LLM:
         for r in reqs:
             self.engine.enqueue(r)
         bar = tqdm(total=len(reqs), disable=not use_tqdm, desc="generate")
+        failed: set[str] = set()  # ended by their own failure (finish_reason "error")
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     bar.update(1)
+                if out.error is not None:
+                    failed.add(out.request_id)
         bar.close()
         return [CompletionOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
-                                 r.output_text, r.finish_reason or "abort",
+                                 r.output_text, FINISH_ERROR if r.request_id in failed
+                                 else r.finish_reason or "abort",
                                  list(r.output_logprobs), r.num_preemptions) for r in reqs]

@@ -3,7 +3,8 @@
 One step reads as: schedule -> prepare inputs -> forward -> sample -> post-process.
 On CUDA, steady decode steps are launched one step ahead of their read-back (async
 scheduling, ``lookahead.py``). The engine is single-threaded; ``AsyncEngine`` drives it
-from a background thread.
+from a background thread. A failure in one request's own work ends that request with
+``finish_reason: "error"``; any other exception escapes ``step()`` (``failures.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from pagedserve.config import CacheConfig
 from pagedserve.engine.batch_builder import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.failures import FINISH_ERROR, describe, is_fatal
 from pagedserve.engine.lookahead import InflightStep, TokenReadback, lookahead_chunks
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
@@ -26,6 +28,7 @@ from pagedserve.engine.sampler import (
     SamplerOutput,
     SamplingTensors,
     apply_token_bitmask,
+    ban_tokens,
     plain_argmax,
     sample,
 )
@@ -42,7 +45,8 @@ class EngineConfig:
     """Everything needed to start an engine; checked once, before any weight is loaded.
 
     ``model=None`` serves the embedded default model. ``max_model_len=None`` takes the
-    smaller of 4096 and the model's ``max_position_embeddings``.
+    smaller of 4096 and the model's ``max_position_embeddings``. Errors name the CLI flag
+    of the field (``num_blocks`` -> ``num-blocks``).
     """
 
     model: str | None = None
@@ -70,13 +74,23 @@ class EngineConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
+        for name, value, lowest in (
+                ("max-num-seqs", self.max_num_seqs, 1),
+                ("max-num-batched-tokens", self.max_num_batched_tokens, 1),
+                ("prefill-chunk", self.prefill_chunk, 1),
+                ("idle-prefill-chunk", self.idle_prefill_chunk, 1),
+                ("num-blocks", self.num_blocks, 1),
+                ("max-model-len", self.max_model_len, 2)):
+            if value is not None and (not isinstance(value, int) or value < lowest):
+                raise ValueError(f"{name} must be >= {lowest}, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu-memory-utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r} is not supported; accepted: cpu, cuda")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for, but CUDA is not available")
         CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max-model-len must be >= 2, got {self.max_model_len}")
         # The step sizes, checked now rather than after the weights load.
         SchedulerConfig.for_device(
             torch.device(self.device).type, max_num_seqs=self.max_num_seqs,
@@ -101,6 +115,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     request: Request | None = None  # the live request (read-only for callers)
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 @dataclass
@@ -163,6 +178,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._structured: StructuredOutputs | None = None
         self._structured_lock = threading.Lock()
+        self._failed: list[RequestOutput] = []  # failed outside post-processing
         if cuda if config.warm_up is None else config.warm_up:
             self.warm_up()
 
@@ -210,7 +226,8 @@ class LLMEngine:
         self.requests[req.request_id] = req
         if self.tokenizer is not None:
             self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, req.params.stop)
+                self.tokenizer, req.prompt_token_ids, req.params.stop,
+                include_stop=req.params.include_stop_str_in_output)
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -253,14 +270,30 @@ class LLMEngine:
         if self._inflight is None:
             self._inflight = self._launch_scheduled()
             if self._inflight is None:
-                return []
+                return self._take_failed()
         done = self._inflight
         self._inflight = self._launch_lookahead(done) if self.async_scheduling else None
         outputs = self._post_process(done)
         if self._inflight is not None and self._inflight.logits is not None:
             # Its grammars have seen ``done``'s tokens now: its sampling can be queued.
             self._queue_sampling(self._inflight, tokens_ahead=0)
-        return outputs
+        return self._take_failed() + outputs
+
+    def _take_failed(self) -> list[RequestOutput]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def fail_request(self, req: Request, exc: BaseException) -> RequestOutput:
+        """End ``req`` because its own work raised ``exc``: free its blocks and slot, and
+        report ``finish_reason: "error"``. Re-raises a fatal ``exc`` (``failures.py``)."""
+        if is_fatal(exc):
+            raise exc
+        log.error("request %s failed; the others continue", req.request_id, exc_info=exc)
+        self.abort_request(req.request_id)
+        return RequestOutput(req.request_id, [], "", True, FINISH_ERROR,
+                             num_prompt_tokens=req.num_prompt_tokens,
+                             num_output_tokens=len(req.output_token_ids), request=req,
+                             error=describe(exc))
 
     def _launch_scheduled(self) -> InflightStep | None:
         plan = self.scheduler.schedule()
@@ -304,11 +337,42 @@ class LLMEngine:
         logits, step.logits = step.logits, None  # [B, V] float32
         assert logits is not None
         reqs = [step.chunks[i].request for i in step.sampling]
-        sampled = self._sample(logits, reqs, step.sampling, tokens_ahead)
+        try:
+            sampled = self._sample(logits, reqs, step.sampling, tokens_ahead)
+        except Exception as exc:  # noqa: BLE001 - fatal unless one request's work raised
+            stand_ins = self._isolate_sampling_failure(reqs, exc)
+            sampled = self._sample(logits, stand_ins, step.sampling, tokens_ahead)
         step.sampled = sampled
         if (sampled is not None and self._readback is not None
                 and sampled.sampled_logprob is None):
             step.readback = self._readback.start(sampled.token_ids)
+
+    def _isolate_sampling_failure(self, reqs: list[Request],
+                                  exc: Exception) -> list[Request]:
+        """After the sampling of ``reqs`` raised ``exc``: fail each request whose own host
+        work (its settings row, its grammar's mask) raises alone, and return ``reqs`` with
+        a greedy stand-in for each failed one (its row is dropped at read-back, as an
+        aborted request's is). Re-raises ``exc`` when it is fatal or no single request
+        reproduces it."""
+        if is_fatal(exc):
+            raise exc
+        culprits = {}
+        for r in reqs:
+            try:
+                SamplingTensors.from_requests([r], self.vocab_size, "cpu")
+                if r.grammar is not None and r.status is RequestStatus.RUNNING:
+                    self.structured.fill_bitmask([r.grammar])
+            except Exception as own:  # noqa: BLE001 - this request's own failure
+                culprits[r.request_id] = own
+        if not culprits:
+            raise exc
+        stand_ins = []
+        for r in reqs:
+            if r.request_id in culprits:
+                self._failed.append(self.fail_request(r, culprits[r.request_id]))
+                r = Request(r.request_id, [0], SamplingParams(temperature=0.0))
+            stand_ins.append(r)
+        return stand_ins
 
     def _seq_chunk(self, c: ScheduledChunk, ids: tuple[int, ...] | None = None) -> SeqChunk:
         """``c`` as the batch builder takes it; ``ids`` default to the request's tokens."""
@@ -330,6 +394,8 @@ class LLMEngine:
         grammars = [r.grammar if r.status is RequestStatus.RUNNING else None for r in reqs]
         bitmask = self.structured.fill_bitmask(grammars) \
             if any(g is not None for g in grammars) else None
+        bitmask = ban_tokens(bitmask, _min_tokens_bans(reqs, tokens_ahead), len(reqs),
+                             self.vocab_size, logits.device)
         if plain_argmax(reqs):
             if bitmask is not None:
                 logits = apply_token_bitmask(logits, bitmask)
@@ -371,15 +437,18 @@ class LLMEngine:
             req.first_token_time = now
             self.stats.num_prompt_tokens += req.num_prompt_tokens
         req.last_token_time = now
-        status = self._stop_status(req, token)
+        detok = self._detok.get(req.request_id)
+        text = ""
+        try:  # this request's own work: a failure here fails only this request
+            status = self._stop_status(req, token)
+            if detok is not None:
+                text = detok.take_new_text(status is not None)
+                req.output_text = detok.text
+        except Exception as exc:  # noqa: BLE001 - fail_request re-raises a fatal one
+            return self.fail_request(req, exc)
         if status is not None:
             self.scheduler.finish(req, status)
             req.finished_time = now
-        detok = self._detok.get(req.request_id)
-        text = ""
-        if detok is not None:
-            text = detok.take_new_text(req.is_finished)
-            req.output_text = detok.text
         if req.is_finished:
             self.requests.pop(req.request_id, None)
             self._detok.pop(req.request_id, None)
@@ -390,15 +459,18 @@ class LLMEngine:
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         """Stop ids and EOS end a request (their text is not emitted); then a grammar that
-        has terminated; then stop strings; then length: ``max_tokens`` or ``max_model_len``."""
-        if token in req.params.stop_token_ids or token in req.eos_token_ids:
+        has terminated; then stop strings; then length: ``max_tokens`` or ``max_model_len``.
+        Before ``min_tokens`` outputs, only length ends it (the sampler bans EOS and stop
+        ids meanwhile)."""
+        may_stop = len(req.output_token_ids) >= req.params.min_tokens
+        if may_stop and (token in req.params.stop_token_ids or token in req.eos_token_ids):
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None and self._grammar_ends(req, token):
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         detok = self._detok.get(req.request_id)
-        if detok is not None and detok.append(token):
+        if detok is not None and detok.append(token, check_stop=may_stop):
             req.stop_reason = detok.stopped_on
             return RequestStatus.FINISHED_STOPPED
         if (len(req.output_token_ids) >= req.params.max_tokens
@@ -429,6 +501,18 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+
+def _min_tokens_bans(reqs: list[Request], tokens_ahead: int) -> list[tuple[int, list[int]]]:
+    """(row, token ids) that row may not sample yet: EOS and stop ids before its
+    ``min_tokens``-th output token."""
+    bans = []
+    for i, r in enumerate(reqs):
+        if len(r.output_token_ids) + tokens_ahead < r.params.min_tokens:
+            ids = [*r.eos_token_ids, *r.params.stop_token_ids]
+            if ids:
+                bans.append((i, ids))
+    return bans
 
 
 def _row(sampled: dict, k: int, num_logprobs: int | None) -> tuple[int, TokenLogprob | None]:

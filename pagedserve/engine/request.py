@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -13,6 +14,11 @@ if TYPE_CHECKING:
     from pagedserve.engine.structured import GrammarSpec, RequestGrammar
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+SEED_RANGE = 2**64  # seeds are unsigned 64-bit: the sampler hashes two 32-bit halves
+# Temperatures below this sample as greedy: dividing logits by a smaller one overflows
+# float32 to inf (vLLM uses the same threshold).
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _check(ok: bool, message: str) -> None:
@@ -24,11 +30,15 @@ def _check(ok: bool, message: str) -> None:
 class SamplingParams:
     """Per-request sampling settings, validated once (OpenAI semantics where they exist).
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` and ``top_p == 1`` and ``min_p == 0``
-    disable those filters. ``seed`` makes the request's tokens reproducible whatever else
-    shares its batch. ``logprobs=N`` returns the sampled token's log-probability and the
-    N most likely alternatives at each step. ``structured``: a grammar the output must
-    match (``engine/structured.py``).
+    ``temperature`` below ``GREEDY_TEMPERATURE`` is greedy. ``top_k <= 0`` (or at least
+    the vocabulary size) and ``top_p == 1`` and ``min_p == 0`` disable those filters.
+    ``seed`` (an unsigned 64-bit integer) makes the request's tokens reproducible whatever
+    else shares its batch. ``logprobs=N`` returns the sampled token's log-probability and
+    the N most likely alternatives at each step. ``min_tokens``: EOS, stop token ids and
+    stop strings cannot end the request before that many tokens. With
+    ``include_stop_str_in_output`` the stop string that ends the request stays in its
+    text. ``structured``: a grammar the output must match (``engine/structured.py``).
+    Every float is finite.
     """
 
     max_tokens: int = 16
@@ -44,11 +54,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
     structured: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and math.isfinite(value),
+                   f"{name} must be a finite number, got {value!r}")
         _check(self.temperature >= 0.0,
                f"temperature must be >= 0, got {self.temperature}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
@@ -61,17 +78,26 @@ class SamplingParams:
                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         _check(0.0 < self.repetition_penalty <= 10.0,
                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-               f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < SEED_RANGE),
+               f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
+               f"got {self.min_tokens!r}")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop strings must be non-empty strings")
-        _check(len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}")
+        _check(len(self.stop) <= MAX_STOP_STRINGS,
+               f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def top_k_within(self, vocab_size: int) -> int:
+        """The number of tokens top-k keeps, or 0 for no top-k (``top_k`` of 0, -1, or
+        at least ``vocab_size``)."""
+        return self.top_k if 0 < self.top_k < vocab_size else 0
 
 
 class RequestStatus(enum.Enum):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.engine.request import Request, SamplingParams
+from pagedserve.engine.request import GREEDY_TEMPERATURE, SEED_RANGE, Request, SamplingParams
 
 _M32 = 0xFFFFFFFF
 
@@ -67,7 +67,10 @@ class SamplingTensors:
         """``tokens_ahead``: outputs already sampled on the device but not yet appended on
         the host (async scheduling); they shift each row's output index."""
         ps = [r.params for r in requests]
-        seeds = [r.sample_seed for r in requests]
+        # Whatever a request holds, every value fits its tensor: seeds wrap to 64 bits,
+        # top-k beyond the vocabulary is no top-k.
+        seeds = [r.sample_seed % SEED_RANGE for r in requests]
+        top_k = [p.top_k_within(vocab_size) for p in ps]
         # Two host->device copies for all the per-row settings (each copy has a fixed cost).
         floats = torch.tensor(
             [[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps],
@@ -75,7 +78,7 @@ class SamplingTensors:
              [p.repetition_penalty for p in ps]], dtype=torch.float32,
         ).to(device, non_blocking=True)  # [6, B]
         longs = torch.tensor(
-            [[max(p.top_k, 0) for p in ps], [s & _M32 for s in seeds],
+            [top_k, [s & _M32 for s in seeds],
              [(s >> 32) & _M32 for s in seeds],
              [len(r.output_token_ids) + tokens_ahead for r in requests]],
             dtype=torch.long,
@@ -93,7 +96,7 @@ class SamplingTensors:
             prompt_ids=prompt_ids,
             output_ids=output_ids,
             all_greedy=all(p.greedy for p in ps),
-            any_top_k=any(p.top_k > 0 and not p.greedy for p in ps),
+            any_top_k=any(k > 0 and not p.greedy for k, p in zip(top_k, ps)),
             any_top_p=any(p.top_p < 1.0 and not p.greedy for p in ps),
             any_min_p=any(p.min_p > 0.0 and not p.greedy for p in ps),
             any_penalty=any_out,
@@ -154,7 +157,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors,
         token_ids = greedy_ids
     else:
         sampled_ids = _sample_random(x, st)
-        token_ids = torch.where(st.temperature == 0.0, greedy_ids, sampled_ids)
+        token_ids = torch.where(st.temperature < GREEDY_TEMPERATURE, greedy_ids, sampled_ids)
     out = SamplerOutput(token_ids=token_ids)
     if st.max_logprobs >= 0:
         # Log-probabilities of the model's own distribution (before penalties/filters).
@@ -174,6 +177,26 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     bits = (bitmask[:, :, None] >> shifts) & 1  # [B, W, 32]
     allowed = bits.reshape(B, -1)[:, :V].bool()  # [B, V]
     return logits.masked_fill(~allowed, float("-inf"))
+
+
+def ban_tokens(bitmask: torch.Tensor | None, bans: list[tuple[int, list[int]]], B: int,
+               V: int, device: torch.device | str) -> torch.Tensor | None:
+    """``bitmask`` (int32 ``[B, ceil(V / 32)]``, or ``None``: all allowed) with the bit of
+    every ``(row, token ids)`` in ``bans`` cleared; ids outside ``[0, V)`` are ignored.
+    ``None`` when nothing is constrained. Built on the host in a few tensor ops, however
+    many ids a row bans."""
+    if not bans:
+        return bitmask
+    W = (V + 31) // 32
+    allowed = torch.ones(B, W * 32, dtype=torch.bool)  # [B, W * 32]
+    pairs = [(row, t) for row, ids in bans for t in ids if 0 <= t < V]
+    if pairs:
+        index = torch.tensor(pairs, dtype=torch.long)  # [N, 2]
+        allowed[index[:, 0], index[:, 1]] = False
+    words = (allowed.view(B, W, 32).long() << torch.arange(32)).sum(-1)  # [B, W] unsigned
+    host = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    host_gpu = host.to(device, non_blocking=True)
+    return host_gpu if bitmask is None else bitmask & host_gpu
 
 
 def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -200,7 +223,8 @@ def _counts(ids: torch.Tensor, B: int, V: int, device: torch.device | str) -> to
 
 
 def _sample_random(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    temp = torch.where(st.temperature > 0, st.temperature, torch.ones_like(st.temperature))
+    temp = torch.where(st.temperature >= GREEDY_TEMPERATURE, st.temperature,
+                       torch.ones_like(st.temperature))
     x = x / temp[:, None]
     neg_inf = torch.finfo(x.dtype).min
     if st.any_min_p:

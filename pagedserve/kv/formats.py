@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kv.type_names import KV_TYPES
+
 GROUP_SIZE = 32
 
 
@@ -56,7 +58,8 @@ _SPECS = {
     "q4_0": KVTypeSpec("q4_0", True, GROUP_SIZE, 16, 2),
     "f32": KVTypeSpec("f32", False, 1, 4, 0),
 }
-KV_TYPES: tuple[str, ...] = tuple(_SPECS)
+if tuple(_SPECS) != KV_TYPES:
+    raise ImportError(f"kv/type_names.py lists {KV_TYPES}, but formats.py has {tuple(_SPECS)}")
 # The types the Triton kernels read and write.
 GPU_KV_TYPES: tuple[str, ...] = ("f16", "bf16", "q8_0", "q4_0")
 

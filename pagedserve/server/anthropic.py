@@ -18,6 +18,7 @@ one block per kind of output, in the order the output gives them (``thinking_del
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import uuid
@@ -48,6 +49,7 @@ from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import APIError, anthropic_error_body, bad_request
 from pagedserve.server.generation import EngineJob, make_requests, until_disconnected
 from pagedserve.server.reasoning import starts_in_reasoning
+from pagedserve.server.sampling import check_context
 from pagedserve.server.streaming import EventStreamResponse
 
 router = APIRouter()
@@ -116,8 +118,8 @@ def _constraint(body: MessagesRequest, tools: dict[str, Any] | None,
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
-    text, _ = _prompt(ctx, body)
-    return {"input_tokens": len(ctx.encode(text))}
+    text, _ = await asyncio.to_thread(_prompt, ctx, body)
+    return {"input_tokens": len(await ctx.encode_async(text, "messages"))}
 
 
 @router.post("/v1/messages", response_model=None)
@@ -126,8 +128,9 @@ async def create_message(body: MessagesRequest,
     ctx: ServingContext = request.app.state.ctx
     model = body.model or ctx.model_name
     ctx.check_model(body.model)
-    text, tools = _prompt(ctx, body)
-    prompt = ctx.encode(text)
+    text, tools = await asyncio.to_thread(_prompt, ctx, body)
+    prompt = await ctx.encode_async(text, "messages")
+    check_context(body.max_tokens, len(prompt), ctx.max_model_len)
     parallel = body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
     fmt = OutputFormat(reasoning=ctx.reasoning_parser is not None,
                        in_reasoning=starts_in_reasoning(text), tools=tools,
@@ -138,7 +141,8 @@ async def create_message(body: MessagesRequest,
         await compile_constraint(ctx, *constraint)
     params = dataclasses.replace(_sampling(ctx, body), structured=spec)
     msg_id = f"msg_{uuid.uuid4().hex[:24]}"
-    reqs = make_requests(ctx, msg_id, [prompt], 1, lambda ids, i: params, param="messages")
+    reqs = await asyncio.to_thread(make_requests, ctx, msg_id, [prompt], 1,
+                                   lambda ids, i: params, "messages")
     job = EngineJob(ctx, reqs)
     head = {"id": msg_id, "type": "message", "role": "assistant", "model": model}
     if body.stream:

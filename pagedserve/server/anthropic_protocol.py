@@ -6,7 +6,8 @@ Requests: ``system`` (text or text blocks), ``messages`` whose content is text o
 ``any``, ``tool``, ``none``), ``stop_sequences``, ``max_tokens`` (required, as Anthropic
 has it), ``thinking`` (``enabled`` / ``disabled`` -> the template's ``enable_thinking``),
 ``output_config.format`` (a JSON schema the answer must match).
-Images, documents and server tools are refused with a 400.
+Images, documents and server tools are refused with a 400, and so is any other top-level
+field (``request_body.py``). ``top_k`` at or beyond the vocabulary means no top-k.
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pagedserve.server.agent_protocol import FUNCTION_NAME, MAX_NAME_CHARS, MAX_TOOLS
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+from pagedserve.server.request_body import NestedBody as _Body
+from pagedserve.server.request_body import RequestBody
 
 
 class TextBlock(_Body):
@@ -98,7 +97,7 @@ class OutputConfig(_Body):
     effort: str | None = None
 
 
-class MessagesRequest(_Body):
+class MessagesRequest(RequestBody):
     """``POST /v1/messages``."""
 
     model: str | None = None
@@ -117,7 +116,7 @@ class MessagesRequest(_Body):
     metadata: dict[str, Any] | None = None
 
 
-class CountTokensRequest(_Body):
+class CountTokensRequest(RequestBody):
     """``POST /v1/messages/count_tokens``: the request without its sampling fields."""
 
     model: str | None = None

@@ -12,7 +12,9 @@ Routes::
     GET  /metrics                Prometheus text   (open: see auth.py)
 
 The engine thread is started before the app (the model loads before any port is bound);
-the app's lifespan stops it when uvicorn shuts down.
+the app's lifespan stops it when uvicorn shuts down. Around every route (``guards.py``):
+bodies over ``max_request_bytes`` get 413, and an exception no handler answers gets a
+JSON 500.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pagedserve.server import anthropic, chat, completions, tokens
 from pagedserve.server.auth import require_api_key
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import APIError, install_error_handlers
+from pagedserve.server.guards import BodyLimit, CatchAll, default_max_request_bytes
 from pagedserve.server.info import server_info
 from pagedserve.server.protocol import ModelCard, ModelList
 
@@ -67,7 +70,8 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-def create_app(ctx: ServingContext) -> FastAPI:
+def create_app(ctx: ServingContext, max_request_bytes: int | None = None) -> FastAPI:
+    """``max_request_bytes``: the body-size limit (default ``default_max_request_bytes``)."""
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
@@ -81,4 +85,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
     for router in (completions.router, chat.router, anthropic.router, tokens.router, _info):
         app.include_router(router, dependencies=guarded)
     app.include_router(_open)
+    limit = max_request_bytes or default_max_request_bytes(ctx.max_model_len)
+    app.add_middleware(BodyLimit, max_bytes=limit)
+    app.add_middleware(CatchAll)  # added last: outermost, so it also guards BodyLimit
     return app

@@ -69,7 +69,11 @@ from pagedserve.server.protocol import (
     UsageInfo,
 )
 from pagedserve.server.reasoning import starts_in_reasoning
-from pagedserve.server.sampling import build_sampling_params, default_max_tokens
+from pagedserve.server.sampling import (
+    build_sampling_params,
+    check_context,
+    default_max_tokens,
+)
 from pagedserve.server.streaming import DONE, EventStreamResponse, sse, sse_error
 
 router = APIRouter()
@@ -77,13 +81,16 @@ router = APIRouter()
 # apply_chat_template's own arguments: chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "tokenize", "add_generation_prompt", "return_dict", "return_tensors",
-     "tools"})
+     "tools", "continue_final_message", "chat_template"})
 
 
 def render_chat_text(ctx: ServingContext, messages: list[dict[str, Any]],
                      add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
-                     tools: list[dict[str, Any]] | None = None) -> str:
-    """The prompt text of ``messages`` (chat-template dicts) under the model's template."""
+                     tools: list[dict[str, Any]] | None = None,
+                     continue_final_message: bool = False) -> str:
+    """The prompt text of ``messages`` (chat-template dicts) under the model's template.
+    With ``continue_final_message`` the text ends inside the last message, which the
+    output then continues. Pure Python work that may be long: call it off the loop."""
     tokenizer = ctx.require_tokenizer("chat")
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("this model has no chat template; use /v1/completions")
@@ -94,6 +101,8 @@ def render_chat_text(ctx: ServingContext, messages: list[dict[str, Any]],
                           param="chat_template_kwargs")
     if tools:
         kwargs["tools"] = tools
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     try:
         return str(tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs))
@@ -110,13 +119,6 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         except ValueError as exc:
             raise bad_request(str(exc), param=f"messages[{i}].tool_calls") from None
     return out
-
-
-def render_chat(ctx: ServingContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                template_kwargs: dict[str, Any] | None) -> list[int]:
-    """The prompt token ids of ``messages`` under the model's chat template."""
-    return ctx.encode(render_chat_text(ctx, template_messages(messages),
-                                       add_generation_prompt, template_kwargs))
 
 
 def chat_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob]) -> ChatChoiceLogprobs:
@@ -163,9 +165,12 @@ async def create_chat_completion(body: ChatCompletionRequest,
     if tools_enabled(body):
         ctx.require_tool_parser()
         tools = [t.as_template_input() for t in body.tools or []]
-    text = render_chat_text(ctx, template_messages(body.messages), body.add_generation_prompt,
-                            body.chat_template_kwargs, tools)
-    prompt = ctx.encode(text)
+    text = await asyncio.to_thread(
+        render_chat_text, ctx, template_messages(body.messages), body.add_generation_prompt,
+        body.chat_template_kwargs, tools, body.continue_final_message)
+    prompt = await ctx.encode_async(text, "messages")
+    check_context(body.requested_max_tokens, len(prompt), ctx.max_model_len,
+                  body.max_tokens_param)
     fmt = output_format(ctx, body, text)
     constraint = chat_constraint(body, fmt)
     if constraint is not None:
@@ -182,7 +187,8 @@ async def create_chat_completion(body: ChatCompletionRequest,
         return dataclasses.replace(params, structured=spec)
 
     rid = new_request_id("chatcmpl")
-    reqs = make_requests(ctx, rid, [prompt], body.n, params_for, param="messages")
+    reqs = await asyncio.to_thread(make_requests, ctx, rid, [prompt], body.n, params_for,
+                                   "messages")
     job = EngineJob(ctx, reqs)
     created = int(time.time())
     if body.stream:

@@ -2,11 +2,16 @@
 
 Choice ``p * n + i`` is choice ``i`` of prompt ``p``. Logprobs use the legacy completions
 format: parallel ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset`` lists
-with one entry per generated token.
+with one entry per generated token. ``response_format``, ``structured_outputs`` and
+``guided_*`` constrain the output as on chat (``constraints.py``). With ``echo`` each
+choice's text starts with its prompt (a text prompt as sent, token ids decoded); a stream
+sends it as each choice's first chunk.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -14,6 +19,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from pagedserve.engine.request import TokenLogprob
+from pagedserve.server.chat import compile_constraint
+from pagedserve.server.constraints import completion_constraint
 from pagedserve.server.context import ServingContext
 from pagedserve.server.errors import APIError
 from pagedserve.server.generation import (
@@ -30,7 +37,11 @@ from pagedserve.server.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from pagedserve.server.sampling import build_sampling_params, default_max_tokens
+from pagedserve.server.sampling import (
+    build_sampling_params,
+    check_context,
+    default_max_tokens,
+)
 from pagedserve.server.streaming import DONE, EventStreamResponse, sse, sse_error
 
 router = APIRouter()
@@ -58,33 +69,50 @@ def _prompt_ids(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]
     return [ctx.encode(p) if isinstance(p, str) else p for p in body.prompts()]
 
 
+def _echo_texts(ctx: ServingContext, body: CompletionRequest) -> list[str]:
+    """Each prompt's text, as ``echo`` puts it before the output."""
+    return [p if isinstance(p, str) else
+            (ctx.tokenizer.decode(p) if ctx.tokenizer is not None else "")
+            for p in body.prompts()]
+
+
 @router.post("/v1/completions", response_model=CompletionResponse)
 async def create_completion(body: CompletionRequest,
                             request: Request) -> CompletionResponse | Response:
     ctx: ServingContext = request.app.state.ctx
     model = ctx.check_model(body.model)
-    prompts = _prompt_ids(ctx, body)
+    prompts = await asyncio.to_thread(_prompt_ids, ctx, body)
+    for ids in prompts:
+        check_context(body.max_tokens, len(ids), ctx.max_model_len)
+    echo = await asyncio.to_thread(_echo_texts, ctx, body) if body.echo else None
+    constraint = completion_constraint(body)
+    if constraint is not None:
+        await compile_constraint(ctx, *constraint)
+    spec = constraint[0] if constraint else None
     defaults = ctx.generation
     max_tokens = body.max_tokens or default_max_tokens(defaults)
     rid = new_request_id("cmpl")
-    reqs = make_requests(
-        ctx, rid, prompts, body.n,
-        lambda ids, i: build_sampling_params(body, defaults, max_tokens=max_tokens,
-                                             choice_index=i, logprobs=body.logprobs),
-        param="prompt")
+    reqs = await asyncio.to_thread(
+        make_requests, ctx, rid, prompts, body.n,
+        lambda ids, i: dataclasses.replace(
+            build_sampling_params(body, defaults, max_tokens=max_tokens, choice_index=i,
+                                  logprobs=body.logprobs), structured=spec),
+        "prompt")
     job = EngineJob(ctx, reqs)
     num_prompt_tokens = sum(len(p) for p in prompts)
     created = int(time.time())
     if body.stream:
         events = _stream(ctx, job, CompletionResponse(id=rid, model=model, created=created,
-                                                      choices=[]), body, num_prompt_tokens)
+                                                      choices=[]), body, num_prompt_tokens,
+                         echo)
         return EventStreamResponse(events, on_close=job.close)
     try:
         results = await until_disconnected(request, collect(job))
     finally:
         job.close()
     choices = [
-        CompletionChoice(index=k, text=r.text, finish_reason=r.finish_reason,
+        CompletionChoice(index=k, text=(echo[k // body.n] if echo else "") + r.text,
+                         finish_reason=r.finish_reason,
                          logprobs=(completion_logprobs(ctx, r.logprobs, 0)
                                    if body.logprobs is not None else None))
         for k, r in enumerate(results)]
@@ -94,11 +122,16 @@ async def create_completion(body: CompletionRequest,
 
 
 async def _stream(ctx: ServingContext, job: EngineJob, head: CompletionResponse,
-                  body: CompletionRequest, num_prompt_tokens: int) -> AsyncIterator[bytes]:
+                  body: CompletionRequest, num_prompt_tokens: int,
+                  echo: list[str] | None) -> AsyncIterator[bytes]:
     """One chunk per generated token; ``head`` carries the id, model and creation time."""
     offsets = [0] * len(job.requests)  # text_offset of each choice's next token
     num_generated = 0
     try:
+        for k in range(len(job.requests)):
+            if echo:
+                yield sse(head.model_copy(update={"choices": [
+                    CompletionChoice(index=k, text=echo[k // body.n])]}))
         async for k, out in job.outputs():
             num_generated += len(out.new_token_ids)
             logprobs = None

@@ -1,6 +1,7 @@
 """A chat request's output constraint, as a grammar for the engine (``GrammarSpec``).
 
-Sources, at most one per request (each names the field a 400 reports):
+Sources, at most one per request (each names the field a 400 reports); all but
+``tool_choice`` apply to completions too:
 
     response_format      {"type": "json_object"} or {"type": "json_schema", ...}
     structured_outputs   vLLM's: json, regex, choice, json_object
@@ -22,7 +23,7 @@ from pagedserve.engine.structured import GrammarSpec
 from pagedserve.server.agent_protocol import NamedToolChoice
 from pagedserve.server.assistant_output import OutputFormat
 from pagedserve.server.errors import bad_request
-from pagedserve.server.protocol import ChatCompletionRequest
+from pagedserve.server.protocol import ChatCompletionRequest, ConstraintFields
 from pagedserve.server.reasoning import CALL_OPEN, THINK_CLOSE, THINK_OPEN
 
 CALL_BEGIN = "<tool_call>\n<function={name}>\n"
@@ -105,8 +106,8 @@ def _tool_format(body: ChatCompletionRequest) -> dict[str, Any]:
     return tool_call_format(tool_schemas(body), forced, body.parallel_tool_calls)
 
 
-def _sources(body: ChatCompletionRequest) -> list[tuple[str, dict[str, Any]]]:
-    """(field, grammar format) of every constraint the request asks for."""
+def _sources(body: ConstraintFields) -> list[tuple[str, dict[str, Any]]]:
+    """(field, grammar format) of every output-format constraint the request asks for."""
     found = []
     rf = body.response_format
     if rf is not None and rf.type == "json_object":
@@ -132,9 +133,6 @@ def _sources(body: ChatCompletionRequest) -> list[tuple[str, dict[str, Any]]]:
         found.append(("guided_regex", {"type": "regex", "pattern": body.guided_regex}))
     if body.guided_choice is not None:
         found.append(("guided_choice", _choice(body.guided_choice)))
-    if tools_enabled(body) and (body.tool_choice == "required"
-                                or isinstance(body.tool_choice, NamedToolChoice)):
-        found.append(("tool_choice", _tool_format(body)))
     return found
 
 
@@ -142,6 +140,19 @@ def chat_constraint(body: ChatCompletionRequest,
                     fmt: OutputFormat) -> tuple[GrammarSpec, str] | None:
     """The grammar of ``body``'s output and the field it came from, or ``None``."""
     found = _sources(body)
+    if tools_enabled(body) and (body.tool_choice == "required"
+                                or isinstance(body.tool_choice, NamedToolChoice)):
+        found.append(("tool_choice", _tool_format(body)))
+    return _one(found, fmt)
+
+
+def completion_constraint(body: ConstraintFields) -> tuple[GrammarSpec, str] | None:
+    """The grammar of a completion's output (no reasoning, no tools), or ``None``."""
+    return _one(_sources(body), OutputFormat())
+
+
+def _one(found: list[tuple[str, dict[str, Any]]],
+         fmt: OutputFormat) -> tuple[GrammarSpec, str] | None:
     if not found:
         return None
     if len(found) > 1:

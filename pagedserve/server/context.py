@@ -1,8 +1,14 @@
 """``ServingContext``: what every route needs -- the engine, the model's tokenizer and limits,
-admission, metrics -- built once per app from a ready ``LLMEngine``."""
+admission, metrics -- built once per app from a ready ``LLMEngine``.
+
+Tokenizing and detokenizing run in worker threads (``encode_async``, ``decode_async``): a
+multi-megabyte prompt delays only its own request, never the event loop.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +68,7 @@ class ServingContext:
     def create(cls, llm: LLMEngine, served_model_names: tuple[str, ...],
                max_queue: int | None = None, api_key: str | None = None,
                reasoning_parser: str = "auto", tool_call_parser: str = "auto",
+               on_fatal: Callable[[BaseException], None] | None = None,
                ) -> ServingContext:
         """``reasoning_parser`` / ``tool_call_parser``: a name, ``"none"``, or ``"auto"``
         (on when the model's chat template writes ``<think>`` / ``<function=`` calls)."""
@@ -72,7 +79,7 @@ class ServingContext:
                                    template_reasons(template))
         tools = resolve_parser("tool-call-parser", tool_call_parser, TOOL_CALL_PARSERS,
                                template_calls_tools(template))
-        engine = AsyncEngine(llm)
+        engine = AsyncEngine(llm, on_fatal=on_fatal)
         admission = Admission(llm.config.max_num_seqs, max_queue)
         return cls(engine=engine, served_model_names=tuple(served_model_names),
                    admission=admission,
@@ -120,9 +127,25 @@ class ServingContext:
                               "token ids to /v1/completions instead")
         return self.tokenizer
 
-    def encode(self, text: str) -> list[int]:
-        # No special tokens added: the engine sees exactly the ids /tokenize reports.
-        return self.require_tokenizer("a text prompt").encode(text, add_special_tokens=False)
+    def encode(self, text: str, param: str = "prompt",
+               add_special_tokens: bool = False) -> list[int]:
+        """``text``'s token ids; 400 naming ``param`` for text the tokenizer cannot take.
+        By default no special tokens are added: the engine sees exactly the ids
+        /tokenize reports."""
+        tokenizer = self.require_tokenizer("a text prompt")
+        try:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except UnicodeError as exc:
+            raise bad_request(f"{param}: the text cannot be tokenized: {exc}",
+                              param=param) from None
+
+    async def encode_async(self, text: str, param: str = "prompt",
+                           add_special_tokens: bool = False) -> list[int]:
+        return await asyncio.to_thread(self.encode, text, param, add_special_tokens)
+
+    async def decode_async(self, ids: list[int]) -> str:
+        tokenizer = self.require_tokenizer("detokenizing")
+        return str(await asyncio.to_thread(tokenizer.decode, ids))
 
     def token_text(self, token_id: int) -> str:
         """One token as text (for logprobs); ``token_id:N`` when there is no tokenizer."""

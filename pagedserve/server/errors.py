@@ -2,28 +2,30 @@
 
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status, whatever went
 wrong: a bad field (pydantic's 422 becomes a 400 naming the field, the value and what is
-accepted), malformed JSON, an unknown route, or an ``APIError`` raised by a handler. Under
+accepted), malformed JSON, an unknown route, an ``APIError`` raised by a handler, or any
+other exception (a 500 whose body names it; the traceback goes to the log). Under
 ``/v1/messages`` the same errors read ``{"type": "error", "error": {"type", "message"}}``
-with Anthropic's error types.
+with Anthropic's error types. Bodies are ASCII JSON, so any text they quote can be sent.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ExceptionHandler
-
-from pagedserve.server.protocol import ErrorInfo, ErrorResponse
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable",
@@ -41,6 +43,25 @@ _ANTHROPIC_TYPE_BY_STATUS = {
 ANTHROPIC_PREFIX = "/v1/messages"
 _MAX_REPORTED = 3  # validation problems listed in one message
 _NOT_AN_OBJECT = ("model_attributes_type", "model_type", "dict_type")
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class ErrorJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: an error message may quote client
+    text that UTF-8 cannot encode (a lone surrogate), and must still be sent."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 class APIError(Exception):
@@ -61,8 +82,8 @@ class APIError(Exception):
             param=self.param, code=self.code))
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status,
-                            headers=self.headers)
+        return ErrorJSONResponse(self.body().model_dump(), status_code=self.status,
+                                 headers=self.headers)
 
 
 class ClientDisconnected(Exception):
@@ -79,11 +100,16 @@ def anthropic_error_body(exc: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": exc.message}}
 
 
-def _respond(request: Request, exc: APIError) -> JSONResponse:
-    if request.url.path.startswith(ANTHROPIC_PREFIX):
-        return JSONResponse(anthropic_error_body(exc), status_code=exc.status,
-                            headers=exc.headers)
+def error_response(path: str, exc: APIError) -> JSONResponse:
+    """``exc`` in the shape of the route at ``path``."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return ErrorJSONResponse(anthropic_error_body(exc), status_code=exc.status,
+                                 headers=exc.headers)
     return exc.response()
+
+
+def _respond(request: Request, exc: APIError) -> JSONResponse:
+    return error_response(request.url.path, exc)
 
 
 def _param(loc: tuple[Any, ...]) -> str | None:
@@ -111,6 +137,9 @@ def _describe(error: dict[str, Any]) -> str:
     if param is None and kind in _NOT_AN_OBJECT:
         return ("the request body must be a JSON object, sent with "
                 "'Content-Type: application/json'")
+    if kind == "extra_forbidden":
+        return (f"'{param}' is not a supported field here; pagedserve refuses a parameter "
+                "it would otherwise ignore")
     if kind == "missing":
         return (f"missing required field '{param}'" if param
                 else "the request needs a JSON body")

@@ -18,6 +18,7 @@ from typing import TypeVar
 from fastapi import Request as HTTPRequest
 
 from pagedserve.engine.async_engine import EngineDeadError
+from pagedserve.engine.failures import RequestFailedError
 from pagedserve.engine.llm_engine import RequestOutput
 from pagedserve.engine.request import Request, SamplingParams, TokenLogprob
 from pagedserve.server.context import ServingContext
@@ -53,6 +54,8 @@ def _as_api_error(exc: BaseException) -> APIError:
         return bad_request(str(exc))
     if isinstance(exc, EngineDeadError):
         return APIError(500, str(exc), code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), code="request_failed")
     return APIError(500, f"internal error: {exc!r}", code="internal_error")
 
 

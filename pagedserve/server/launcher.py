@@ -21,7 +21,10 @@ class ServerProcess:
     """Start with ``start()`` (returns the base URL), stop with ``stop()`` (SIGTERM)."""
 
     def __init__(self, args: list[str], log_path: Path, env: dict[str, str] | None = None,
-                 startup_timeout: float = 300.0) -> None:
+                 startup_timeout: float = 300.0, program: list[str] | None = None) -> None:
+        """``program``: what runs ``serve`` (default ``python -m pagedserve.cli``); tests
+        put a wrapper here that patches the engine first."""
+        self.program = program or [sys.executable, "-m", "pagedserve.cli"]
         self.args = list(args)
         self.log_path = Path(log_path)
         self.env = env
@@ -30,7 +33,7 @@ class ServerProcess:
         self.url: str | None = None
 
     def start(self) -> str:
-        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", "0", *self.args]
+        cmd = [*self.program, "serve", "--port", "0", *self.args]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **(self.env or {})})

@@ -1,13 +1,19 @@
 """The OpenAI wire format: request bodies (validated) and response bodies.
 
 Request models are strict about types -- ``"0.5"`` where a number belongs is an error, not a
-coercion -- and ignore fields they do not know, because OpenAI's own clients send extras
-(``user``, ``metadata``). Numeric ranges are declared on the fields, so ``/docs`` shows them
-and a bad value fails naming the field, the value and the accepted range (``errors.py``
-turns pydantic's report into an OpenAI error). ``SamplingParams`` checks the same ranges
-again as the engine's own contract. Fields pagedserve cannot honour (``echo``,
-``logit_bias``...) are refused, never silently ignored. Tools and output constraints have
-their own module, ``agent_protocol.py``.
+coercion -- and refuse fields they do not know (``request_body.py``; ``user`` and
+``metadata``, which OpenAI's clients send and which change no output, are accepted).
+Numeric ranges are declared on the fields, so ``/docs`` shows them and a bad value fails
+naming the field, the value and the accepted range (``errors.py`` turns pydantic's report
+into an OpenAI error). ``SamplingParams`` checks the same ranges again as the engine's own
+contract. Parameters pagedserve cannot honour (``logit_bias``, ``prompt_logprobs``...) are
+refused by name, never silently ignored. Tools and output constraints have their own
+module, ``agent_protocol.py``.
+
+Ranges that differ from a plain "positive": ``top_k`` at or beyond the vocabulary means no
+top-k (as in vLLM), so any integer >= -1 is accepted; ``seed`` is any signed or unsigned
+64-bit integer (``[-2**63, 2**64)``), used modulo ``2**64``; ``temperature`` is in
+``[0, 100]`` (higher is already uniform sampling, and overflows float32 logits).
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -36,46 +41,65 @@ from pagedserve.server.agent_protocol import (
     ToolChoice,
     ToolDefinition,
 )
+from pagedserve.server.request_body import NestedBody, RequestBody
 
 MAX_N = 128  # choices per request: a fan-out bound, far above any sane use
 PROMPT_FORMS = ("must be a string, a list of strings, a list of token ids, "
                 "or a list of token-id lists")
+MAX_TEMPERATURE = 100.0
+SEED_MIN, SEED_END = -(2**63), 2**64
+# Parameters of vLLM or OpenAI that change the output and that pagedserve does not
+# implement: each is refused by name.
+UNSUPPORTED = {
+    "logit_bias": "logit_bias is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported: the engine computes logits only "
+                       "at the positions it samples",
+    "chat_template": "chat_template is not supported: the server renders every chat with "
+                     "the model's own template",
+    "functions": "functions is not supported; send its entries as tools "
+                 "([{\"type\": \"function\", \"function\": ...}])",
+    "function_call": "function_call is not supported; use tool_choice",
+}
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class StreamOptions(_Body):
+class StreamOptions(NestedBody):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
+class SamplingFields(RequestBody):
     """Fields both generation routes share. ``None`` means "use the model's default"."""
 
     model: str | None = None
-    temperature: float | None = Field(None, ge=0.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_END)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
     n: int = Field(1, ge=1, le=MAX_N)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    prompt_logprobs: Any = None
     user: str | None = None
+    metadata: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _refuse_logit_bias(self) -> SamplingFields:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+    def _refuse_unsupported_common(self) -> SamplingFields:
+        for name, message in UNSUPPORTED.items():
+            if getattr(self, name, None) is not None and \
+                    (name != "logit_bias" or self.logit_bias):
+                raise ValueError(message)
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
         return self
 
     @property
@@ -83,14 +107,24 @@ class SamplingFields(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(SamplingFields):
+class ConstraintFields(RequestBody):
+    """Output constraints both generation routes take (``constraints.py``)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+
+
+class CompletionRequest(SamplingFields, ConstraintFields):
     """``POST /v1/completions``. ``prompt``: text, texts, token ids or token-id lists."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -105,8 +139,9 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported: it needs the prompt's "
+                             "logprobs, which the engine does not compute")
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -123,12 +158,12 @@ class CompletionRequest(SamplingFields):
         return list(self.prompt)
 
 
-class TextPart(_Body):
+class TextPart(NestedBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Body):
+class ChatMessage(NestedBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -161,7 +196,7 @@ class ChatMessage(_Body):
         return out
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ConstraintFields):
     """``POST /v1/chat/completions``, rendered with the model's own chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -169,28 +204,38 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: Any = None
+    functions: Any = None
+    function_call: Any = None
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsParams | None = None
-    guided_json: dict[str, Any] | bool | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        check_continuation(self.add_generation_prompt, self.continue_final_message)
         return self
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
-class TokenizeRequest(_Body):
+
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message continues the last (assistant) message; "
+                         "send add_generation_prompt: false with it")
+
+
+class TokenizeRequest(RequestBody):
     """vLLM's ``POST /tokenize``: exactly one of ``prompt`` and ``messages``."""
 
     model: str | None = None
@@ -198,16 +243,18 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send exactly one of 'prompt' and 'messages'")
+        check_continuation(self.add_generation_prompt, self.continue_final_message)
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
@@ -347,14 +394,3 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedserve.engine.request import SamplingParams
+from pagedserve.engine.request import SEED_RANGE, SamplingParams
 from pagedserve.model.generation_defaults import GenerationDefaults
 from pagedserve.server.errors import bad_request
 from pagedserve.server.protocol import SamplingFields
@@ -32,17 +32,31 @@ def default_max_tokens(defaults: GenerationDefaults, *, room: int | None = None)
     return max(1, base)
 
 
+def check_context(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int,
+                  param: str = "max_tokens") -> None:
+    """400 (as vLLM) when an explicit ``max_tokens`` does not fit beside the prompt. A
+    prompt that leaves no room at all is reported by the engine, naming the prompt."""
+    if max_tokens is None or num_prompt_tokens >= max_model_len:
+        return
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise bad_request(
+            f"'{param}' is too large: {max_tokens}. This model's maximum context length is "
+            f"{max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
+            f"({max_tokens} > {max_model_len} - {num_prompt_tokens})", param=param)
+
+
 def build_sampling_params(body: SamplingFields, defaults: GenerationDefaults, *,
                           max_tokens: int, choice_index: int = 0,
                           logprobs: int | None = None) -> SamplingParams:
     """The engine's parameters for choice ``choice_index`` of ``body``.
 
-    With a ``seed``, choice ``i`` samples with ``seed + i``: the ``n`` choices differ, and
-    each is reproducible. Raises ``APIError`` (400) for values the engine refuses.
+    With a ``seed``, choice ``i`` samples with ``(seed + i) mod 2**64``: the ``n`` choices
+    differ, and each is reproducible (a negative seed maps onto its unsigned twin). Raises
+    ``APIError`` (400) for values the engine refuses.
     """
     greedy_default = 0.0 if defaults.do_sample is False else None
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
-    seed = None if body.seed is None else body.seed + choice_index
+    seed = None if body.seed is None else (body.seed + choice_index) % SEED_RANGE
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -59,6 +73,8 @@ def build_sampling_params(body: SamplingFields, defaults: GenerationDefaults, *,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            min_tokens=body.min_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None

@@ -6,9 +6,11 @@ encoded without added special tokens, and ``messages`` go through the chat templ
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
-from pagedserve.server.chat import render_chat
+from pagedserve.server.chat import render_chat_text, template_messages
 from pagedserve.server.context import ServingContext
 from pagedserve.server.protocol import (
     DetokenizeRequest,
@@ -25,11 +27,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     if body.messages is not None:
-        ids = render_chat(ctx, body.messages, body.add_generation_prompt,
-                          body.chat_template_kwargs)
+        text = await asyncio.to_thread(
+            render_chat_text, ctx, template_messages(body.messages),
+            body.add_generation_prompt, body.chat_template_kwargs,
+            continue_final_message=body.continue_final_message)
+        ids = await ctx.encode_async(text, "messages")
     else:
-        tokenizer = ctx.require_tokenizer("/tokenize")
-        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ctx.require_tokenizer("/tokenize")
+        ids = await ctx.encode_async(body.prompt or "", "prompt", body.add_special_tokens)
     return TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
 
 
@@ -38,5 +43,5 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeRes
     ctx: ServingContext = request.app.state.ctx
     ctx.check_model(body.model)
     ctx.check_token_ids(body.tokens, "tokens")
-    tokenizer = ctx.require_tokenizer("/detokenize")
-    return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+    ctx.require_tokenizer("/detokenize")
+    return DetokenizeResponse(prompt=await ctx.decode_async(body.tokens))

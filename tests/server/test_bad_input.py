@@ -56,7 +56,73 @@ CASES = {
     "empty prompt": (CMPL, {"prompt": ""}, 400, "prompt", ["empty"]),
     "empty prompt list": (CMPL, {"prompt": []}, 400, "prompt", ["empty"]),
     "empty stop string": (CMPL, {"prompt": "x", "stop": [""]}, 400, None, ["stop"]),
-    "echo": (CMPL, {"prompt": "x", "echo": True}, 400, None, ["echo", "not supported"]),
+    "echo with logprobs": (CMPL, {"prompt": "x", "echo": True, "logprobs": 1}, 400, None,
+                           ["echo with logprobs", "not supported"]),
+    # Every field bounded, nothing silently dropped (issue 32).
+    "unknown field": (CMPL, {"prompt": "x", "frobnicate": 1}, 400, "frobnicate",
+                      ["'frobnicate'", "not a supported field"]),
+    "unknown chat field": (CHAT, {"messages": USER, "echo": True}, 400, "echo", ["'echo'"]),
+    "unknown tokenize field": ("/tokenize", {"prompt": "x", "foo": []}, 400, "foo",
+                               ["'foo'"]),
+    "prompt_logprobs": (CMPL, {"prompt": "x", "prompt_logprobs": 1}, 400, None,
+                        ["prompt_logprobs", "not supported"]),
+    "chat prompt_logprobs": (CHAT, {"messages": USER, "prompt_logprobs": 0}, 400, None,
+                             ["prompt_logprobs"]),
+    "chat_template": (CHAT, {"messages": USER, "chat_template": "{{ 1 }}"}, 400, None,
+                      ["chat_template", "not supported"]),
+    "legacy functions": (CHAT, {"messages": USER, "functions": [{"name": "f"}]}, 400, None,
+                         ["functions", "tools"]),
+    "legacy function_call": (CHAT, {"messages": USER, "function_call": "auto"}, 400, None,
+                             ["function_call", "tool_choice"]),
+    "stream_options without stream": (CMPL, {"prompt": "x", "stream_options": {
+        "include_usage": True}}, 400, None, ["stream_options", "stream: true"]),
+    "max_tokens beyond the context": (CMPL, {"prompt": [1, 2, 3], "max_tokens": 62}, 400,
+                                      "max_tokens", ["62", str(MAX_LEN), "3 input tokens"]),
+    "max_completion_tokens beyond the context": (
+        CHAT, {"messages": USER, "max_completion_tokens": 1000}, 400, "max_completion_tokens",
+        ["1000", str(MAX_LEN)]),
+    "temperature NaN": (CMPL, b'{"prompt": "x", "temperature": NaN}', 400, "temperature",
+                        ["finite"]),
+    "temperature Infinity": (CMPL, b'{"prompt": "x", "temperature": Infinity}', 400,
+                             "temperature", ["finite"]),
+    "temperature too high": (CMPL, {"prompt": "x", "temperature": 1e300}, 400, "temperature",
+                             ["less than or equal to 100"]),
+    "top_k below -1": (CMPL, {"prompt": "x", "top_k": -2}, 400, "top_k", ["-1", "-2"]),
+    "seed beyond 64 bits": (CMPL, {"prompt": "x", "seed": 2**64}, 400, "seed",
+                            [str(2**64)]),
+    "seed below int64": (CMPL, {"prompt": "x", "seed": -(2**63) - 1}, 400, "seed",
+                         [str(-(2**63) - 1)]),
+    "presence_penalty": (CMPL, {"prompt": "x", "presence_penalty": 3}, 400,
+                         "presence_penalty", ["2"]),
+    "repetition_penalty zero": (CMPL, {"prompt": "x", "repetition_penalty": 0}, 400,
+                                "repetition_penalty", ["greater than 0"]),
+    "min_tokens negative": (CMPL, {"prompt": "x", "min_tokens": -1}, 400, "min_tokens",
+                            ["-1"]),
+    "min_tokens over max_tokens": (CMPL, {"prompt": "x", "max_tokens": 2, "min_tokens": 3},
+                                   400, None, ["min_tokens", "max_tokens=2"]),
+    "n too large": (CMPL, {"prompt": "x", "n": 129}, 400, "n", ["128"]),
+    "best_of zero": (CMPL, {"prompt": "x", "best_of": 0}, 400, "best_of", ["1"]),
+    "top_logprobs too many": (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21},
+                              400, "top_logprobs", ["20"]),
+    "huge integer": (CMPL, b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}", 400,
+                     None, []),
+    "continue with generation prompt": (CHAT, {"messages": USER,
+                                               "continue_final_message": True}, 400, None,
+                                        ["continue_final_message", "add_generation_prompt"]),
+    # Lone surrogates (issue 32): a 400 naming the field, never a text/plain 500.
+    "surrogate in prompt": (CMPL, b'{"prompt": "a\\ud800b"}', 400, "prompt",
+                            ["prompt", "not valid Unicode"]),
+    "surrogate in a prompt list": (CMPL, b'{"prompt": ["ok", "\\udfff"]}', 400, "prompt[1]",
+                                   ["prompt[1]"]),
+    "surrogate in chat content": (
+        CHAT, b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+        "messages[0].content", ["messages[0].content", "not valid Unicode"]),
+    "surrogate in a stop string": (CMPL, b'{"prompt": "x", "stop": ["\\ud800"]}', 400,
+                                   "stop[0]", ["stop[0]"]),
+    "surrogate in a key": (CMPL, b'{"prompt": "x", "\\ud800": 1}', 400, "body", []),
+    "surrogate in model": (CMPL, b'{"prompt": "x", "model": "\\ud800"}', 400, "model", []),
+    "surrogate in tokenize": ("/tokenize", b'{"prompt": "a\\ud800b"}', 400, "prompt",
+                              ["not valid Unicode"]),
     "logit_bias": (CHAT, {"messages": USER, "logit_bias": {"1": 5}}, 400, None,
                    ["logit_bias"]),
     "tool without its function": (CHAT, {"messages": USER, "tools": [{"type": "function"}]},
@@ -82,6 +148,7 @@ def test_bad_input_gets_an_openai_error(server, case):
     else:
         resp = httpx.post(server.url + route, json=body)
     assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"] == "application/json"
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error"
@@ -122,9 +189,18 @@ def test_completions_default_max_tokens_is_16(server):
     assert out.usage.completion_tokens == 16
 
 
-def test_large_max_tokens_stops_at_the_context(server):
-    out = client(server).completions.create(model="qwen3.5-tiny-random-v2", prompt="abc",
-                                            max_tokens=1000, temperature=0,
+def test_max_tokens_that_fits_exactly_stops_at_the_context(server):
+    out = client(server).completions.create(model="qwen3.5-tiny-random-v2", prompt=[1, 2, 3],
+                                            max_tokens=MAX_LEN - 3, temperature=0,
                                             extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length"
     assert out.usage.total_tokens == MAX_LEN
+
+
+def test_max_tokens_beyond_the_context_is_refused_through_openai(server):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client(server).completions.create(model="qwen3.5-tiny-random-v2", prompt=[1, 2, 3],
+                                          max_tokens=MAX_LEN - 2)
+    assert "maximum context length is 64" in str(err.value)

@@ -17,6 +17,7 @@ from pagedserve.bench.client import LevelRun, RequestResult
 from pagedserve.bench.stats import percentile, summarize
 from pagedserve.bench.workload import LengthDistribution, Workload
 from pagedserve.commands import bench
+from pagedserve.engine.request import SamplingParams
 from pagedserve.model.default_model import NAME as DEFAULT_MODEL_NAME
 from pagedserve.model.generation_defaults import GenerationDefaults
 from pagedserve.server.admission import Admission
@@ -88,6 +89,25 @@ def test_seed_offsets_per_choice():
                                    choice_index=i).seed for i in range(3)]
     assert seeds == [41, 42, 43]
     assert build_sampling_params(_completion(), GenerationDefaults(), max_tokens=1).seed is None
+
+
+def test_seeds_wrap_modulo_2_64_and_top_k_beyond_the_vocabulary_is_off():
+    body = _completion(seed=2**64 - 1, top_k=2**63)
+    params = [build_sampling_params(body, GenerationDefaults(), max_tokens=4, choice_index=i)
+              for i in range(2)]
+    assert [p.seed for p in params] == [2**64 - 1, 0]
+    assert build_sampling_params(_completion(seed=-1), GenerationDefaults(),
+                                 max_tokens=4).seed == 2**64 - 1
+    assert params[0].top_k_within(vocab_size=1000) == 0
+    assert SamplingParams(top_k=5).top_k_within(1000) == 5
+
+
+def test_default_max_request_bytes_leaves_room_for_the_longest_prompt():
+    from pagedserve.server.guards import default_max_request_bytes
+
+    assert default_max_request_bytes(4096) == 4096 * 8 + 4 * 1024 * 1024
+    longest_ids = json.dumps({"prompt": [248_000] * 262_143}).encode()
+    assert len(longest_ids) < default_max_request_bytes(262_144)
 
 
 def test_default_max_tokens():
