@@ -20,6 +20,11 @@ from pagedserve.config import CacheConfig
 from pagedserve.engine.batch_builder import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.lookahead import InflightStep, TokenReadback, lookahead_chunks
+from pagedserve.engine.prefix_cache import (
+    DEFAULT_CHECKPOINT_INTERVAL,
+    PrefixCache,
+    num_checkpoints_for,
+)
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
 from pagedserve.engine.sampler import (
@@ -32,7 +37,10 @@ from pagedserve.engine.sampler import (
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.warmup import warm_up
+from pagedserve.kv.memory import GiB
+from pagedserve.kv.prefix_hash import salt_of
 from pagedserve.model.loader import LoadedModel, load_model
+from pagedserve.plan import parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +50,10 @@ class EngineConfig:
     """Everything needed to start an engine; checked once, before any weight is loaded.
 
     ``model=None`` serves the embedded default model. ``max_model_len=None`` takes the
-    smaller of 4096 and the model's ``max_position_embeddings``.
+    smaller of 4096 and the model's ``max_position_embeddings``. Prefix caching
+    (``prefix_cache.py``) is on by default with the paged layout; its state checkpoints
+    take ``prefix_checkpoint_memory`` (a size such as ``"4GiB"``, ``"0"`` for none;
+    ``None``: the default budget).
     """
 
     model: str | None = None
@@ -63,8 +74,16 @@ class EngineConfig:
     seed: int = 0
     check_integrity: bool = False  # run the pools' invariant checks after every step
     progress: bool = True
+    enable_prefix_caching: bool = True
+    prefix_checkpoint_memory: str | None = None
+    prefix_checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prefix_checkpoint_interval, int) \
+                or self.prefix_checkpoint_interval <= 0:
+            raise ValueError(f"prefix-checkpoint-interval must be an integer > 0, got "
+                             f"{self.prefix_checkpoint_interval!r}")
+        self.checkpoint_memory_bytes()  # raises on a bad size
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r} is not supported; accepted: cpu, cuda")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -75,6 +94,12 @@ class EngineConfig:
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
+
+    def checkpoint_memory_bytes(self) -> int | None:
+        memory = self.prefix_checkpoint_memory
+        if memory is None:
+            return None
+        return 0 if memory.strip() in ("0", "0B", "0GiB") else parse_bytes(memory)
 
 
 @dataclass
@@ -115,23 +140,45 @@ class LLMEngine:
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.max_model_len = max_len
         budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        caching = config.enable_prefix_caching and config.kv_layout == "paged"
+        if config.enable_prefix_caching and not caching:
+            log.info("prefix caching is off: the %s K/V layout has no shareable blocks",
+                     config.kv_layout)
+        dtype = next(self.loaded.model.parameters()).dtype
+        bytes_per_checkpoint = cfg.state_shapes(dtype).bytes_per_slot
+        num_checkpoints = num_checkpoints_for(
+            config.checkpoint_memory_bytes(), bytes_per_checkpoint,
+            config.max_num_seqs) if caching else 0
         self.runner = ModelRunner(
             self.loaded.model, config.cache_config(),
             RunnerConfig(max_model_len=max_len, max_num_seqs=config.max_num_seqs,
                          num_blocks=config.num_blocks,
                          gpu_memory_utilization=config.gpu_memory_utilization,
                          cuda_graphs=config.cuda_graphs,
-                         prefill_graph_tokens=min(config.prefill_chunk, budget, max_len)),
+                         prefill_graph_tokens=min(config.prefill_chunk, budget, max_len),
+                         num_checkpoints=num_checkpoints),
         )
         self.startup_seconds["kv_cache_and_graphs"] = (
             time.perf_counter() - started - self.startup_seconds["weights"])
         log.info("weights loaded in %.1f s; K/V cache, compiles and CUDA graphs in %.1f s",
                  *self.startup_seconds.values())
         self.kv = self.runner.create_kv_manager()
+        self.prefix: PrefixCache | None = None
+        if caching:
+            salt = salt_of(cfg, str(dtype), config.cache_type_k, config.cache_type_v,
+                           config.block_size)
+            self.prefix = PrefixCache(self.kv, self.runner.state_pool,
+                                      self.runner.checkpoint_pool, salt,
+                                      config.prefix_checkpoint_interval)
+            log.info("prefix caching on: %d state checkpoints of %.1f MiB (%.2f GiB), one "
+                     "every %d prompt tokens and at each prompt's and request's end",
+                     num_checkpoints, bytes_per_checkpoint / 2**20,
+                     num_checkpoints * bytes_per_checkpoint / GiB,
+                     config.prefix_checkpoint_interval)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
                             prefill_chunk=config.prefill_chunk, max_model_len=max_len),
-            self.kv, self.runner.state_pool,
+            self.kv, self.runner.state_pool, self.prefix,
         )
         cuda = self.runner.device.type == "cuda"
         # Pinned buffers for each step's host->device copies (CUDA only; see HostStaging).
@@ -211,6 +258,7 @@ class LLMEngine:
         seconds = warm_up(self)
         self.startup_seconds["warm_up"] = seconds
         self.stats = EngineStats()
+        self.reset_prefix_cache()
         log.info("warm-up (every kind of step compiled and tuned) in %.1f s", seconds)
         return seconds
 
@@ -223,6 +271,11 @@ class LLMEngine:
         self.scheduler.abort(req)
         req.finished_time = time.monotonic()
         return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks and checkpoints) no request holds."""
+        if self.prefix is not None:
+            self.prefix.reset()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
@@ -251,6 +304,8 @@ class LLMEngine:
     def _launch_scheduled(self) -> InflightStep | None:
         plan = self.scheduler.schedule()
         if not plan.chunks:
+            if self.kv.pending_copies:  # of admissions preempted within the step
+                self.runner.apply_pending_copies(self.kv)
             return None
         sampling = [i for i, c in enumerate(plan.chunks) if c.completes]
         return self._launch(plan.chunks, sampling, [self._seq_chunk(c) for c in plan.chunks])
@@ -281,6 +336,11 @@ class LLMEngine:
         if input_ids is not None:
             batch.input_ids = input_ids  # [B] int64, already on the device
         step = InflightStep(chunks, sampling, None, logits=self.runner.execute(batch))
+        if self.prefix is not None:  # queued after the forward pass: its states
+            for c in chunks:
+                end = c.start_pos + c.num_tokens
+                if self.prefix.wants_checkpoint(c.request, c.start_pos, end):
+                    self.prefix.save(c.request, end)
         if not defer_sampling:
             self._queue_sampling(step, tokens_ahead=int(input_ids is not None))
         return step
@@ -336,6 +396,8 @@ class LLMEngine:
             if running:
                 self.kv.commit(c.request.live_kv_handle, c.num_tokens)
                 c.request.num_computed_tokens += c.num_tokens
+                if self.prefix is not None:
+                    self.prefix.on_commit(c.request)
         outputs = []
         for k, i in enumerate(step.sampling):
             if live[i] and sampled is not None:
@@ -359,7 +421,10 @@ class LLMEngine:
         req.last_token_time = now
         status = self._stop_status(req, token)
         if status is not None:
-            self.scheduler.finish(req, status)
+            # A step launched ahead has moved its state past its computed tokens.
+            in_flight = self._inflight is not None and any(
+                c.request is req for c in self._inflight.chunks)
+            self.scheduler.finish(req, status, save_state=not in_flight)
             req.finished_time = now
         detok = self._detok.get(req.request_id)
         text = ""
@@ -405,7 +470,7 @@ class LLMEngine:
 
     # ---- introspection ----------------------------------------------------------------
     def kv_cache_usage(self) -> float:
-        """Fraction of K/V blocks in use, in [0, 1]."""
+        """Fraction of K/V blocks owned by requests, in [0, 1] (cached ones count free)."""
         return self.kv.pool.utilization
 
     @property
