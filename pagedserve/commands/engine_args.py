@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from pagedserve.engine.llm_engine import EngineConfig
+from pagedserve.engine.prefix_cache import DEFAULT_CHECKPOINT_INTERVAL
 from pagedserve.kv import formats
 
 
@@ -34,6 +35,21 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
                         "(async scheduling is on by default on CUDA)")
     p.add_argument("--engine-seed", type=int, default=0,
                    help="seed for requests that bring none")
+    add_prefix_arguments(p)
+
+
+def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="reuse the K/V blocks and recurrent state of earlier requests' "
+                        "prefixes (default on; off with the contiguous layout)")
+    p.add_argument("--prefix-checkpoint-memory", default=None,
+                   help="memory for recurrent-state checkpoints, e.g. 4GiB, 0 for none "
+                        "(default: at most 4 GiB and max(64, 8 x max-num-seqs) checkpoints)")
+    p.add_argument("--prefix-checkpoint-interval", type=int,
+                   default=DEFAULT_CHECKPOINT_INTERVAL,
+                   help="tokens between state checkpoints inside a long prompt (default "
+                        f"{DEFAULT_CHECKPOINT_INTERVAL})")
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -46,6 +62,9 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graphs=not args.no_cuda_graphs, seed=args.engine_seed,
         async_scheduling=False if args.no_async_scheduling else None,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_checkpoint_memory=args.prefix_checkpoint_memory,
+        prefix_checkpoint_interval=args.prefix_checkpoint_interval,
     )
     fields.update(overrides)
     return EngineConfig(**fields)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from pagedserve import plan as planning
 from pagedserve import presets
 from pagedserve.config import CacheConfig, ModelConfig
+from pagedserve.engine.prefix_cache import num_checkpoints_for
 from pagedserve.kv import formats
 
 HELP = "capacity plan: K/V blocks and state slots that fit a memory budget"
@@ -32,6 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-lens", default=None,
                    help="also compare paged vs padded K/V for these live sequences, "
                         "e.g. 131072,8192x7")
+    p.add_argument("--prefix-checkpoint-memory", default=None,
+                   help="prefix-cache state checkpoint budget, e.g. 4GiB, 0 for none "
+                        "(default: the engine's, at most 4 GiB and max(64, 8 x "
+                        "max-num-seqs) checkpoints)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -50,7 +57,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         budget = planning.gpu_free_bytes(args.gpu_memory_fraction)
     max_len = args.max_model_len or model.max_position_embeddings
-    result = planning.plan_capacity(model, cache, budget, args.max_num_seqs, max_len)
+    per_checkpoint = model.state_shapes(torch.bfloat16).bytes_per_slot
+    checkpoints = num_checkpoints_for(
+        planning.parse_checkpoint_memory(args.prefix_checkpoint_memory), per_checkpoint,
+        args.max_num_seqs)
+    result = planning.plan_capacity(model, cache, budget, args.max_num_seqs, max_len,
+                                    num_checkpoints=checkpoints)
     report = None
     if args.seq_lens:
         report = planning.workload_report(

@@ -40,7 +40,7 @@ from pagedserve.engine.warmup import warm_up
 from pagedserve.kv.memory import GiB
 from pagedserve.kv.prefix_hash import salt_of
 from pagedserve.model.loader import LoadedModel, load_model
-from pagedserve.plan import parse_bytes
+from pagedserve.plan import parse_checkpoint_memory
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +96,7 @@ class EngineConfig:
         return CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
 
     def checkpoint_memory_bytes(self) -> int | None:
-        memory = self.prefix_checkpoint_memory
-        if memory is None:
-            return None
-        return 0 if memory.strip() in ("0", "0B", "0GiB") else parse_bytes(memory)
+        return parse_checkpoint_memory(self.prefix_checkpoint_memory)
 
 
 @dataclass
@@ -472,6 +469,16 @@ class LLMEngine:
     def kv_cache_usage(self) -> float:
         """Fraction of K/V blocks owned by requests, in [0, 1] (cached ones count free)."""
         return self.kv.pool.utilization
+
+    def prefix_cache_counts(self) -> dict[str, int]:
+        """Prefix-cache counters and checkpoint-pool use (zeros with caching off)."""
+        if self.prefix is None:
+            return {}
+        ckpt = self.prefix.checkpoints
+        return {"prefix_cache_queries": self.prefix.stats.num_queries,
+                "prefix_cache_hits": self.prefix.stats.num_hits,
+                "num_prefix_checkpoints": ckpt.num_used,
+                "prefix_checkpoint_capacity": ckpt.num_checkpoints}
 
     @property
     def num_running(self) -> int:

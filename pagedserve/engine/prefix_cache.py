@@ -36,8 +36,8 @@ from pagedserve.engine.request import Request
 from pagedserve.kv.checkpoint_pool import Checkpoint, CheckpointPool
 from pagedserve.kv.handles import Handle
 from pagedserve.kv.kv_manager import KVCacheManager
-from pagedserve.kv.prefix_hash import HashChain
 from pagedserve.kv.memory import GiB
+from pagedserve.kv.prefix_hash import HashChain
 from pagedserve.kv.state_pool import StatePool
 
 # Recomputing 2048 tokens of a 27B-shape model costs about 0.2 s on an H200, while one

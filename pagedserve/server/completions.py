@@ -88,7 +88,8 @@ async def create_completion(body: CompletionRequest,
                          logprobs=(completion_logprobs(ctx, r.logprobs, 0)
                                    if body.logprobs is not None else None))
         for k, r in enumerate(results)]
-    usage = UsageInfo.of(num_prompt_tokens, sum(len(r.token_ids) for r in results))
+    usage = UsageInfo.of(num_prompt_tokens, sum(len(r.token_ids) for r in results),
+                         job.num_cached_tokens(body.n))
     return CompletionResponse(id=rid, model=model, created=created, choices=choices,
                               usage=usage)
 
@@ -109,7 +110,8 @@ async def _stream(ctx: ServingContext, job: EngineJob, head: CompletionResponse,
                                       finish_reason=out.finish_reason if out.finished else None)
             yield sse(head.model_copy(update={"choices": [choice]}))
         if body.include_usage:
-            usage = UsageInfo.of(num_prompt_tokens, num_generated)
+            usage = UsageInfo.of(num_prompt_tokens, num_generated,
+                                 job.num_cached_tokens(body.n))
             yield sse(head.model_copy(update={"usage": usage}))
     except APIError as exc:
         yield sse_error(exc)

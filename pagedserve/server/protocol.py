@@ -217,15 +217,22 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int,
+           cached_tokens: int = 0) -> UsageInfo:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionLogprobs(BaseModel):
