@@ -91,6 +91,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    return_token_ids: bool = False  # vLLM's: each choice also carries its token ids
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -249,6 +250,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with ``return_token_ids``
 
 
 class CompletionResponse(BaseModel):
