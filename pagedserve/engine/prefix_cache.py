@@ -43,7 +43,7 @@ from pagedserve.kv.state_pool import StatePool
 # Recomputing 2048 tokens of a 27B-shape model costs about 0.2 s on an H200, while one
 # checkpoint (150 MB) costs about what the f16 K/V of those 2048 tokens does: a checkpoint
 # at most doubles a cached prefix's memory and bounds what a reader of a longer shared
-# prefix recomputes (see docs/prefix-caching.md).
+# prefix recomputes (docs/ARCHITECTURE.md, "Prefix caching").
 DEFAULT_CHECKPOINT_INTERVAL = 2048
 # The default checkpoint budget: at most 4 GiB (3% of an H200; 27 checkpoints of the 27B
 # shape, more than one per running sequence at the default max-num-seqs) and at most

@@ -155,3 +155,18 @@ def test_caching_off_and_contiguous_layout_say_so(make_engine, caplog):
     assert make_engine(prefix_checkpoint_memory="0").runner.checkpoint_pool.num_checkpoints == 0
     with pytest.raises(ValueError, match="interval"):
         make_engine(prefix_checkpoint_interval=0)
+
+
+@SYNC
+@pytest.mark.parametrize("kv_type", ["bf16", "q8_0", "q4_0"])
+def test_every_kv_type_gives_the_tokens_of_caching_off(make_engine, kv_type):
+    """A hit at 40 then a chunk [40, 60) is the same computation as a cold prefill cut into
+    chunks [0, 40) and [40, 60): the tokens agree exactly, whatever the K/V type."""
+    kw = dict(cache_type_k=kv_type, cache_type_v=kv_type, prefill_chunk=40)
+    probe = BASE[:40] + ids(5, 20)
+    on = make_engine(**kw)
+    run(on, ("donor", BASE[:40], 2))
+    hit = run(on, ("probe", probe, 8))["probe"]
+    assert hit.num_cached_tokens == 40
+    cold = run(make_engine(enable_prefix_caching=False, **kw), ("probe", probe, 8))["probe"]
+    assert hit.output_token_ids == cold.output_token_ids
