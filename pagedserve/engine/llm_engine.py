@@ -137,15 +137,17 @@ class LLMEngine:
                              f"max_position_embeddings ({cfg.max_position_embeddings})")
         self.max_model_len = max_len
         budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
-        caching = config.enable_prefix_caching and config.kv_layout == "paged"
-        if config.enable_prefix_caching and not caching:
-            log.info("prefix caching is off: the %s K/V layout has no shareable blocks",
-                     config.kv_layout)
         dtype = next(self.loaded.model.parameters()).dtype
         bytes_per_checkpoint = cfg.state_shapes(dtype).bytes_per_slot
         num_checkpoints = num_checkpoints_for(
-            config.checkpoint_memory_bytes(), bytes_per_checkpoint,
-            config.max_num_seqs) if caching else 0
+            config.checkpoint_memory_bytes(), bytes_per_checkpoint, config.max_num_seqs)
+        caching = (config.enable_prefix_caching and config.kv_layout == "paged"
+                   and num_checkpoints > 0)
+        if config.enable_prefix_caching and not caching:
+            log.info("prefix caching is off: %s", "no state checkpoint fits its memory budget"
+                     if config.kv_layout == "paged"
+                     else f"the {config.kv_layout} K/V layout has no shareable blocks")
+        num_checkpoints = num_checkpoints if caching else 0
         self.runner = ModelRunner(
             self.loaded.model, config.cache_config(),
             RunnerConfig(max_model_len=max_len, max_num_seqs=config.max_num_seqs,

@@ -54,6 +54,8 @@ DEFAULT_CHECKPOINT_MEMORY = 4 * GiB
 def num_checkpoints_for(memory_bytes: int | None, bytes_per_checkpoint: int,
                         max_num_seqs: int) -> int:
     """Checkpoints that fit ``memory_bytes`` (``None``: the default budget)."""
+    if bytes_per_checkpoint == 0:  # no linear-attention layer: a checkpoint is only a key
+        return max(64, 8 * max_num_seqs)
     if memory_bytes is not None:
         return memory_bytes // bytes_per_checkpoint
     return min(max(64, 8 * max_num_seqs), DEFAULT_CHECKPOINT_MEMORY // bytes_per_checkpoint)

@@ -152,7 +152,7 @@ def test_caching_off_and_contiguous_layout_say_so(make_engine, caplog):
         engine = make_engine(kv_layout="contiguous")
     assert engine.prefix is None and engine.runner.checkpoint_pool.num_checkpoints == 0
     assert "prefix caching is off" in caplog.text
-    assert make_engine(prefix_checkpoint_memory="0").runner.checkpoint_pool.num_checkpoints == 0
+    assert make_engine(prefix_checkpoint_memory="0").prefix is None
     with pytest.raises(ValueError, match="interval"):
         make_engine(prefix_checkpoint_interval=0)
 
