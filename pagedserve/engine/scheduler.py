@@ -242,17 +242,18 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, chunk_cap: int) -> int:
         """Admit ``req`` (from its longest cached prefix) with its first chunk reserved;
         returns that chunk's length, or 0 and no change when memory is short."""
-        hit, handle = None, None
+        hit = None
         if self.prefix is not None:
             match = self.prefix.match(req)
             self.prefix.set_branch(req, match)
             hit = match.hit
-            handle = self.prefix.resume(req, hit) if hit is not None else None
-        req.num_computed_tokens = hit.num_tokens if hit is not None and handle else 0
+        req.num_computed_tokens = hit.num_tokens if hit is not None else 0
         n = self._chunk_len(req, budget, chunk_cap)
-        if not self._blocks_free_for(n):
-            if handle is not None:
-                self.kv.free(handle)
+        tail_copy = int(hit is not None and hit.tail_block is not None)
+        handle = None
+        if hit is not None and self.prefix is not None and self._blocks_free_for(n + tail_copy):
+            handle = self.prefix.resume(req, hit)
+        if handle is None and (hit is not None or not self._blocks_free_for(n)):
             req.num_computed_tokens = 0
             return 0
         req.kv_handle = handle or self.kv.create()
@@ -262,7 +263,7 @@ class Scheduler:
             req.num_computed_tokens = 0
             return 0
         if self.prefix is not None:
-            if hit is not None and handle is not None:
+            if hit is not None:
                 self.prefix.restore(hit, self.states.slot(req.state_handle))
                 if req.first_scheduled_time is None:
                     req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
