@@ -18,7 +18,8 @@ Workloads (token-id prompts of random tokens; every request streams, EOS ignored
 Reported: the hit rate over reusable tokens (a prompt's longest common prefix with the
 history the client has seen finish, less its last token), TTFT p50/p99 by turn index,
 throughput, checkpoint-pool use, the hit rate of the agent loop against the checkpoint
-budget (a plot), and the ratio of a hit's TTFT to the TTFT of a cold prompt made of only
+budget (``--sweep-checkpoints``, one server each, and the default budget's run: a plot),
+and the ratio of a hit's TTFT to the TTFT of a cold prompt made of only
 its uncached tokens (both sent alone, in the same run). ``--scale`` multiplies every
 token count (not the numbers of conversations, turns, agents or steps).
 """
@@ -411,6 +412,11 @@ def main(argv: list[str] | None = None) -> int:
         on = run_server(args, flags, Path(tmp), caching=True)
         off = run_server(args, flags, Path(tmp), caching=False)
         sweep = budget_sweep(args, flags, Path(tmp), on["server"]["prefix_checkpoint_bytes"])
+    # The caching-on run is the sweep's point at the default budget.
+    sweep.append({"checkpoints": on["server"]["prefix_checkpoints"],
+                  "hit_rate": on["agent"]["hit_rate"], "seconds": on["agent"]["seconds"],
+                  "metrics": on["metrics"]})
+    sweep.sort(key=lambda p: p["checkpoints"])
     on["server_agents"] = off["server_agents"] = args.agents
     gpu = on["server"].get("device_name") or args.device
     report = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "gpu": gpu,

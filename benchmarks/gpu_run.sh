@@ -169,7 +169,7 @@ for spec in "$@"; do
     bench-prefix)  run_stage "$stage" "$limit" python3 benchmarks/bench_prefix.py \
                      --model preset:qwen3.5-27b --device cuda \
                      --server-args "--max-model-len 40960 --max-num-seqs 16 --cache-type-k q4_0 --cache-type-v q4_0" \
-                     ${PREFIX_ARGS:---scale 0.25 --conversations 16 --turns 6 --steps 10 --sweep-checkpoints 8,32} \
+                     ${PREFIX_ARGS:---scale 0.25 --conversations 16 --turns 6 --steps 10 --sweep-checkpoints 8} \
                      --out "$OUT" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac

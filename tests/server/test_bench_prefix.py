@@ -26,6 +26,7 @@ def test_bench_prefix_quick(serve_env, tmp_path, monkeypatch):
     assert off["agent"]["cached_tokens"] == 0 and off["server"]["prefix_caching"] is False
     assert on["metrics"]["prefix_cache_hits_total"] >= on["agent"]["cached_tokens"]
     assert on["metrics"]["kv_cache_usage_perc"] == 0.0
-    assert [p["checkpoints"] for p in report["budget_sweep"]] == [4]
+    default = on["server"]["prefix_checkpoints"]  # the caching-on run is the last point
+    assert [p["checkpoints"] for p in report["budget_sweep"]] == [4, default]
     assert "## Targets" in (tmp_path / "prefix_quick.md").read_text()
     assert (tmp_path / "prefix_quick.png").read_bytes()[:4] == b"\x89PNG"
