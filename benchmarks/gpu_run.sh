@@ -9,7 +9,7 @@
 #         tests-graph tests-gdn tests-engine tests-model bench-attention (library defaults)
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
-#         bench-structured bench-chaos probe-decode
+#         bench-structured bench-chaos bench-prefix probe-decode
 #         trace-decode probe-pieces ab-probe.
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/tools/probe_decode.py with the
@@ -176,6 +176,13 @@ for spec in "$@"; do
     # --concurrency, --num-verify, --tie-tolerance, --chaos-budget-s ...).
     bench-chaos)   run_stage "$stage" "$limit" python3 benchmarks/bench_chaos.py \
                      ${CHAOS_ARGS:-} --out-dir "$OUT" ;;
+    # Prefix caching on and off through the server (benchmarks/bench_prefix.py), 27B shape;
+    # $PREFIX_ARGS replaces the scaling knobs (default: about 240 s on one H200).
+    bench-prefix)  run_stage "$stage" "$limit" python3 benchmarks/bench_prefix.py \
+                     --model preset:qwen3.5-27b --device cuda \
+                     --server-args "--max-model-len 40960 --max-num-seqs 16 --cache-type-k q4_0 --cache-type-v q4_0" \
+                     ${PREFIX_ARGS:---scale 0.25 --conversations 16 --turns 6 --steps 10 --sweep-checkpoints 8} \
+                     --out "$OUT" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

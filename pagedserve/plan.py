@@ -1,8 +1,9 @@
 """Capacity planning: how many K/V blocks and state slots fit a memory budget.
 
 The budget covers K/V and recurrent state only (weights and activations are separate).
-State slots are taken first, one per concurrently running sequence (``max_num_seqs``);
-the rest of the budget becomes K/V blocks.
+State slots are taken first, one per concurrently running sequence (``max_num_seqs``),
+then the prefix cache's state checkpoints (their own budget); the rest of the budget
+becomes K/V blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise ValueError(f"memory budget must be > 0 bytes, got {text!r}")
     return value
+
+
+def parse_checkpoint_memory(text: str | None) -> int | None:
+    """``--prefix-checkpoint-memory``: ``None`` (the default budget), ``"0"`` (none), or a
+    size as ``parse_bytes`` reads it."""
+    if text is None:
+        return None
+    if re.fullmatch(r"\s*0*\.?0*\s*[a-zA-Z]*\s*", text) and any(c == "0" for c in text):
+        return 0
+    return parse_bytes(text)
 
 
 def parse_seq_lens(text: str) -> list[int]:
@@ -71,6 +82,8 @@ class CapacityPlan:
     bytes_per_max_len_seq: int  # K/V of one max_model_len sequence plus its state slot
     max_tokens_in_pool: int
     padded_max_len_seqs: int  # sequences the same budget holds padded to max_model_len
+    num_checkpoints: int = 0  # prefix-cache state checkpoints (one state slot's bytes each)
+    checkpoint_bytes: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -83,8 +96,10 @@ def plan_capacity(
     max_num_seqs: int,
     max_model_len: int,
     state_dtype: torch.dtype = torch.bfloat16,
+    num_checkpoints: int = 0,
 ) -> CapacityPlan:
-    """Split ``budget_bytes`` into ``max_num_seqs`` state slots and K/V blocks.
+    """Split ``budget_bytes`` into ``max_num_seqs`` state slots, ``num_checkpoints``
+    prefix-cache state checkpoints and K/V blocks.
 
     Raises ``ValueError`` if one ``max_model_len`` sequence (with its slot) cannot fit.
     """
@@ -103,11 +118,13 @@ def plan_capacity(
             f"the budget of {_fmt(budget_bytes)}; lower --max-model-len or raise the budget"
         )
     slots = max_num_seqs
-    num_blocks = (budget_bytes - slots * state) // kv.bytes_per_block
+    checkpoint_bytes = num_checkpoints * state
+    num_blocks = (budget_bytes - slots * state - checkpoint_bytes) // kv.bytes_per_block
     if num_blocks * cache.block_size < max_model_len:
         raise ValueError(
             f"{max_num_seqs} state slots ({_fmt(max_num_seqs * state)}) leave room for "
-            f"{num_blocks} blocks ({num_blocks * cache.block_size} tokens), fewer than one "
+            f"{num_blocks} blocks ({num_blocks * cache.block_size} tokens) besides "
+            f"{num_checkpoints} checkpoints ({_fmt(checkpoint_bytes)}), fewer than one "
             f"max_model_len={max_model_len} sequence; lower --max-num-seqs or raise the budget"
         )
     return CapacityPlan(
@@ -122,6 +139,8 @@ def plan_capacity(
         bytes_per_max_len_seq=per_seq,
         max_tokens_in_pool=int(num_blocks) * cache.block_size,
         padded_max_len_seqs=budget_bytes // per_seq,
+        num_checkpoints=num_checkpoints,
+        checkpoint_bytes=checkpoint_bytes,
     )
 
 
@@ -201,6 +220,8 @@ def format_plan(model: ModelConfig, cache: CacheConfig, plan: CapacityPlan) -> s
         f"fits             {plan.num_blocks} blocks ({plan.max_tokens_in_pool} tokens) + "
         f"{plan.num_state_slots} state slots",
         f"padded equiv.    {plan.padded_max_len_seqs} sequences padded to max_model_len",
+        f"prefix cache     {plan.num_checkpoints} state checkpoints "
+        f"({_fmt(plan.checkpoint_bytes)}, {_fmt(plan.state_bytes_per_slot)} each)",
     ]
     return "\n".join(lines)
 

@@ -71,7 +71,11 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         if value == action.default:
             continue
         flag = action.option_strings[0]
-        words += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            words += [flag if value else action.option_strings[1]]
+        else:
+            words += [flag] if isinstance(action, argparse._StoreTrueAction) \
+                else [flag, str(value)]
     return words
 
 

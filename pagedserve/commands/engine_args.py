@@ -43,6 +43,20 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
                         "(async scheduling is on by default on CUDA)")
     p.add_argument("--engine-seed", type=int, default=0,
                    help="seed for requests that bring none")
+    add_prefix_arguments(p)
+
+
+def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="reuse the K/V blocks and recurrent state of earlier requests' "
+                        "prefixes (default on; off with the contiguous layout)")
+    p.add_argument("--prefix-checkpoint-memory", default=None,
+                   help="memory for recurrent-state checkpoints, e.g. 4GiB, 0 for none "
+                        "(default: at most 4 GiB and max(64, 8 x max-num-seqs) checkpoints)")
+    p.add_argument("--prefix-checkpoint-interval", type=int, default=None,
+                   help="tokens between state checkpoints inside a long prompt (default "
+                        "2048)")
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
@@ -58,6 +72,10 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graphs=not args.no_cuda_graphs, seed=args.engine_seed,
         async_scheduling=False if args.no_async_scheduling else None,
+        enable_prefix_caching=args.enable_prefix_caching,
+        prefix_checkpoint_memory=args.prefix_checkpoint_memory,
     )
+    if args.prefix_checkpoint_interval is not None:
+        fields["prefix_checkpoint_interval"] = args.prefix_checkpoint_interval
     fields.update(overrides)
     return EngineConfig(**fields)

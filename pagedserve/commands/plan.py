@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-lens", default=None,
                    help="also compare paged vs padded K/V for these live sequences, "
                         "e.g. 131072,8192x7")
+    p.add_argument("--prefix-checkpoint-memory", default=None,
+                   help="prefix-cache state checkpoint budget, e.g. 4GiB, 0 for none "
+                        "(default: the engine's, at most 4 GiB and max(64, 8 x "
+                        "max-num-seqs) checkpoints)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -65,8 +69,11 @@ def check_lengths(max_model_len: int | None, max_position_embeddings: int,
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from pagedserve import plan as planning
     from pagedserve.config import CacheConfig
+    from pagedserve.engine.prefix_cache import num_checkpoints_for
 
     if args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
@@ -78,7 +85,12 @@ def run(args: argparse.Namespace) -> int:
         budget = planning.parse_bytes(args.memory)
     else:
         budget = planning.gpu_free_bytes(args.gpu_memory_fraction)
-    result = planning.plan_capacity(model, cache, budget, args.max_num_seqs, max_len)
+    per_checkpoint = model.state_shapes(torch.bfloat16).bytes_per_slot
+    checkpoints = num_checkpoints_for(
+        planning.parse_checkpoint_memory(args.prefix_checkpoint_memory), per_checkpoint,
+        args.max_num_seqs)
+    result = planning.plan_capacity(model, cache, budget, args.max_num_seqs, max_len,
+                                    num_checkpoints=checkpoints)
     report = None
     if seq_lens:
         report = planning.workload_report(planning.footprint(model, cache), seq_lens)

@@ -47,6 +47,10 @@ class EngineSnapshot:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which resumed from it
+    num_prefix_checkpoints: int = 0  # state checkpoints held
+    prefix_checkpoint_capacity: int = 0
 
 
 class EngineDeadError(RuntimeError):
@@ -193,6 +197,7 @@ class AsyncEngine:
             num_preemptions=e.scheduler.num_preemptions,
             num_prompt_tokens=e.stats.num_prompt_tokens,
             num_generation_tokens=e.stats.num_generation_tokens,
+            **e.prefix_cache_counts(),
         )
 
 

@@ -23,6 +23,7 @@ class CompletionOutput:
     finish_reason: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens resumed from the prefix cache
 
 
 class LLM:
@@ -66,4 +67,5 @@ class LLM:
         return [CompletionOutput(r.request_id, r.prompt_token_ids, list(r.output_token_ids),
                                  r.output_text, FINISH_ERROR if r.request_id in failed
                                  else r.finish_reason or "abort",
-                                 list(r.output_logprobs), r.num_preemptions) for r in reqs]
+                                 list(r.output_logprobs), r.num_preemptions,
+                                 r.num_cached_tokens) for r in reqs]

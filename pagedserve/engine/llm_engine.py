@@ -22,6 +22,11 @@ from pagedserve.engine.batch_builder import HostStaging, SeqChunk, build_forward
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.failures import FINISH_ERROR, describe, is_fatal
 from pagedserve.engine.lookahead import InflightStep, TokenReadback, lookahead_chunks
+from pagedserve.engine.prefix_cache import (
+    DEFAULT_CHECKPOINT_INTERVAL,
+    PrefixCache,
+    num_checkpoints_for,
+)
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
 from pagedserve.engine.sampler import (
@@ -35,7 +40,10 @@ from pagedserve.engine.sampler import (
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.warmup import warm_up
+from pagedserve.kv.memory import GiB
+from pagedserve.kv.prefix_hash import salt_of
 from pagedserve.model.loader import LoadedModel, load_model
+from pagedserve.plan import parse_checkpoint_memory
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +54,10 @@ class EngineConfig:
 
     ``model=None`` serves the embedded default model. ``max_model_len=None`` takes the
     smaller of 4096 and the model's ``max_position_embeddings``. Errors name the CLI flag
-    of the field (``num_blocks`` -> ``num-blocks``).
+    of the field (``num_blocks`` -> ``num-blocks``). Prefix caching (``prefix_cache.py``)
+    is on by default with the paged layout; its state checkpoints take
+    ``prefix_checkpoint_memory`` (a size such as ``"4GiB"``, ``"0"`` for none; ``None``:
+    the default budget).
     """
 
     model: str | None = None
@@ -72,6 +83,9 @@ class EngineConfig:
     seed: int = 0
     check_integrity: bool = False  # run the pools' invariant checks after every step
     progress: bool = True
+    enable_prefix_caching: bool = True
+    prefix_checkpoint_memory: str | None = None
+    prefix_checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
 
     def __post_init__(self) -> None:
         for name, value, lowest in (
@@ -80,12 +94,14 @@ class EngineConfig:
                 ("prefill-chunk", self.prefill_chunk, 1),
                 ("idle-prefill-chunk", self.idle_prefill_chunk, 1),
                 ("num-blocks", self.num_blocks, 1),
-                ("max-model-len", self.max_model_len, 2)):
+                ("max-model-len", self.max_model_len, 2),
+                ("prefix-checkpoint-interval", self.prefix_checkpoint_interval, 1)):
             if value is not None and (not isinstance(value, int) or value < lowest):
                 raise ValueError(f"{name} must be >= {lowest}, got {value!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu-memory-utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
+        self.checkpoint_memory_bytes()  # raises on a bad size
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device {self.device!r} is not supported; accepted: cpu, cuda")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -100,6 +116,9 @@ class EngineConfig:
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
+
+    def checkpoint_memory_bytes(self) -> int | None:
+        return parse_checkpoint_memory(self.prefix_checkpoint_memory)
 
 
 @dataclass
@@ -146,20 +165,44 @@ class LLMEngine:
             prefill_chunk=config.prefill_chunk, idle_prefill_chunk=config.idle_prefill_chunk,
             max_num_batched_tokens=config.max_num_batched_tokens)
         budget = sched_config.max_num_batched_tokens
+        dtype = next(self.loaded.model.parameters()).dtype
+        bytes_per_checkpoint = cfg.state_shapes(dtype).bytes_per_slot
+        num_checkpoints = num_checkpoints_for(
+            config.checkpoint_memory_bytes(), bytes_per_checkpoint, config.max_num_seqs)
+        caching = (config.enable_prefix_caching and config.kv_layout == "paged"
+                   and num_checkpoints > 0)
+        if config.enable_prefix_caching and not caching:
+            log.info("prefix caching is off: %s", "no state checkpoint fits its memory budget"
+                     if config.kv_layout == "paged"
+                     else f"the {config.kv_layout} K/V layout has no shareable blocks")
+        num_checkpoints = num_checkpoints if caching else 0
         self.runner = ModelRunner(
             self.loaded.model, config.cache_config(),
             RunnerConfig(max_model_len=max_len, max_num_seqs=config.max_num_seqs,
                          num_blocks=config.num_blocks,
                          gpu_memory_utilization=config.gpu_memory_utilization,
                          cuda_graphs=config.cuda_graphs,
-                         prefill_graph_tokens=min(sched_config.prefill_chunk, max_len)),
+                         prefill_graph_tokens=min(sched_config.prefill_chunk, max_len),
+                         num_checkpoints=num_checkpoints),
         )
         self.startup_seconds["kv_cache_and_graphs"] = (
             time.perf_counter() - started - self.startup_seconds["weights"])
         log.info("weights loaded in %.1f s; K/V cache, compiles and CUDA graphs in %.1f s",
                  *self.startup_seconds.values())
         self.kv = self.runner.create_kv_manager()
-        self.scheduler = Scheduler(sched_config, self.kv, self.runner.state_pool)
+        self.prefix: PrefixCache | None = None
+        if caching:
+            salt = salt_of(cfg, str(dtype), config.cache_type_k, config.cache_type_v,
+                           config.block_size)
+            self.prefix = PrefixCache(self.kv, self.runner.state_pool,
+                                      self.runner.checkpoint_pool, salt,
+                                      config.prefix_checkpoint_interval)
+            log.info("prefix caching on: %d state checkpoints of %.1f MiB (%.2f GiB), one "
+                     "every %d prompt tokens and at each prompt's and request's end",
+                     num_checkpoints, bytes_per_checkpoint / 2**20,
+                     num_checkpoints * bytes_per_checkpoint / GiB,
+                     config.prefix_checkpoint_interval)
+        self.scheduler = Scheduler(sched_config, self.kv, self.runner.state_pool, self.prefix)
         cuda = self.runner.device.type == "cuda"
         # Pinned buffers for each step's host->device copies (CUDA only; see HostStaging).
         self._staging = HostStaging(self.runner.device, budget, config.max_num_seqs,
@@ -242,6 +285,7 @@ class LLMEngine:
         seconds = warm_up(self)
         self.startup_seconds["warm_up"] = seconds
         self.stats = EngineStats()
+        self.reset_prefix_cache()
         log.info("warm-up (every kind of step compiled and tuned) in %.1f s", seconds)
         return seconds
 
@@ -254,6 +298,11 @@ class LLMEngine:
         self.scheduler.abort(req)
         req.finished_time = time.monotonic()
         return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks and checkpoints) no request holds."""
+        if self.prefix is not None:
+            self.prefix.reset()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0 or self._inflight is not None
@@ -298,6 +347,8 @@ class LLMEngine:
     def _launch_scheduled(self) -> InflightStep | None:
         plan = self.scheduler.schedule()
         if not plan.chunks:
+            if self.kv.pending_copies:  # of admissions preempted within the step
+                self.runner.apply_pending_copies(self.kv)
             return None
         sampling = [i for i, c in enumerate(plan.chunks) if c.completes]
         return self._launch(plan.chunks, sampling, [self._seq_chunk(c) for c in plan.chunks])
@@ -328,6 +379,11 @@ class LLMEngine:
         if input_ids is not None:
             batch.input_ids = input_ids  # [B] int64, already on the device
         step = InflightStep(chunks, sampling, None, logits=self.runner.execute(batch))
+        if self.prefix is not None:  # queued after the forward pass: its states
+            for c in chunks:
+                end = c.start_pos + c.num_tokens
+                if self.prefix.wants_checkpoint(c.request, c.start_pos, end):
+                    self.prefix.save(c.request, end)
         if not defer_sampling:
             self._queue_sampling(step, tokens_ahead=int(input_ids is not None))
         return step
@@ -416,6 +472,8 @@ class LLMEngine:
             if running:
                 self.kv.commit(c.request.live_kv_handle, c.num_tokens)
                 c.request.num_computed_tokens += c.num_tokens
+                if self.prefix is not None:
+                    self.prefix.on_commit(c.request)
         outputs = []
         for k, i in enumerate(step.sampling):
             if live[i] and sampled is not None:
@@ -447,7 +505,10 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - fail_request re-raises a fatal one
             return self.fail_request(req, exc)
         if status is not None:
-            self.scheduler.finish(req, status)
+            # A step launched ahead has moved its state past its computed tokens.
+            in_flight = self._inflight is not None and any(
+                c.request is req for c in self._inflight.chunks)
+            self.scheduler.finish(req, status, save_state=not in_flight)
             req.finished_time = now
         if req.is_finished:
             self.requests.pop(req.request_id, None)
@@ -491,8 +552,18 @@ class LLMEngine:
 
     # ---- introspection ----------------------------------------------------------------
     def kv_cache_usage(self) -> float:
-        """Fraction of K/V blocks in use, in [0, 1]."""
+        """Fraction of K/V blocks owned by requests, in [0, 1] (cached ones count free)."""
         return self.kv.pool.utilization
+
+    def prefix_cache_counts(self) -> dict[str, int]:
+        """Prefix-cache counters and checkpoint-pool use (zeros with caching off)."""
+        if self.prefix is None:
+            return {}
+        ckpt = self.prefix.checkpoints
+        return {"prefix_cache_queries": self.prefix.stats.num_queries,
+                "prefix_cache_hits": self.prefix.stats.num_hits,
+                "num_prefix_checkpoints": ckpt.num_used,
+                "prefix_checkpoint_capacity": ckpt.num_checkpoints}
 
     @property
     def num_running(self) -> int:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedserve.kv.handles import Handle
+from pagedserve.kv.prefix_hash import HashChain
 
 if TYPE_CHECKING:
     from pagedserve.engine.structured import GrammarSpec, RequestGrammar
@@ -147,6 +148,11 @@ class Request:
     output_text: str = ""
     stop_reason: str | int | None = None
     grammar: RequestGrammar | None = None  # the state of params.structured, if any
+    # Prefix caching: the tokens' block names (computed once), and the prompt tokens the
+    # first admission found cached (``usage.prompt_tokens_details.cached_tokens``).
+    prefix_chain: HashChain | None = None
+    num_cached_tokens: int = 0
+    checkpoint_branch: int = 0  # where its tokens leave the cached chain (0: nowhere)
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -33,6 +33,7 @@ from pagedserve.engine.prefill_graphs import PrefillGraphs
 from pagedserve.kernels.ops import DecodeWorkspace, default_occupancy
 from pagedserve.kv import formats
 from pagedserve.kv.block_pool import BlockPool
+from pagedserve.kv.checkpoint_pool import CheckpointPool
 from pagedserve.kv.formats import KVBlockStorage
 from pagedserve.kv.kv_manager import BlockCopy, KVCacheManager
 from pagedserve.kv.memory import KVFootprint
@@ -65,6 +66,8 @@ class RunnerConfig:
         max_graph_batch_size: largest decode batch run as a graph (default ``max_num_seqs``).
         prefill_graph_tokens: largest one-sequence prefill chunk run as a graph
             (``PrefillGraphs``; 0: none). At most the step's token budget.
+        num_checkpoints: recurrent-state checkpoints kept for prefix caching
+            (``CheckpointPool``; 0: none), allocated before the K/V pool is sized.
     """
 
     max_model_len: int = 4096
@@ -75,8 +78,11 @@ class RunnerConfig:
     compile_elementwise: bool = True
     max_graph_batch_size: int | None = None
     prefill_graph_tokens: int = 512
+    num_checkpoints: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_checkpoints < 0:
+            raise ValueError(f"num_checkpoints must be >= 0, got {self.num_checkpoints}")
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
         if self.max_num_seqs <= 0:
@@ -100,10 +106,11 @@ class MemoryUsage:
     weights_bytes: int
     kv_bytes: int
     state_bytes: int
+    checkpoint_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.state_bytes
+        return self.weights_bytes + self.kv_bytes + self.state_bytes + self.checkpoint_bytes
 
 
 class ModelRunner:
@@ -140,6 +147,8 @@ class ModelRunner:
         self.state_pool = StatePool(
             cfg.state_shapes(self.dtype), config.max_num_seqs, self.device
         )
+        self.checkpoint_pool = CheckpointPool(
+            cfg.state_shapes(self.dtype), config.num_checkpoints, self.device)
         self.num_blocks = config.max_num_seqs if contiguous else self._paged_num_blocks()
         # One (K, V) storage pair per full-attention layer, all over the same block ids;
         # K and V side by side in one buffer when their types match (``allocate_pair``).
@@ -230,7 +239,7 @@ class ModelRunner:
             t.numel() * t.element_size()
             for t in (self.state_pool.conv_state, self.state_pool.recurrent_state)
         )
-        return MemoryUsage(self.weights_bytes, kv, state)
+        return MemoryUsage(self.weights_bytes, kv, state, self.checkpoint_pool.total_bytes)
 
     # ---- steps ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -296,4 +305,4 @@ class ModelRunner:
     def apply_pending_copies(self, kv: KVCacheManager) -> None:
         """Run and clear the manager's pending copy-on-write copies."""
         self.copy_blocks(kv.pending_copies)
-        kv.pending_copies.clear()
+        kv.copies_done()

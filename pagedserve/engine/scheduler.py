@@ -15,6 +15,11 @@ When a running sequence cannot grow, the newest running sequence is preempted: i
 and slot are freed and it goes back to the front of the queue, to be re-prefilled from its
 prompt plus the tokens it already generated. The oldest request is never the victim while
 a newer one runs, so it cannot starve.
+
+With a ``PrefixCache``, an admitted request starts at the longest cached prefix of its
+tokens (its K/V blocks shared, its recurrent state restored from a checkpoint), a leaving
+request leaves its blocks and state cached (so a preempted one mostly resumes where it
+stopped), and prefill chunks end at the prompt's checkpoint positions.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedserve.engine.prefix_cache import PrefixCache
 from pagedserve.engine.request import Request, RequestStatus
 from pagedserve.kv.kv_manager import KVCacheManager
 from pagedserve.kv.state_pool import StatePool
@@ -117,7 +123,8 @@ class SchedulerOutput:
 class Scheduler:
     """Queues of requests over one ``KVCacheManager`` and one ``StatePool``."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, states: StatePool) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, states: StatePool,
+                 prefix: PrefixCache | None = None) -> None:
         if kv.max_num_seqs < config.max_num_seqs or states.num_slots < config.max_num_seqs:
             raise ValueError(
                 f"max-num-seqs {config.max_num_seqs} exceeds the sequence rows "
@@ -126,6 +133,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.states = states
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -167,7 +175,8 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort(self, request: Request) -> None:
-        """Stop ``request`` wherever it is and free its blocks and slot at once."""
+        """Stop ``request`` wherever it is and free its blocks and slot at once (a step of
+        it may be in flight: its state is not checkpointed)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -175,9 +184,11 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.FINISHED_ABORTED
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
+    def finish(self, request: Request, status: RequestStatus, save_state: bool = True) -> None:
+        """``request`` is done. ``save_state``: its state slot holds exactly its computed
+        tokens (no later step of it is in flight), so it may be checkpointed."""
         self.running.remove(request)
-        self._release(request)
+        self._release(request, save_state)
         request.status = status
 
     @property
@@ -209,8 +220,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = self._chunk_len(req, budget, chunk_cap)
-            if not self._admit(req, n):
+            n = self._admit(req, budget, chunk_cap)
+            if n == 0:
                 break  # head of the queue waits for memory; FCFS, no overtaking
             self.waiting.popleft()
             self.running.append(req)
@@ -226,7 +237,12 @@ class Scheduler:
 
     def _chunk_len(self, req: Request, budget: int, chunk_cap: int) -> int:
         pending = req.num_pending_tokens
-        return min(pending, budget) if pending == 1 else min(pending, budget, chunk_cap)
+        if pending == 1:
+            return min(pending, budget)
+        n = min(pending, budget, chunk_cap)
+        if self.prefix is not None:
+            n = self.prefix.chunk_limit(req, req.num_computed_tokens, n)
+        return n
 
     def _reserve_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
         while not self.kv.reserve(req.live_kv_handle, n):
@@ -256,31 +272,56 @@ class Scheduler:
         watermark = max(1, self.kv.pool.num_blocks // 100) if self.running else 0
         return self.kv.pool.num_free_blocks >= self.kv.blocks_needed(n) + watermark
 
-    def _admit(self, req: Request, n: int) -> bool:
-        if not self._blocks_free_for(n):
-            return False
-        req.kv_handle = self.kv.create()
+    def _admit(self, req: Request, budget: int, chunk_cap: int) -> int:
+        """Admit ``req`` (from its longest cached prefix) with its first chunk reserved;
+        returns that chunk's length, or 0 and no change when memory is short."""
+        hit = None
+        if self.prefix is not None:
+            match = self.prefix.match(req)
+            self.prefix.set_branch(req, match)
+            hit = match.hit
+        req.num_computed_tokens = hit.num_tokens if hit is not None else 0
+        n = self._chunk_len(req, budget, chunk_cap)
+        tail_copy = int(hit is not None and hit.tail_block is not None)
+        handle = None
+        if hit is not None and self.prefix is not None and self._blocks_free_for(n + tail_copy):
+            handle = self.prefix.resume(req, hit)
+        if handle is None and (hit is not None or not self._blocks_free_for(n)):
+            req.num_computed_tokens = 0
+            return 0
+        req.kv_handle = handle or self.kv.create()
         req.state_handle = self.states.acquire()
         if not self.kv.reserve(req.kv_handle, n):
             self._release(req)
-            return False
+            req.num_computed_tokens = 0
+            return 0
+        if self.prefix is not None:
+            if hit is not None:
+                self.prefix.restore(hit, self.states.slot(req.state_handle))
+                if req.first_scheduled_time is None:
+                    req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
+            self.prefix.count(req.num_tokens, req.num_computed_tokens)
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
-        return True
+        return n
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._release(req)
+        self._release(req, save_state=True)  # nothing of it is in flight while scheduling
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request, save_state: bool = False) -> None:
+        keep_tail = False
+        if req.kv_handle is not None and req.state_handle is not None \
+                and self.prefix is not None:
+            keep_tail = self.prefix.on_release(req, save_state)
         if req.kv_handle is not None:
-            self.kv.free(req.kv_handle)
+            self.kv.free(req.kv_handle, keep_tail=keep_tail)
             req.kv_handle = None
         if req.state_handle is not None:
             self.states.release(req.state_handle)
@@ -290,6 +331,8 @@ class Scheduler:
         """Pools consistent, and every live sequence belongs to exactly one running request."""
         self.kv.check_invariants()
         self.states.check_invariants()
+        if self.prefix is not None:
+            self.prefix.check_invariants()
         if self.kv.num_live_seqs != len(self.running):
             raise AssertionError(f"{self.kv.num_live_seqs} live sequences for "
                                  f"{len(self.running)} running requests")

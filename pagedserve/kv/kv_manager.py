@@ -16,6 +16,11 @@ prefill chunk about to run). Blocks cover exactly ``ceil(num_reserved / block_si
 one is allocated exactly when a block boundary is crossed, never earlier, never with gaps.
 Every operation that allocates is all-or-nothing and returns ``False`` when blocks are short,
 leaving the pool and the table exactly as they were.
+
+Prefix reuse: ``create_from_prefix`` starts a sequence on cached full blocks (shared,
+refcounts up) plus a private copy of the block holding a partial tail, so that the new
+sequence writes its own rows past the prefix and never into a block another prefix names.
+``name_full_blocks`` registers committed full blocks in the pool under their chained hash.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ EMPTY = -1  # block-table entry with no block
 class _SeqState:
     num_tokens: int = 0  # committed: K/V written
     num_reserved: int = 0  # committed + claimed; num_reserved >= num_tokens
+    num_named: int = 0  # leading full blocks registered under their hash
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,9 @@ class KVCacheManager:
         self._blocks: list[list[int]] = [[] for _ in range(max_num_seqs)]
         self._seqs: list[_SeqState] = [_SeqState() for _ in range(max_num_seqs)]
         self.pending_copies: list[BlockCopy] = []
+        # Copy sources that might otherwise be evicted before the copy runs: one
+        # reference each until ``copies_done``.
+        self._copy_holds: list[int] = []
 
     # ---- capacity -----------------------------------------------------------------------
     @property
@@ -102,15 +111,73 @@ class KVCacheManager:
         self._blocks[handle.index] = []
         return handle
 
-    def free(self, handle: Handle) -> None:
+    def free(self, handle: Handle, keep_tail: bool = False) -> None:
         """Release the sequence; its blocks return to the pool at once (shared ones when
-        their last owner goes)."""
+        their last owner goes): named ones cached, others free. ``keep_tail`` caches a
+        partly filled last block too (a state checkpoint ends inside it)."""
         index = self._handles.validate(handle)
-        self.pool.decref(self._blocks[index])
+        blocks, s = self._blocks[index], self._seqs[index]
+        if keep_tail and s.num_tokens % self.block_size:
+            self.pool.keep(blocks[(s.num_tokens - 1) // self.block_size])
+        self.pool.decref(blocks)
         self._blocks[index] = []
         self._seqs[index] = _SeqState()
         self.block_tables_cpu[index].fill_(EMPTY)
         self._handles.release(handle)
+
+    def create_from_prefix(self, full_blocks: list[int], num_tokens: int,
+                           tail_block: int | None) -> Handle | None:
+        """A new sequence holding ``num_tokens`` committed tokens of a cached prefix.
+
+        ``full_blocks`` (owned or cached) are shared; when ``num_tokens`` ends inside a
+        block, ``tail_block`` holds its rows and is copied into a fresh block
+        (``pending_copies``). ``None``, and no change, when blocks or rows are short.
+        """
+        bs = self.block_size
+        if len(full_blocks) != num_tokens // bs or (tail_block is None) == (num_tokens % bs > 0):
+            raise ValueError(f"{len(full_blocks)} full blocks and tail {tail_block} do not "
+                             f"cover {num_tokens} tokens")
+        if self._handles.num_free == 0 or num_tokens > self.max_tokens_per_seq:
+            return None
+        held = full_blocks + ([tail_block] if tail_block is not None else [])
+        self.pool.incref(held)  # out of the eviction order while the copy is allocated
+        fresh: list[int] = []
+        if tail_block is not None:
+            got = self.pool.allocate(1)
+            if got is None:
+                self.pool.decref(held)
+                return None
+            fresh = got
+            self.pending_copies.append(BlockCopy(tail_block, fresh[0]))
+            self._copy_holds.append(tail_block)
+        handle = self._handles.acquire()
+        blocks = full_blocks + fresh
+        self._blocks[handle.index] = blocks
+        self._seqs[handle.index] = _SeqState(num_tokens, num_tokens, len(full_blocks))
+        row = self.block_tables_cpu[handle.index]
+        row.fill_(EMPTY)
+        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        return handle
+
+    def copies_done(self) -> None:
+        """The pending copies have been queued on the device: drop them and their holds."""
+        self.pending_copies.clear()
+        holds, self._copy_holds = self._copy_holds, []
+        self.pool.decref(holds)
+
+    def name_full_blocks(self, handle: Handle, names: list[int]) -> None:
+        """Register each committed full block ``i`` not yet named under ``names[i]``."""
+        index = self._handles.validate(handle)
+        s, blocks = self._seqs[index], self._blocks[index]
+        end = min(len(names), s.num_tokens // self.block_size)
+        for i in range(s.num_named, end):
+            self.pool.set_name(blocks[i], names[i])
+        s.num_named = max(s.num_named, end)
+
+    def block_at(self, handle: Handle, pos: int) -> int:
+        """The block holding position ``pos`` (reserved)."""
+        index = self._reserved_row(handle, pos, pos + 1)
+        return self._blocks[index][pos // self.block_size]
 
     def fork(self, handle: Handle) -> Handle:
         """A new sequence sharing every block of ``handle`` (refcounts +1).
@@ -124,7 +191,8 @@ class KVCacheManager:
         self.pool.incref(blocks)
         self._blocks[child.index] = blocks
         self._seqs[child.index] = _SeqState(
-            self._seqs[src].num_tokens, self._seqs[src].num_tokens
+            self._seqs[src].num_tokens, self._seqs[src].num_tokens,
+            min(self._seqs[src].num_named, self._seqs[src].num_tokens // self.block_size),
         )
         row = self.block_tables_cpu[child.index]
         row.fill_(EMPTY)
@@ -293,6 +361,8 @@ class KVCacheManager:
                 raise AssertionError(f"sequence {i}: table row {row} != blocks {blocks}")
             for b in blocks:
                 owners[b] = owners.get(b, 0) + 1
+        for b in self._copy_holds:
+            owners[b] = owners.get(b, 0) + 1
         self.pool.check_invariants(owners)
 
     def snapshot(self) -> tuple:
@@ -304,4 +374,5 @@ class KVCacheManager:
             tuple((s.num_tokens, s.num_reserved) for s in self._seqs),
             tuple(map(tuple, self.block_tables_cpu.tolist())),
             tuple(self.pending_copies),
+            tuple(self._copy_holds),
         )

@@ -154,7 +154,8 @@ async def create_message(body: MessagesRequest,
     return {**head, "content": content_blocks(message),
             "stop_reason": stop_reason(reason, stop, bool(message.tool_calls)),
             "stop_sequence": stop if isinstance(stop, str) else None,
-            "usage": {"input_tokens": len(prompt), "output_tokens": num_out}}
+            "usage": {"input_tokens": len(prompt), "output_tokens": num_out,
+                      "cache_read_input_tokens": job.num_cached_tokens(1)}}
 
 
 async def _collect(job: EngineJob,
@@ -262,7 +263,8 @@ async def _stream(job: EngineJob, head: dict[str, Any], fmt: OutputFormat,
                 "delta": {"stop_reason": stop_reason(out.finish_reason, stop,
                                                      blocks.num_calls > 0),
                           "stop_sequence": stop if isinstance(stop, str) else None},
-                "usage": {"output_tokens": num_out}})
+                "usage": {"output_tokens": num_out,
+                          "cache_read_input_tokens": job.num_cached_tokens(1)}})
         yield _event("message_stop", {})
     except APIError as exc:
         yield _event("error", {"error": anthropic_error_body(exc)["error"]})

@@ -206,7 +206,8 @@ async def create_chat_completion(body: ChatCompletionRequest,
             index=k, message=response_message(message),
             finish_reason=finish_reason(r.finish_reason, bool(message.tool_calls)),
             logprobs=chat_logprobs(ctx, r.logprobs) if body.logprobs else None))
-    usage = UsageInfo.of(len(prompt), sum(len(r.token_ids) for r in results))
+    usage = UsageInfo.of(len(prompt), sum(len(r.token_ids) for r in results),
+                         job.num_cached_tokens(body.n))
     return ChatCompletionResponse(id=rid, model=model, created=created, choices=choices,
                                   usage=usage)
 
@@ -261,7 +262,8 @@ async def _stream(ctx: ServingContext, job: EngineJob, head: ChatCompletionChunk
                 if out.finished else None))
         if body.include_usage:
             yield sse(head.model_copy(
-                update={"usage": UsageInfo.of(num_prompt_tokens, num_generated)}))
+                update={"usage": UsageInfo.of(num_prompt_tokens, num_generated,
+                                              job.num_cached_tokens(body.n))}))
     except APIError as exc:
         yield sse_error(exc)
     yield DONE

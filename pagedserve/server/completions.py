@@ -114,9 +114,11 @@ async def create_completion(body: CompletionRequest,
         CompletionChoice(index=k, text=(echo[k // body.n] if echo else "") + r.text,
                          finish_reason=r.finish_reason,
                          logprobs=(completion_logprobs(ctx, r.logprobs, 0)
-                                   if body.logprobs is not None else None))
+                                   if body.logprobs is not None else None),
+                         token_ids=r.token_ids if body.return_token_ids else None)
         for k, r in enumerate(results)]
-    usage = UsageInfo.of(num_prompt_tokens, sum(len(r.token_ids) for r in results))
+    usage = UsageInfo.of(num_prompt_tokens, sum(len(r.token_ids) for r in results),
+                         job.num_cached_tokens(body.n))
     return CompletionResponse(id=rid, model=model, created=created, choices=choices,
                               usage=usage)
 
@@ -139,10 +141,13 @@ async def _stream(ctx: ServingContext, job: EngineJob, head: CompletionResponse,
                 logprobs = completion_logprobs(ctx, out.new_logprobs, offsets[k])
                 offsets[k] += sum(len(t) for t in logprobs.tokens)
             choice = CompletionChoice(index=k, text=out.new_text, logprobs=logprobs,
-                                      finish_reason=out.finish_reason if out.finished else None)
+                                      finish_reason=out.finish_reason if out.finished else None,
+                                      token_ids=out.new_token_ids if body.return_token_ids
+                                      else None)
             yield sse(head.model_copy(update={"choices": [choice]}))
         if body.include_usage:
-            usage = UsageInfo.of(num_prompt_tokens, num_generated)
+            usage = UsageInfo.of(num_prompt_tokens, num_generated,
+                                 job.num_cached_tokens(body.n))
             yield sse(head.model_copy(update={"usage": usage}))
     except APIError as exc:
         yield sse_error(exc)

@@ -99,6 +99,13 @@ class EngineJob:
             if item.finished:
                 remaining -= 1
 
+    def num_cached_tokens(self, n: int) -> int:
+        """Prompt tokens found in the prefix cache, over the prompts (``n`` choices each:
+        a prompt counts its best choice, as its tokens count once)."""
+        reqs = self.requests
+        return sum(max(r.num_cached_tokens for r in reqs[i:i + n])
+                   for i in range(0, len(reqs), n))
+
     def close(self) -> None:
         """Abort unfinished requests and return the admission (idempotent)."""
         if self._closed:

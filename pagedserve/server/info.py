@@ -82,6 +82,10 @@ def server_info(ctx: ServingContext) -> dict[str, Any]:
         "idle_prefill_chunk": llm.scheduler.config.idle_prefill_chunk,
         "max_queue": ctx.admission.max_queue,
         "cuda_graphs": runner.graphs is not None,
+        "prefix_caching": llm.prefix is not None,
+        "prefix_checkpoints": runner.checkpoint_pool.num_checkpoints,
+        "prefix_checkpoint_bytes": runner.checkpoint_pool.bytes_per_checkpoint,
+        "prefix_checkpoint_interval": llm.config.prefix_checkpoint_interval,
         "reasoning_parser": ctx.reasoning_parser,
         "tool_call_parser": ctx.tool_call_parser,
         "pagedserve_version": pagedserve.__version__,
@@ -99,6 +103,8 @@ def ready_line(ctx: ServingContext, url: str) -> str:
             f"{i['device']} {i['dtype']} | kv {i['kv_layout']}, K {i['cache_type_k']} / "
             f"V {i['cache_type_v']}, {i['num_blocks']} blocks x {i['block_size']} tokens | "
             f"{i['num_state_slots']} state slots, max-num-seqs {i['max_num_seqs']}, "
-            f"max-model-len {i['max_model_len']}, max-queue {queue} | started in "
-            + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s"
-                        for k, v in i["startup_seconds"].items()))
+            f"max-model-len {i['max_model_len']}, max-queue {queue} | prefix caching "
+            + (f"on, {i['prefix_checkpoints']} state checkpoints" if i["prefix_caching"]
+               else "off")
+            + " | started in " + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s"
+                                           for k, v in i["startup_seconds"].items()))

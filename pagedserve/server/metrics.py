@@ -49,7 +49,8 @@ class _EngineCollector(Collector):
         gauges: tuple[tuple[str, str, float], ...] = (
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of K/V blocks in use (0 to 1).",
+            ("kv_cache_usage_perc",
+             "Fraction of K/V blocks owned by requests (0 to 1; cached ones count free).",
              s.kv_cache_usage),
             # The pools' exact counts: all 0 on an idle engine unless something leaked.
             ("kv_cache_used_blocks", "K/V blocks owned by sequences.", s.num_used_blocks),
@@ -61,6 +62,15 @@ class _EngineCollector(Collector):
             gauges += (("num_requests_admitted", "Engine requests admitted and not yet "
                         "released (the --max-queue bound counts these).",
                         self.admission.num_in_flight),)
+        checkpoint_use = (s.num_prefix_checkpoints / s.prefix_checkpoint_capacity
+                          if s.prefix_checkpoint_capacity else 0.0)
+        gauges += (
+            ("prefix_checkpoint_usage_perc",
+             "Fraction of the prefix cache's state checkpoints in use (0 to 1).",
+             checkpoint_use),
+            ("prefix_checkpoints", "Recurrent-state checkpoints held by the prefix cache.",
+             s.num_prefix_checkpoints),
+        )
         for name, doc, value in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
@@ -70,6 +80,9 @@ class _EngineCollector(Collector):
              s.num_preemptions),
             ("prompt_tokens", "Prompt tokens prefilled.", s.num_prompt_tokens),
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
+            ("prefix_cache_queries", "Prefix cache queries, in tokens.",
+             s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix cache hits, in tokens.", s.prefix_cache_hits),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])

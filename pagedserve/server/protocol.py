@@ -125,6 +125,7 @@ class CompletionRequest(SamplingFields, ConstraintFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    return_token_ids: bool = False  # vLLM's: each choice also carries its token ids
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -264,15 +265,22 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens resumed from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    def of(cls, prompt_tokens: int, completion_tokens: int,
+           cached_tokens: int = 0) -> UsageInfo:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class CompletionLogprobs(BaseModel):
@@ -289,6 +297,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # with ``return_token_ids``
 
 
 class CompletionResponse(BaseModel):

@@ -48,3 +48,29 @@ def test_lookahead_matches_synchronous_steps_on_cuda(model_dir, kv_type):
         assert engine.runner.state_pool.num_used_slots == 0
     assert outputs[True] == outputs[False]
     assert sorted(outputs[True]) == [f"r{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q4_0"])
+def test_prefix_hits_match_caching_off_on_cuda(model_dir, kv_type):
+    """bf16, CUDA graphs and async scheduling: a request resumed at 40 cached tokens (a
+    copied partial block, a restored state checkpoint) gives the tokens of a cold prefill
+    cut at the same position (each request alone, so that every GEMM has the same rows)."""
+    base = prompts(12, [40])[0]
+    probes = {f"p{i}": base + p for i, p in enumerate(prompts(13, [3, 20, 57]))}
+    outputs = {}
+    for caching in (True, False):
+        engine = LLMEngine(EngineConfig(
+            model=str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=4,
+            prefill_chunk=40, max_model_len=256, cache_type_k=kv_type, cache_type_v=kv_type,
+            enable_prefix_caching=caching, check_integrity=True, progress=False))
+        if caching:
+            run_with_arrivals(engine, [(0, "donor", base, greedy(4))])
+        outputs[caching] = {}
+        for rid, p in probes.items():  # alone: the same GEMM shapes in both runs
+            outputs[caching].update(run_with_arrivals(engine, [(0, rid, p, greedy(24))]))
+        if caching:
+            assert engine.prefix is not None and engine.prefix.stats.num_hits == 3 * 40
+        assert engine.kv.pool.num_used_blocks == 0
+    same = sum(a == b for rid in probes for a, b in zip(outputs[True][rid], outputs[False][rid]))
+    print(f"\n{kv_type}: caching on vs off, {same}/{24 * len(probes)} tokens agree")
+    assert outputs[True] == outputs[False]

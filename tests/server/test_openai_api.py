@@ -188,6 +188,34 @@ def test_metrics_report_requests(server, oai):
     assert metric(text, "pagedserve:num_requests_running") == 0
 
 
+def test_usage_and_metrics_report_cached_prompt_tokens(server, oai):
+    model = "qwen3.5-tiny-random-v2"
+    prompt = "A prefix worth caching, " * 4  # byte tokens: one per character
+    first = oai.completions.create(model=model, prompt=prompt, max_tokens=2, **GREEDY)
+    again = oai.completions.create(model=model, prompt=prompt + "again", max_tokens=2, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == len(prompt)  # its prompt's end
+    chunks = list(oai.completions.create(model=model, prompt=prompt + "third", max_tokens=2,
+                                         stream=True, stream_options={"include_usage": True},
+                                         **GREEDY))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= len(prompt)
+    messages = [{"role": "user", "content": prompt}]
+    kwargs = dict(model=model, max_tokens=2, temperature=0.0, extra_body={"ignore_eos": True})
+    chat = [oai.chat.completions.create(messages=messages, **kwargs) for _ in range(2)]
+    more = oai.chat.completions.create(
+        messages=messages + [{"role": "assistant", "content": "ok"},
+                             {"role": "user", "content": "more"}], **kwargs)
+    assert chat[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert more.usage.prompt_tokens_details.cached_tokens > 0
+    text = get_metrics(server)
+    hits = metric(text, "pagedserve:prefix_cache_hits_total")
+    assert hits >= 2 * len(prompt) + more.usage.prompt_tokens_details.cached_tokens
+    assert metric(text, "pagedserve:prefix_cache_queries_total") > hits
+    assert metric(text, "pagedserve:prefix_checkpoints") > 0
+    assert 0 < metric(text, "pagedserve:prefix_checkpoint_usage_perc") <= 1
+    assert metric(text, "pagedserve:kv_cache_usage_perc") == 0.0  # cached blocks are free
+
+
 def test_server_info(server):
     info = httpx.get(server.url + "/server_info").json()
     assert info["kv_layout"] == "paged" and info["max_num_seqs"] == 8

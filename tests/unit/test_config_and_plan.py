@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from pagedserve import cli, presets
 from pagedserve import plan as planning
@@ -110,3 +111,19 @@ def test_cache_config_names_bad_values():
         CacheConfig(kv_layout="ring")
     with pytest.raises(ValueError, match="head_dim 48 cannot be stored as q4_0"):
         CacheConfig("q4_0", "f16").check_head_dim(48)
+
+
+def test_plan_sets_the_prefix_checkpoints_apart(capsys):
+    cfg, cache = qwen27b(), CacheConfig("q4_0", "q4_0")
+    none = planning.plan_capacity(cfg, cache, 40 * GiB, 8, 32768)
+    some = planning.plan_capacity(cfg, cache, 40 * GiB, 8, 32768, num_checkpoints=10)
+    per = cfg.state_shapes(torch.bfloat16).bytes_per_slot
+    assert some.checkpoint_bytes == 10 * per and some.num_checkpoints == 10
+    assert some.num_blocks == (40 * GiB - 8 * per - 10 * per) // none.bytes_per_block
+    assert planning.parse_checkpoint_memory("0") == 0
+    assert planning.parse_checkpoint_memory(None) is None
+    assert planning.parse_checkpoint_memory("1GiB") == GiB
+    assert cli.main(["plan", "--model", "preset:qwen3.5-27b", "--memory", "40GiB",
+                     "--max-model-len", "32768", "--prefix-checkpoint-memory", "2GiB"]) == 0
+    out = capsys.readouterr().out
+    assert f"prefix cache     {2 * GiB // per} state checkpoints" in out

@@ -1,0 +1,243 @@
+"""Prefix caching for a hybrid model: which prefixes to keep, and where a request resumes.
+
+Policy over two mechanisms: cached K/V blocks (``BlockPool``, named by chained hashes) and
+recurrent-state checkpoints (``CheckpointPool``). A request resumes at position ``p`` only
+when both halves of the prefix ``[0, p)`` are there:
+
+    K/V     every full block below p cached or owned under its chain name, and the rows
+            of a partial last block in a block whose contents are still known
+    state   a checkpoint saved at exactly p (the GDN state cannot be rewound or
+            advanced without recomputing the tokens)
+
+``match`` picks the longest such ``p`` below the request's token count (a sequence always
+recomputes its last token, which yields the logits of its next one).
+
+Checkpoints are saved:
+
+* at the end of every prompt, at its exact length;
+* every ``checkpoint_interval`` tokens of a prompt (the scheduler cuts prefill chunks at
+  those positions; the math is unchanged, a chunk boundary is exact);
+* when a request finishes or is preempted, at its computed length (prompt plus the
+  output tokens fed back), unless a forward pass of it is still in flight;
+* where a request's tokens leave the cached K/V chain beyond its resume point (the last
+  full block it shares): the branch point of prompts that share a system prompt or
+  repeat a whole prompt, so that every later one resumes there.
+
+A checkpoint is worth the tokens it saves recomputing, halved for every ``half_life``
+saves and hits since it was last used, and nothing once its K/V blocks are gone; the
+least valuable is evicted when the checkpoint pool is full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.engine.request import Request
+from pagedserve.kv.checkpoint_pool import Checkpoint, CheckpointPool
+from pagedserve.kv.handles import Handle
+from pagedserve.kv.kv_manager import KVCacheManager
+from pagedserve.kv.memory import GiB
+from pagedserve.kv.prefix_hash import HashChain
+from pagedserve.kv.state_pool import StatePool
+
+# Recomputing 2048 tokens of a 27B-shape model costs about 0.2 s on an H200, while one
+# checkpoint (150 MB) costs about what the f16 K/V of those 2048 tokens does: a checkpoint
+# at most doubles a cached prefix's memory and bounds what a reader of a longer shared
+# prefix recomputes (docs/ARCHITECTURE.md, "Prefix caching").
+DEFAULT_CHECKPOINT_INTERVAL = 2048
+# The default checkpoint budget: at most 4 GiB (3% of an H200; 27 checkpoints of the 27B
+# shape, more than one per running sequence at the default max-num-seqs) and at most
+# max(64, 8 * max_num_seqs) checkpoints (small models).
+DEFAULT_CHECKPOINT_MEMORY = 4 * GiB
+
+
+def num_checkpoints_for(memory_bytes: int | None, bytes_per_checkpoint: int,
+                        max_num_seqs: int) -> int:
+    """Checkpoints that fit ``memory_bytes`` (``None``: the default budget)."""
+    if bytes_per_checkpoint == 0:  # no linear-attention layer: a checkpoint is only a key
+        return max(64, 8 * max_num_seqs)
+    if memory_bytes is not None:
+        return memory_bytes // bytes_per_checkpoint
+    return min(max(64, 8 * max_num_seqs), DEFAULT_CHECKPOINT_MEMORY // bytes_per_checkpoint)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Resume at ``num_tokens``: share ``full_blocks``, copy ``tail_block`` (the rows past
+    the last full block, ``None`` when block-aligned) and restore ``checkpoint``."""
+
+    num_tokens: int
+    full_blocks: list[int]
+    tail_block: int | None
+    checkpoint: Checkpoint
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """What ``match`` found: where to resume (if anywhere) and how many leading tokens
+    have cached K/V (full blocks only), resumable or not."""
+
+    hit: PrefixHit | None
+    num_kv_tokens: int
+
+
+@dataclass
+class PrefixCacheStats:
+    num_queries: int = 0  # tokens looked up at admissions
+    num_hits: int = 0  # of which resumed from the cache
+
+
+class PrefixCache:
+    """Matching and checkpoint policy over one K/V manager, state pool and checkpoint pool.
+
+    Args:
+        kv: the sequences' K/V manager (its pool holds the cached blocks).
+        states: the running sequences' state slots.
+        checkpoints: the checkpoint pool (capacity 0 disables reuse: nothing can resume).
+        salt: the hash chain's root (``prefix_hash.salt_of`` over model and K/V types).
+        checkpoint_interval: tokens between checkpoints inside a long prompt.
+    """
+
+    def __init__(self, kv: KVCacheManager, states: StatePool, checkpoints: CheckpointPool,
+                 salt: int, checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL) -> None:
+        if checkpoint_interval <= 0:
+            raise ValueError(f"prefix-checkpoint-interval must be > 0, got "
+                             f"{checkpoint_interval}")
+        self.kv = kv
+        self.states = states
+        self.checkpoints = checkpoints
+        self.salt = salt
+        self.block_size = kv.block_size
+        self.checkpoint_interval = checkpoint_interval
+        self.half_life = max(16, 2 * checkpoints.num_checkpoints)
+        checkpoints.value = self._value
+        self.stats = PrefixCacheStats()
+
+    # ---- matching -----------------------------------------------------------------------
+    def chain(self, req: Request, num_tokens: int) -> HashChain:
+        """``req``'s block names, extended to cover ``num_tokens`` tokens."""
+        if req.prefix_chain is None:
+            req.prefix_chain = HashChain(self.salt, self.block_size)
+        req.prefix_chain.extend(num_tokens, req.token_slice)
+        return req.prefix_chain
+
+    def match(self, req: Request) -> PrefixMatch:
+        """The longest cached prefix of ``req``'s tokens shorter than all of them."""
+        limit = req.num_tokens - 1
+        if limit <= 0:
+            return PrefixMatch(None, 0)
+        bs = self.block_size
+        chain = self.chain(req, limit)
+        blocks: list[int] = []
+        for i in range(chain.num_blocks):
+            b = self.kv.pool.lookup(chain.block_name(i))
+            if b is None:
+                break
+            blocks.append(b)
+        for i in range(len(blocks), -1, -1):
+            best: tuple[Checkpoint, int | None] | None = None
+            for entry in self.checkpoints.under(chain.parents[i]):
+                p = entry.num_tokens
+                if not i * bs <= p <= limit or (best and p <= best[0].num_tokens):
+                    continue
+                tail = self._tail(entry, blocks, i)
+                if (p % bs == 0 or tail is not None) and entry.key == chain.key_at(
+                        p, req.token_slice):
+                    best = (entry, tail)
+            if best is not None:
+                entry, tail = best
+                return PrefixMatch(PrefixHit(entry.num_tokens, blocks[:i], tail, entry),
+                                   len(blocks) * bs)
+        return PrefixMatch(None, len(blocks) * bs)
+
+    def _tail(self, entry: Checkpoint, blocks: list[int], i: int) -> int | None:
+        """The block holding ``entry``'s rows past full block ``i``, if any is known."""
+        if entry.num_tokens % self.block_size == 0:
+            return None
+        if i < len(blocks):
+            return blocks[i]  # a full cached block with the same leading tokens
+        if entry.tail is not None and self.kv.pool.holds(*entry.tail):
+            return entry.tail[0]
+        return None
+
+    def resume(self, req: Request, hit: PrefixHit) -> Handle | None:
+        """A K/V sequence for ``req`` holding ``hit``'s prefix (``None`` if blocks or rows
+        are short); the caller restores the state once ``req`` has a slot."""
+        return self.kv.create_from_prefix(hit.full_blocks, hit.num_tokens, hit.tail_block)
+
+    def restore(self, hit: PrefixHit, state_slot: int) -> None:
+        self.checkpoints.restore(hit.checkpoint, self.states, state_slot)
+
+    def count(self, num_queried: int, num_hit: int) -> None:
+        """An admission looked up ``num_queried`` tokens and resumed after ``num_hit``."""
+        self.stats.num_queries += num_queried
+        self.stats.num_hits += num_hit
+
+    # ---- what to keep -------------------------------------------------------------------
+    def set_branch(self, req: Request, match: PrefixMatch) -> None:
+        """Checkpoint ``req`` where it leaves the cached K/V chain, if past its resume
+        point (``req.checkpoint_branch``, 0: nowhere)."""
+        resume = match.hit.num_tokens if match.hit is not None else 0
+        req.checkpoint_branch = match.num_kv_tokens if match.num_kv_tokens > resume else 0
+
+    def chunk_limit(self, req: Request, start: int, n: int) -> int:
+        """``n`` cut so that a prefill chunk from ``start`` ends at the next checkpoint
+        inside the prompt (an interval or the branch point), if it would pass one."""
+        cut = (start // self.checkpoint_interval + 1) * self.checkpoint_interval
+        if cut >= req.num_prompt_tokens:
+            cut = req.num_tokens
+        if start < req.checkpoint_branch < cut:
+            cut = req.checkpoint_branch
+        return min(n, cut - start)
+
+    def wants_checkpoint(self, req: Request, start: int, end: int) -> bool:
+        """Whether the state after a prefill chunk ``[start, end)`` is saved."""
+        return start < req.num_prompt_tokens and (
+            end == req.num_prompt_tokens or end == req.checkpoint_branch
+            or end % self.checkpoint_interval == 0)
+
+    def save(self, req: Request, end: int) -> None:
+        """Save ``req``'s state slot, which holds the state after ``end`` tokens."""
+        if self.checkpoints.num_checkpoints == 0:
+            return
+        chain = self.chain(req, end)
+        handle = req.live_kv_handle
+        tail = None
+        if end % self.block_size:
+            block = self.kv.block_at(handle, end - 1)
+            tail = (block, self.kv.pool.epoch(block))
+        self.checkpoints.save(chain.key_at(end, req.token_slice), end,
+                              chain.parents[end // self.block_size], tail, self.states,
+                              self.states.slot(req.live_state_handle))
+
+    def on_commit(self, req: Request) -> None:
+        """Name ``req``'s committed full blocks, so that other requests can find them."""
+        handle = req.live_kv_handle
+        n = self.kv.num_tokens(handle)
+        chain = self.chain(req, n)
+        self.kv.name_full_blocks(handle, chain.parents[1:])
+
+    def on_release(self, req: Request, save_state: bool) -> bool:
+        """``req`` leaves (finished, preempted or aborted) with ``num_computed_tokens``
+        tokens computed; with ``save_state`` its slot holds their state. Returns whether a
+        partial last block must stay cached (a checkpoint ends inside it)."""
+        self.on_commit(req)
+        n = req.num_computed_tokens
+        if not save_state or n == 0:
+            return False
+        self.save(req, n)
+        return n % self.block_size != 0
+
+    def _value(self, c: Checkpoint, now: int) -> float:
+        if c.parent != self.salt and self.kv.pool.lookup(c.parent) is None:
+            return -1.0  # its K/V prefix is gone: it can never be used
+        return c.num_tokens * 0.5 ** ((now - c.last_used) / self.half_life)
+
+    def reset(self) -> None:
+        """Forget every cached block and checkpoint (running sequences keep theirs)."""
+        self.kv.pool.clear_cache()
+        self.checkpoints.clear()
+        self.stats = PrefixCacheStats()
+
+    def check_invariants(self) -> None:
+        self.checkpoints.check_invariants()

@@ -1,0 +1,171 @@
+"""Prefix caching on the embedded hybrid model: every hit gives transformers' greedy tokens
+(float32, CPU), in both scheduling modes, and nothing leaks."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+from pagedserve.engine.request import SamplingParams
+
+VOCAB = 256  # byte tokens
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run(engine, *items):
+    """Add every ``(id, prompt, max_tokens)`` at once; run to the end; id -> request."""
+    reqs = {rid: engine.add_request(rid, p, greedy(n)) for rid, p, n in items}
+    while engine.has_unfinished_requests():
+        engine.step()
+    return reqs
+
+
+BASE = ids(1, 120)
+SYNC = pytest.mark.parametrize("make_engine", [False], indirect=True, ids=["sync"])
+
+
+@SYNC
+def test_a_hit_at_every_prefix_length_gives_transformers_tokens(make_engine, hf_greedy):
+    engine = make_engine(prefill_chunk=32)
+    for shared in (0, 1, 15, 16, 17, 100):  # each round's hits lie off the next one's path
+        donor = BASE[:shared] or ids(2, 5)
+        run(engine, (f"donor{shared}", donor, 3))  # checkpoints its prompt's end
+        probe = BASE[:shared] + ids(3, 20)
+        got = run(engine, (f"probe{shared}", probe, 6))[f"probe{shared}"]
+        assert got.num_cached_tokens == shared
+        assert got.output_token_ids == hf_greedy(probe, 6), f"shared {shared}"
+    assert engine.kv.pool.num_used_blocks == 0
+
+
+@SYNC
+def test_a_whole_identical_prompt_recomputes_its_tail_exactly(make_engine, hf_greedy):
+    engine = make_engine(prefill_chunk=32)
+    prompt = BASE[:50]
+    cached = [run(engine, (f"r{i}", prompt, 6))[f"r{i}"] for i in range(3)]
+    # The 2nd checkpoints where it leaves the cached chain (48); the 3rd resumes there.
+    assert [r.num_cached_tokens for r in cached] == [0, 0, 48]
+    assert all(r.output_token_ids == hf_greedy(prompt, 6) for r in cached)
+
+
+@SYNC
+def test_interval_checkpoints_cut_long_prompts_without_changing_tokens(make_engine, hf_greedy):
+    engine = make_engine(prefill_chunk=64, prefix_checkpoint_interval=16)
+    run(engine, ("donor", BASE, 2))
+    for k in (20, 119):
+        probe = BASE[:k] + ids(k, 9)
+        got = run(engine, (f"p{k}", probe, 6))[f"p{k}"]
+        assert got.num_cached_tokens == k // 16 * 16
+        assert got.output_token_ids == hf_greedy(probe, 6)
+
+
+@SYNC
+def test_multi_turn_chat_reuses_history_through_the_real_template(make_engine, hf_greedy):
+    engine = make_engine(prefix_checkpoint_interval=32)
+    tok = engine.tokenizer
+    messages = [{"role": "system", "content": "You answer briefly. " * 3}]
+    hits = []
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"Question {turn}: what is {turn}+1?"})
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = tok.encode(text, add_special_tokens=False)
+        req = run(engine, (f"t{turn}", prompt, 8))[f"t{turn}"]
+        assert req.output_token_ids == hf_greedy(prompt, 8), f"turn {turn}"
+        hits.append(req.num_cached_tokens)
+        messages.append({"role": "assistant", "content": req.output_text})
+    # The template rewrites earlier turns: reuse stops at the first differing token.
+    assert hits[0] == 0 and hits[1] > 0 and hits[2] > hits[1]
+
+
+def test_several_requests_share_one_prefix_in_one_step(make_engine, hf_greedy):
+    engine = make_engine(max_num_seqs=4)
+    run(engine, ("donor", BASE[:40], 3))
+    probes = [(f"p{i}", BASE[:40] + ids(10 + i, 5 + 3 * i), 7) for i in range(3)]
+    reqs = {rid: engine.add_request(rid, p, greedy(n)) for rid, p, n in probes}
+    outs = engine.step()  # all three resume from the same blocks and finish their prompts
+    assert {o.request_id for o in outs} == set(reqs)
+    while engine.has_unfinished_requests():
+        engine.step()
+    for rid, prompt, n in probes:
+        assert reqs[rid].num_cached_tokens == 40
+        assert reqs[rid].output_token_ids == hf_greedy(prompt, n), rid
+
+
+def test_a_hit_followed_by_preemption_stays_exact(make_engine, hf_greedy):
+    # 10 blocks of 16 tokens: four sequences that grow to ~90 tokens cannot all fit.
+    engine = make_engine(max_num_seqs=4, num_blocks=10, max_model_len=128, prefill_chunk=16)
+    run(engine, ("donor", BASE[:33], 2))
+    probes = [(f"p{i}", BASE[:33] + ids(20 + i, 10 + i), 28) for i in range(4)]
+    got = run(engine, *probes)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.prefix.stats.num_hits > 4 * 33  # preempted ones resumed from the cache too
+    for rid, prompt, n in probes:
+        assert got[rid].output_token_ids == hf_greedy(prompt, n), rid
+    assert engine.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("make_engine", [True], indirect=True, ids=["lookahead"])
+def test_no_leak_with_shared_prefixes_cancellations_and_preemption(make_engine):
+    rng = random.Random(11)
+    per_checkpoint = make_engine().runner.checkpoint_pool.bytes_per_checkpoint
+    engine = make_engine(max_num_seqs=6, num_blocks=14, max_model_len=96, prefill_chunk=16,
+                         max_num_batched_tokens=48, prefix_checkpoint_interval=16,
+                         prefix_checkpoint_memory=str(6 * per_checkpoint))
+    bases = [ids(30 + i, 60) for i in range(4)]
+    live: list[str] = []
+    submitted = 0
+    while submitted < 60 or engine.has_unfinished_requests():
+        for _ in range(rng.randrange(3)):
+            if submitted < 60:
+                prompt = rng.choice(bases)[:rng.randrange(1, 60)] + ids(submitted, rng.randrange(4))
+                engine.add_request(f"r{submitted}", prompt, SamplingParams(
+                    max_tokens=rng.randrange(1, 16), temperature=rng.choice([0.0, 0.8]),
+                    seed=rng.randrange(1000)))
+                live.append(f"r{submitted}")
+                submitted += 1
+        if live and rng.random() < 0.15:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        for out in engine.step():  # check_integrity runs inside every step
+            if out.finished and out.request_id in live:
+                live.remove(out.request_id)
+    assert engine.scheduler.num_preemptions > 0 and engine.prefix.stats.num_hits > 0
+    assert engine.kv.pool.num_used_blocks == 0 and engine.kv.num_live_seqs == 0
+    assert engine.runner.state_pool.num_used_slots == 0 and not engine.requests
+    assert engine.kv_cache_usage() == 0.0 and engine.kv.pool.num_cached_blocks > 0
+    assert engine.runner.checkpoint_pool.num_used <= 6
+
+
+@SYNC
+def test_caching_off_and_contiguous_layout_say_so(make_engine, caplog):
+    assert make_engine(enable_prefix_caching=False).prefix is None
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.llm_engine"):
+        engine = make_engine(kv_layout="contiguous")
+    assert engine.prefix is None and engine.runner.checkpoint_pool.num_checkpoints == 0
+    assert "prefix caching is off" in caplog.text
+    assert make_engine(prefix_checkpoint_memory="0").prefix is None
+    with pytest.raises(ValueError, match="interval"):
+        make_engine(prefix_checkpoint_interval=0)
+
+
+@SYNC
+@pytest.mark.parametrize("kv_type", ["q8_0", "q4_0"])
+def test_every_kv_type_gives_the_tokens_of_caching_off(make_engine, kv_type):
+    """A hit at 40 then a chunk [40, 60) is the same computation as a cold prefill cut into
+    chunks [0, 40) and [40, 60): the tokens agree exactly, whatever the K/V type."""
+    kw = dict(cache_type_k=kv_type, cache_type_v=kv_type, prefill_chunk=40)
+    probe = BASE[:40] + ids(5, 20)
+    on = make_engine(**kw)
+    run(on, ("donor", BASE[:40], 2))
+    hit = run(on, ("probe", probe, 8))["probe"]
+    assert hit.num_cached_tokens == 40
+    cold = run(make_engine(enable_prefix_caching=False, **kw), ("probe", probe, 8))["probe"]
+    assert hit.output_token_ids == cold.output_token_ids
