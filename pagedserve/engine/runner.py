@@ -265,7 +265,7 @@ class ModelRunner:
         its own either way: sequences share no state within a step. ``None`` when the
         step does not split so.
         """
-        if (self.graphs is None or self.prefill_graphs is None or batch.is_decode_only
+        if (self.graphs is None or self.prefill_graphs is None or batch.num_decode_seqs == 0
                 or batch.num_seqs != batch.num_decode_seqs + 1 or batch.row_valid is not None):
             return None
         decode, prefill = batch.split_decode()
