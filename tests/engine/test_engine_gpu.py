@@ -61,7 +61,8 @@ def test_prefix_hits_match_caching_off_on_cuda(model_dir, kv_type):
     for caching in (True, False):
         engine = LLMEngine(EngineConfig(
             model=str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=4,
-            prefill_chunk=40, max_model_len=256, cache_type_k=kv_type, cache_type_v=kv_type,
+            prefill_chunk=40, idle_prefill_chunk=40, max_model_len=256,
+            cache_type_k=kv_type, cache_type_v=kv_type,
             enable_prefix_caching=caching, check_integrity=True, progress=False))
         if caching:
             run_with_arrivals(engine, [(0, "donor", base, greedy(4))])
