@@ -32,7 +32,9 @@ from pagedserve.engine.sampler import (
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.warmup import warm_up
+from pagedserve.model.fp8_linear import describe_weights
 from pagedserve.model.loader import LoadedModel, load_model
+from pagedserve.quant.config import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,8 @@ class EngineConfig:
     model: str | None = None
     device: str = "cpu"
     dtype: str | None = None
+    # "fp8": FP8 block weights from a bf16 checkpoint (an FP8 checkpoint is FP8 without it).
+    quantization: str | None = None
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     kv_layout: str = "paged"
@@ -75,6 +79,9 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for, but CUDA is not available")
         CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported; "
+                             f"accepted: {QUANTIZATIONS}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max-model-len must be >= 2, got {self.max_model_len}")
         # The step sizes, checked now rather than after the weights load.
@@ -116,7 +123,8 @@ class LLMEngine:
         self.config = config
         started = time.perf_counter()
         self.loaded = loaded or load_model(config.model, config.device, config.dtype,
-                                           progress=config.progress)
+                                           progress=config.progress,
+                                           quantization=config.quantization)
         # Seconds per start-up phase (``warm_up`` adds its own).
         self.startup_seconds = {"weights": time.perf_counter() - started}
         cfg = self.loaded.config
@@ -143,6 +151,7 @@ class LLMEngine:
             time.perf_counter() - started - self.startup_seconds["weights"])
         log.info("weights loaded in %.1f s; K/V cache, compiles and CUDA graphs in %.1f s",
                  *self.startup_seconds.values())
+        log.info("weights: %s", describe_weights(self.loaded.model))
         self.kv = self.runner.create_kv_manager()
         self.scheduler = Scheduler(sched_config, self.kv, self.runner.state_pool)
         cuda = self.runner.device.type == "cuda"

@@ -79,3 +79,17 @@ class RowConcatLinear(nn.Module):
 def weight_nbytes(model: nn.Module) -> int:
     """Bytes of every parameter: FP8 data at 1 byte each, scales and float weights at theirs."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def describe_weights(model: nn.Module) -> str:
+    """One line for the start-up log: total bytes, and the FP8 share with its scales."""
+    total = weight_nbytes(model)
+    fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    if not fp8_layers:
+        return f"{total / 2**30:.3f} GiB, no FP8 layers"
+    data = sum(m.weight.numel() for m in fp8_layers)
+    scales = sum(m.weight_scale_inv.numel() * 4 for m in fp8_layers)
+    return (f"{total / 2**30:.3f} GiB: {len(fp8_layers)} FP8 block-128 linear layers "
+            f"{data / 2**30:.3f} GiB + scales {scales / 2**20:.2f} MiB, the rest "
+            f"{(total - data - scales) / 2**30:.3f} GiB in the model dtype "
+            "(weight-only FP8: dequantized per call; FP8 GPU kernels are not built yet)")

@@ -18,8 +18,10 @@ part keeps its own block rows, see ``quant/fp8.py``); nothing is dequantized.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -98,7 +100,7 @@ def load_fp8_weights(
 
 
 def _is_fp8(
-    key: str, storage: str, linear: bool, quant: Fp8Config, scales: dict[str, object],
+    key: str, storage: str, linear: bool, quant: Fp8Config, scales: Collection[str],
 ) -> bool:
     """Whether checkpoint tensor ``key`` becomes FP8, after checking it is where it may be."""
     module = key.removesuffix(".weight")
@@ -173,9 +175,9 @@ def _swap_linear(
             child = Fp8Linear(old.in_features, rows, device)
             scale_row = 0
             row = 0
-            for (key, file, shape), n in zip(run, rows, strict=True):
-                scale_file = scales[key + SCALE_SUFFIX][0] if key + SCALE_SUFFIX in scales \
-                    else None
+            for (key, file, _), n in zip(run, rows, strict=True):
+                scale = scales.get(key + SCALE_SUFFIX)  # None under --quantization fp8
+                scale_file = None if scale is None else scale[0]
                 parts.append(_Part(key, file, n, child.weight, row, child.weight_scale_inv,
                                    scale_row, scale_file))
                 row += n
@@ -227,7 +229,7 @@ def _row_bytes(t: torch.Tensor) -> int:
     return t[0].numel() * t.element_size()
 
 
-def _copy_one(f, part: _Part, is_scale: bool, serialized: bool, device: torch.device) -> None:
+def _copy_one(f: Any, part: _Part, is_scale: bool, serialized: bool, device: torch.device) -> None:
     rows = slice(part.row, part.row + part.rows)
     if is_scale:
         assert part.scale is not None

@@ -67,6 +67,16 @@ FP8_SHAPES: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
                          "partial_rotary_factor": 0.25},
     ),
+    # Every dimension a multiple of 128: the shapes transformers' FP8 dequantization reads
+    # right (it takes the block size as rows // scale rows, so partial blocks come out wrong).
+    "h128-fp8-tied": dict(
+        hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32,
+        layer_types=[LIN, FULL], tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                         "partial_rotary_factor": 0.5},
+    ),
 }
 
 
