@@ -42,8 +42,10 @@ from pagedserve.engine.runner import ModelRunner, RunnerConfig
 from pagedserve.model.fp8_linear import Fp8Linear, RowConcatLinear
 from pagedserve.model.loader import LoadedModel, load_model
 from pagedserve.model.qwen3_5 import Qwen3_5Model
+from pagedserve.model.weight_footprint import weight_footprint
 from pagedserve.model.weights import packed_sources
 from pagedserve.quant import fp8
+from pagedserve.quant.config import parse_quantization
 
 SHAPE = "h200-fp8-untied"
 EXACT = CacheConfig(cache_type_k="f32", cache_type_v="f32")
@@ -326,3 +328,46 @@ def test_quantization_config_in_text_config_is_read(fp8_checkpoint, tmp_path) ->
         "quantization_config")}
     (path / "config.json").write_text(json.dumps(raw))
     assert load_model(path, progress=False).quantization == "fp8"
+
+
+# ---- memory and the engine ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source", ["published", "online", "float"])
+def test_weight_footprint_from_config_equals_loaded_bytes(checkpoints, fp8_checkpoint,
+                                                          fp8_loaded, source) -> None:
+    path = fp8_checkpoint if source == "published" else checkpoints(SHAPE).path
+    raw = json.loads((path / "config.json").read_text())
+    requested = "fp8" if source == "online" else None
+    if source == "published":
+        loaded = fp8_loaded
+    else:
+        loaded = load_model(path, progress=False, quantization=requested)
+    footprint = weight_footprint(loaded.config, torch.float32,
+                                 parse_quantization(raw, requested))
+    assert footprint.total_bytes == loaded.weights_bytes
+    assert (footprint.fp8_bytes > 0) == (source != "float")
+
+
+def test_engine_serves_fp8_on_the_cpu(checkpoints, fp8_checkpoint, fp8_loaded, caplog) -> None:
+    """``EngineConfig.quantization`` reaches the loader; the log counts FP8 bytes."""
+    from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
+    from pagedserve.engine.request import SamplingParams
+
+    with pytest.raises(ValueError, match="quantization 'int8' is not supported"):
+        EngineConfig(model=str(checkpoints(SHAPE).path), quantization="int8")
+    caplog.set_level("INFO", logger="pagedserve.engine.llm_engine")
+    engine = LLMEngine(EngineConfig(model=str(checkpoints(SHAPE).path), quantization="fp8",
+                                    max_model_len=128, progress=False))
+    assert engine.loaded.quantization == "fp8"
+    assert "FP8 block-128 linear layers" in caplog.text
+    assert engine.runner.memory_usage().weights_bytes == fp8_loaded.weights_bytes
+    prompt = checkpoints(SHAPE).prompt
+    engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0.0,
+                                                   ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    runner = ModelRunner(fp8_loaded.model, CacheConfig(), RunnerConfig(max_model_len=128))
+    assert tokens == greedy(runner, prompt, 6).tokens
