@@ -29,9 +29,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pagedserve.model.fp8_linear import Fp8Linear, RowConcatLinear, weight_nbytes
+from pagedserve.model.weight_footprint import part_rows
 from pagedserve.model.weights import (
+    LM_HEAD,
     SKIPPED_PREFIXES,
     index_tensors,
+    packed_sources,
     plan_tensors,
     safetensors_files,
     set_parameter,
@@ -241,3 +244,44 @@ def _copy_one(f: Any, part: _Part, is_scale: bool, serialized: bool, device: tor
         q, scale = fp8.quantize(f.get_tensor(part.key).to(device))
         part.data[rows].copy_(q)
         part.scale[part.scale_row : part.scale_row + scale.shape[0]].copy_(scale)
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module, weight_prefix: str, quant: Fp8Config) -> None:
+    """Quantize, in place, the loaded linear weights of ``model`` that ``quant`` converts,
+    each fused part on its own block grid (for models made without a checkpoint, such as
+    the random-weight presets). The float weights are released as each layer is done."""
+    for name, sources in packed_sources(model).items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name) if owner_name else model
+        if not (isinstance(owner, nn.Linear) and attr == "weight"):
+            continue
+        packer = model.get_submodule(owner_name.rpartition(".")[0])
+        rows = part_rows(packer, owner.weight.shape[0], len(sources))
+        kinds = [quant.is_converted(s.removesuffix(".weight") if s == LM_HEAD
+                                    else weight_prefix + s.removesuffix(".weight"))
+                 for s in sources]
+        if not any(kinds):
+            continue
+        pieces = owner.weight.split(rows)
+        children: list[nn.Module] = []
+        for is_fp8, first, end in _runs(kinds):
+            child: nn.Module
+            if is_fp8:
+                child = Fp8Linear(owner.in_features, rows[first:end], owner.weight.device)
+                row = scale_row = 0
+                for piece in pieces[first:end]:
+                    q, scale = fp8.quantize(piece)
+                    child.weight[row : row + q.shape[0]].copy_(q)
+                    child.weight_scale_inv[scale_row : scale_row + scale.shape[0]].copy_(scale)
+                    row += q.shape[0]
+                    scale_row += scale.shape[0]
+            else:
+                dense = nn.Linear(owner.in_features, sum(rows[first:end]), bias=False,
+                                  device="meta")
+                dense.weight = nn.Parameter(torch.cat(pieces[first:end]), requires_grad=False)
+                child = dense
+            children.append(child)
+        new = children[0] if len(children) == 1 else RowConcatLinear(children)
+        parent_name, _, child_attr = owner_name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child_attr, new)

@@ -17,7 +17,8 @@ import torch
 
 from pagedserve import presets
 from pagedserve.config import ModelConfig
-from pagedserve.model.fp8_weights import load_fp8_weights
+from pagedserve.model.fp8_linear import weight_nbytes
+from pagedserve.model.fp8_weights import load_fp8_weights, quantize_linears
 from pagedserve.model.generation_defaults import GenerationDefaults, merge_ids
 from pagedserve.model.qwen3_5 import Qwen3_5Model
 from pagedserve.model.random_weights import random_model
@@ -138,9 +139,7 @@ def load_model(
     dtype = parse_dtype(dtype, device)
     preset = presets.preset_name(str(model)) if model is not None else None
     if preset is not None:
-        if quantization is not None:
-            raise ValueError("presets have random weights; --quantization applies to checkpoints")
-        return load_preset(preset, device, dtype)
+        return load_preset(preset, device, dtype, quantization)
     if model is None:
         from pagedserve.model.default_model import default_model_path
 
@@ -177,15 +176,20 @@ def load_model(
                        None if quant is None else "fp8")
 
 
-def load_preset(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_preset(name: str, device: torch.device, dtype: torch.dtype,
+                quantization: str | None = None) -> LoadedModel:
     """A preset shape with seeded random weights built on ``device``; no tokenizer, so
-    prompts must be token ids. For benchmarks of real shapes without their checkpoints."""
+    prompts must be token ids. For benchmarks of real shapes without their checkpoints.
+    ``quantization="fp8"`` quantizes the random linear weights as ``--quantization fp8``
+    quantizes a checkpoint's."""
     path = presets.config_path(name)
     with open(path) as f:
         raw = json.load(f)
     cfg = ModelConfig.from_hf_dict(raw)
     check_supported(cfg, raw, device, dtype)
+    quant = parse_quantization(raw, quantization)
     decoder = random_model(cfg, device, dtype)
-    weights_bytes = sum(p.numel() * p.element_size() for p in decoder.parameters())
-    return LoadedModel(path.parent, cfg, decoder, None, GenerationDefaults(), weights_bytes,
-                       device, dtype)
+    if quant is not None:
+        quantize_linears(decoder, cfg.weight_prefix, quant)
+    return LoadedModel(path.parent, cfg, decoder, None, GenerationDefaults(),
+                       weight_nbytes(decoder), device, dtype, None if quant is None else "fp8")

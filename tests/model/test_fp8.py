@@ -371,3 +371,32 @@ def test_engine_serves_fp8_on_the_cpu(checkpoints, fp8_checkpoint, fp8_loaded, c
             tokens += out.new_token_ids
     runner = ModelRunner(fp8_loaded.model, CacheConfig(), RunnerConfig(max_model_len=128))
     assert tokens == greedy(runner, prompt, 6).tokens
+
+
+def test_random_weights_quantized_in_place(checkpoints) -> None:
+    """The preset path: a model made without a checkpoint, quantized per fused part."""
+    from pagedserve.model.fp8_weights import quantize_linears
+    from pagedserve.model.random_weights import random_model
+    from pagedserve.quant.config import ONLINE_NOT_CONVERTED, Fp8Config
+
+    cfg = load_model(checkpoints(SHAPE).path, progress=False).config
+    model = random_model(cfg, torch.device("cpu"), torch.bfloat16)
+    dense = {n: p.clone() for n, p in model.named_parameters()}
+    quantize_linears(model, cfg.weight_prefix, Fp8Config(False, ONLINE_NOT_CONVERTED))
+    split = {"mlp.gate_up_proj": (136, 136), "self_attn.qkv_proj": (384, 64, 64),
+             "linear_attn.in_proj": (160, 96, 3, 3), "mlp.down_proj": (200,),
+             "self_attn.o_proj": (200,), "linear_attn.out_proj": (200,)}
+    for i, layer in enumerate(model.layers):
+        for sub, rows in split.items():
+            if not hasattr(layer, sub.split(".")[0]):
+                continue
+            w = dense[f"layers.{i}.{sub}.weight"].split(rows)
+            # in_proj_b and in_proj_a (parts 2 and 3 of in_proj) stay in the model dtype.
+            want = [p.float() if sub.endswith("in_proj") and n >= 2
+                    else oracle_dequantize(*oracle_quantize(p)).float() for n, p in enumerate(w)]
+            got = effective_weight(layer.get_submodule(sub))
+            assert torch.equal(got, torch.cat(want)), (i, sub)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert weight_footprint(cfg, torch.bfloat16, Fp8Config(False, ONLINE_NOT_CONVERTED)
+                            ).total_bytes == sum(p.numel() * p.element_size()
+                                                 for p in model.parameters())
