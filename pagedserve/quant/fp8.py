@@ -14,9 +14,9 @@ right and bottom edges are partial when ``N`` or ``K`` is not a multiple of 128:
 The ``_inv`` in the checkpoint's name follows DeepSeek-V3's convention: the stored value is
 what multiplies ``Q`` back to ``W``. 448 is the largest finite e4m3 value.
 
-A fused projection concatenates parts by rows (``FP8 parts``). Each part keeps its own block
-grid, because a part whose row count is not a multiple of 128 ends in a partial block that
-must not share scales with the next part's first rows::
+A fused projection concatenates parts by rows (``parts``: each part's row count). Each part
+keeps its own block grid, because a part whose row count is not a multiple of 128 ends in a
+partial block that must not share scales with the next part's first rows::
 
     data  [N0 + N1, K]      rows of part 0 (N0 = 200) | rows of part 1 (N1 = 72)
     scale [2 + 1, KB]       part 0 block rows 0, 1    | part 1 block row 0
