@@ -74,12 +74,6 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
-def expand_scales(scale: torch.Tensor, parts: tuple[int, ...], cols: int) -> torch.Tensor:
-    """float32 ``[sum(parts), cols]``: each element's block scale."""
-    per_row = scale[scale_rows(parts, scale.device)]  # [N, KB]
-    return per_row.repeat_interleave(BLOCK, dim=1)[:, :cols]
-
-
 def dequantize(
     data: torch.Tensor, scale: torch.Tensor, parts: tuple[int, ...] | None = None,
     dtype: torch.dtype = torch.float32,
@@ -88,8 +82,16 @@ def dequantize(
     ``dtype``. ``parts`` (row counts, default one part of ``N``) says where fused parts start.
 
     The product is taken in float32 (exact to one rounding, as in float64 then rounded) and
-    then rounded to ``dtype``.
+    then rounded to ``dtype``. The scales multiply in place, block column by block column as
+    a broadcast, so the only temporary is the float32 weight.
     """
-    parts = (data.shape[0],) if parts is None else parts
-    w = data.float() * expand_scales(scale.float(), parts, data.shape[1])
+    n, k = data.shape
+    parts = (n,) if parts is None else parts
+    per_row = scale.float()[scale_rows(parts, scale.device)]  # [N, KB]
+    w = data.float()  # [N, K]
+    full = k // BLOCK * BLOCK
+    if full:
+        w[:, :full].view(n, full // BLOCK, BLOCK).mul_(per_row[:, : full // BLOCK, None])
+    if full < k:
+        w[:, full:].mul_(per_row[:, -1:])  # the partial last block column
     return w.to(dtype)

@@ -400,3 +400,16 @@ def test_random_weights_quantized_in_place(checkpoints) -> None:
     assert weight_footprint(cfg, torch.bfloat16, Fp8Config(False, ONLINE_NOT_CONVERTED)
                             ).total_bytes == sum(p.numel() * p.element_size()
                                                  for p in model.parameters())
+
+
+def test_cli_flag_maps_onto_engine_config() -> None:
+    import argparse
+
+    from pagedserve.commands.engine_args import add_engine_arguments, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    assert engine_config(p.parse_args(["--quantization", "fp8"])).quantization == "fp8"
+    assert engine_config(p.parse_args([])).quantization is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantization", "awq"])
