@@ -3,7 +3,8 @@
 ``load_model`` is the one entry point: it resolves ``--model`` (a directory or a cached hub
 id; ``None`` means the embedded default model), checks everything the kernels cannot serve
 before touching the weights, builds the decoder on the meta device, and streams the
-safetensors straight into parameters on the target device and dtype.
+safetensors straight into parameters on the target device and dtype (FP8 linear weights,
+see ``docs/fp8.md``, stay FP8).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Three module parameters are row-wise concatenations of checkpoint tensors (``PAC
 the module that owns them); every other parameter is one tensor of the same name. The
 safetensors files are memory-mapped and each tensor is copied straight into its slice of
 the parameter, on the target device and in the target dtype, so no second full copy of
-the weights is ever held.
+the weights is ever held. FP8 models load through ``fp8_weights.py`` on the same plan.
 """
 
 from __future__ import annotations
