@@ -15,6 +15,7 @@ import torch
 
 from pagedserve.config import CacheConfig, ModelConfig
 from pagedserve.kv.memory import GiB, KVFootprint, MiB
+from pagedserve.model.weight_footprint import WeightFootprint
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 1 << 10, "mib": MiB, "gib": GiB, "tib": 1 << 40, "t": 1e12, "tb": 1e12}
@@ -67,6 +68,21 @@ def gpu_free_bytes(fraction: float) -> int:
         raise ValueError("a fraction of GPU memory was asked for, but no CUDA device is visible")
     free, _ = torch.cuda.mem_get_info()
     return int(free * fraction)
+
+
+def budget_after_weights(device_bytes: int, utilization: float, weights_bytes: int,
+                         reserve_bytes: int) -> int:
+    """The K/V + state budget the engine leaves on a device of ``device_bytes``:
+    ``utilization`` of it, less the weights and the activation reserve."""
+    if not 0.0 < utilization <= 1.0:
+        raise ValueError(f"gpu memory utilization must be in (0, 1], got {utilization}")
+    budget = int(device_bytes * utilization) - weights_bytes - reserve_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"weights ({_fmt(weights_bytes)}) and the activation reserve ({_fmt(reserve_bytes)}) "
+            f"leave nothing of {_fmt(device_bytes)} at utilization {utilization}"
+        )
+    return budget
 
 
 @dataclass(frozen=True)
@@ -201,6 +217,14 @@ def _fmt(n: float) -> str:
     if n >= MiB:
         return f"{n / MiB:.1f} MiB"
     return f"{n / 1024:.1f} KiB"
+
+
+def format_weights(weights: WeightFootprint, dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if not weights.fp8_bytes:
+        return f"weights          {_fmt(weights.total_bytes)} in {name}"
+    return (f"weights          {_fmt(weights.total_bytes)}: FP8 {_fmt(weights.fp8_bytes)} + "
+            f"block scales {_fmt(weights.scale_bytes)} + {name} {_fmt(weights.dense_bytes)}")
 
 
 def format_plan(model: ModelConfig, cache: CacheConfig, plan: CapacityPlan) -> str:

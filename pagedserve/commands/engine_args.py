@@ -8,6 +8,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from pagedserve.kv.type_names import KV_TYPES
+from pagedserve.quant.names import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import EngineConfig
@@ -19,6 +20,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default=None,
                    help="float32, bfloat16 or float16 (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="fp8: quantize the linear weights of a bf16 checkpoint to FP8 128x128 "
+                        "blocks while loading (FP8 checkpoints are FP8 without it; weight-only: "
+                        "activations stay in --dtype)")
     p.add_argument("--kv-layout", default="paged", choices=("paged", "contiguous"))
     kv_help = "K/V storage type (default f16; f32 is exact and CPU-only)"
     p.add_argument("--cache-type-k", default="f16", choices=KV_TYPES, help=kv_help)
@@ -63,7 +68,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     from pagedserve.engine.llm_engine import EngineConfig
 
     fields = dict(
-        model=args.model, device=args.device, dtype=args.dtype, kv_layout=args.kv_layout,
+        model=args.model, device=args.device, dtype=args.dtype,
+        quantization=args.quantization, kv_layout=args.kv_layout,
         cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
         block_size=args.block_size, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pagedserve import presets
 from pagedserve.kv.type_names import KV_TYPES
+from pagedserve.quant.names import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from pagedserve.config import ModelConfig
@@ -25,10 +27,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-type-k", default="f16", choices=KV_TYPES)
     p.add_argument("--cache-type-v", default="f16", choices=KV_TYPES)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16",
+                   help="model dtype of the weights (default bfloat16)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="fp8: count the linear weights as FP8 128x128 block weights (a "
+                        "checkpoint with an FP8 quantization_config is counted as FP8 anyway)")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--memory", help="K/V + state budget, e.g. 40GiB, 3.5e9")
     budget.add_argument("--gpu-memory-fraction", type=float,
                         help="budget as a fraction of the GPU's free memory, in (0, 1]")
+    budget.add_argument("--device-memory",
+                        help="the device's total memory, e.g. 141GiB: the K/V + state budget "
+                             "is what the engine leaves, --gpu-memory-utilization of it less "
+                             "the weights and the activation reserve")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                   help="with --device-memory: the share the engine may use (default 0.90)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence to plan for (default: the model's "
                         "max_position_embeddings)")
@@ -44,13 +57,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def read_raw_config(model: str) -> dict[str, Any]:
+    preset = presets.preset_name(model)
+    path = presets.config_path(preset) if preset is not None else Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no config.json at {model!r}")
+    with open(path) as f:
+        raw: dict[str, Any] = json.load(f)
+    return raw
+
+
 def resolve_config(model: str) -> ModelConfig:
     from pagedserve.config import ModelConfig
 
-    preset = presets.preset_name(model)
-    if preset is not None:
-        return ModelConfig.from_path(presets.config_path(preset))
-    return ModelConfig.from_path(model)
+    return ModelConfig.from_hf_dict(read_raw_config(model))
 
 
 def check_lengths(max_model_len: int | None, max_position_embeddings: int,
@@ -72,17 +94,28 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pagedserve import plan as planning
-    from pagedserve.config import CacheConfig
+    from pagedserve.config import CacheConfig, ModelConfig
     from pagedserve.engine.prefix_cache import num_checkpoints_for
+    from pagedserve.engine.runner import DEFAULT_ACTIVATION_RESERVE
+    from pagedserve.model.loader import parse_dtype
+    from pagedserve.model.weight_footprint import weight_footprint
+    from pagedserve.quant.config import parse_quantization
 
     if args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     seq_lens = planning.parse_seq_lens(args.seq_lens) if args.seq_lens else []
-    model = resolve_config(args.model)
+    raw = read_raw_config(args.model)
+    model = ModelConfig.from_hf_dict(raw)
     max_len = check_lengths(args.max_model_len, model.max_position_embeddings, seq_lens)
     cache = CacheConfig(args.cache_type_k, args.cache_type_v, args.block_size)
+    dtype = parse_dtype(args.dtype, torch.device("cuda"))
+    weights = weight_footprint(model, dtype, parse_quantization(raw, args.quantization))
     if args.memory is not None:
         budget = planning.parse_bytes(args.memory)
+    elif args.device_memory is not None:
+        budget = planning.budget_after_weights(
+            planning.parse_bytes(args.device_memory), args.gpu_memory_utilization,
+            weights.total_bytes, DEFAULT_ACTIVATION_RESERVE)
     else:
         budget = planning.gpu_free_bytes(args.gpu_memory_fraction)
     per_checkpoint = model.state_shapes(torch.bfloat16).bytes_per_slot
@@ -95,11 +128,12 @@ def run(args: argparse.Namespace) -> int:
     if seq_lens:
         report = planning.workload_report(planning.footprint(model, cache), seq_lens)
     if args.json:
-        out = {"plan": result.as_dict()}
+        out = {"plan": result.as_dict(), "weights": weights.as_dict()}
         if report is not None:
             out["workload"] = report.as_dict()
         print(json.dumps(out))
     else:
+        print(planning.format_weights(weights, dtype))
         print(planning.format_plan(model, cache, result))
         if report is not None:
             print(planning.format_workload(report))

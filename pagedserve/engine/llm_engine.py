@@ -42,8 +42,10 @@ from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.warmup import warm_up
 from pagedserve.kv.memory import GiB
 from pagedserve.kv.prefix_hash import salt_of
+from pagedserve.model.fp8_linear import describe_weights
 from pagedserve.model.loader import LoadedModel, load_model
 from pagedserve.plan import parse_checkpoint_memory
+from pagedserve.quant.names import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ class EngineConfig:
     model: str | None = None
     device: str = "cpu"
     dtype: str | None = None
+    # "fp8": FP8 block weights from a bf16 checkpoint (an FP8 checkpoint is FP8 without it).
+    quantization: str | None = None
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     kv_layout: str = "paged"
@@ -107,6 +111,9 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for, but CUDA is not available")
         CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported; "
+                             f"accepted: {QUANTIZATIONS}")
         # The step sizes, checked now rather than after the weights load.
         SchedulerConfig.for_device(
             torch.device(self.device).type, max_num_seqs=self.max_num_seqs,
@@ -150,7 +157,8 @@ class LLMEngine:
         self.config = config
         started = time.perf_counter()
         self.loaded = loaded or load_model(config.model, config.device, config.dtype,
-                                           progress=config.progress)
+                                           progress=config.progress,
+                                           quantization=config.quantization)
         # Seconds per start-up phase (``warm_up`` adds its own).
         self.startup_seconds = {"weights": time.perf_counter() - started}
         cfg = self.loaded.config
@@ -189,6 +197,7 @@ class LLMEngine:
             time.perf_counter() - started - self.startup_seconds["weights"])
         log.info("weights loaded in %.1f s; K/V cache, compiles and CUDA graphs in %.1f s",
                  *self.startup_seconds.values())
+        log.info("weights: %s", describe_weights(self.loaded.model))
         self.kv = self.runner.create_kv_manager()
         self.prefix: PrefixCache | None = None
         if caching:

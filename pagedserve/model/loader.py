@@ -3,7 +3,8 @@
 ``load_model`` is the one entry point: it resolves ``--model`` (a directory or a cached hub
 id; ``None`` means the embedded default model), checks everything the kernels cannot serve
 before touching the weights, builds the decoder on the meta device, and streams the
-safetensors straight into parameters on the target device and dtype.
+safetensors straight into parameters on the target device and dtype (FP8 linear weights,
+see ``docs/fp8.md``, stay FP8).
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import torch
 
 from pagedserve import presets
 from pagedserve.config import ModelConfig
+from pagedserve.model.fp8_linear import weight_nbytes
+from pagedserve.model.fp8_weights import load_fp8_weights, quantize_linears
 from pagedserve.model.generation_defaults import GenerationDefaults, merge_ids
 from pagedserve.model.qwen3_5 import Qwen3_5Model
 from pagedserve.model.random_weights import random_model
 from pagedserve.model.resolve import resolve_checkpoint
 from pagedserve.model.weights import load_weights
+from pagedserve.quant.config import parse_quantization
 
 # Model dtypes each device's kernels are built and tested for.
 SUPPORTED_DTYPES = {
@@ -49,7 +53,9 @@ class LoadedModel:
             checkpoint ships none (token-id prompts still work).
         generation: sampling defaults; ``eos_token_ids`` merges generation_config.json,
             config.json and the tokenizer's EOS.
-        weights_bytes: bytes of parameters on the device.
+        weights_bytes: bytes of parameters on the device (FP8 weights at 1 byte per
+            parameter plus their float32 block scales).
+        quantization: ``"fp8"`` when linear weights are FP8 block weights, else ``None``.
     """
 
     path: Path
@@ -60,6 +66,7 @@ class LoadedModel:
     weights_bytes: int
     device: torch.device
     dtype: torch.dtype
+    quantization: str | None = None
 
     def require_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -88,13 +95,6 @@ def check_supported(cfg: ModelConfig, raw: dict[str, Any], device: torch.device,
             f"unsupported architecture {cfg.architecture!r}; accepted: {SUPPORTED_ARCHITECTURES}"
         )
     text = raw.get("text_config") or raw
-    if raw.get("quantization_config") or text.get("quantization_config"):
-        method = (raw.get("quantization_config") or text["quantization_config"]).get(
-            "quant_method", "?"
-        )
-        raise ValueError(
-            f"quantized checkpoints ({method}) are not supported; use the bf16 weights"
-        )
     if text.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {text['hidden_act']!r} is not supported; accepted: 'silu'")
     if text.get("attention_bias"):
@@ -128,13 +128,19 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     progress: bool = True,
     revision: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Load ``model`` (directory, cached hub id, or ``None`` for the embedded default)."""
+    """Load ``model`` (directory, cached hub id, or ``None`` for the embedded default).
+
+    A checkpoint with an FP8 ``quantization_config`` loads its FP8 weights as stored;
+    ``quantization="fp8"`` quantizes an unquantized checkpoint's linear weights while loading
+    (``quant/config.py`` says which). The model dtype is the activations' dtype either way.
+    """
     device = torch.device(device)
     dtype = parse_dtype(dtype, device)
     preset = presets.preset_name(str(model)) if model is not None else None
     if preset is not None:
-        return load_preset(preset, device, dtype)
+        return load_preset(preset, device, dtype, quantization)
     if model is None:
         from pagedserve.model.default_model import default_model_path
 
@@ -144,12 +150,19 @@ def load_model(
     raw = _read_raw_config(path)
     cfg = ModelConfig.from_hf_dict(raw)
     check_supported(cfg, raw, device, dtype)
+    quant = parse_quantization(raw, quantization)
 
     with torch.device("meta"):
         decoder = Qwen3_5Model(cfg)
-    weights_bytes = load_weights(
-        decoder, path, cfg.weight_prefix, cfg.tie_word_embeddings, device, dtype, progress
-    )
+    if quant is None:
+        weights_bytes = load_weights(
+            decoder, path, cfg.weight_prefix, cfg.tie_word_embeddings, device, dtype, progress
+        )
+    else:
+        weights_bytes = load_fp8_weights(
+            decoder, path, cfg.weight_prefix, cfg.tie_word_embeddings, device, dtype, quant,
+            progress,
+        )
     decoder.to(device)  # the buffers (RoPE frequencies); parameters are already there
     decoder.eval()
 
@@ -160,18 +173,24 @@ def load_model(
     )
     eos = merge_ids(generation.eos_token_ids, cfg.eos_token_ids, tok_eos)
     generation = dataclasses.replace(generation, eos_token_ids=eos)
-    return LoadedModel(path, cfg, decoder, tokenizer, generation, weights_bytes, device, dtype)
+    return LoadedModel(path, cfg, decoder, tokenizer, generation, weights_bytes, device, dtype,
+                       None if quant is None else "fp8")
 
 
-def load_preset(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def load_preset(name: str, device: torch.device, dtype: torch.dtype,
+                quantization: str | None = None) -> LoadedModel:
     """A preset shape with seeded random weights built on ``device``; no tokenizer, so
-    prompts must be token ids. For benchmarks of real shapes without their checkpoints."""
+    prompts must be token ids. For benchmarks of real shapes without their checkpoints.
+    ``quantization="fp8"`` quantizes the random linear weights as ``--quantization fp8``
+    quantizes a checkpoint's."""
     path = presets.config_path(name)
     with open(path) as f:
         raw = json.load(f)
     cfg = ModelConfig.from_hf_dict(raw)
     check_supported(cfg, raw, device, dtype)
+    quant = parse_quantization(raw, quantization)
     decoder = random_model(cfg, device, dtype)
-    weights_bytes = sum(p.numel() * p.element_size() for p in decoder.parameters())
-    return LoadedModel(path.parent, cfg, decoder, None, GenerationDefaults(), weights_bytes,
-                       device, dtype)
+    if quant is not None:
+        quantize_linears(decoder, cfg.weight_prefix, quant)
+    return LoadedModel(path.parent, cfg, decoder, None, GenerationDefaults(),
+                       weight_nbytes(decoder), device, dtype, None if quant is None else "fp8")

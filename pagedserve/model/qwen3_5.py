@@ -131,5 +131,6 @@ class Qwen3_5Model(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[N, H]`` -> float32 logits ``[N, vocab]``."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()  # an nn.Linear, or its FP8 form

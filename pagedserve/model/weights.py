@@ -10,7 +10,7 @@ Three module parameters are row-wise concatenations of checkpoint tensors (``PAC
 the module that owns them); every other parameter is one tensor of the same name. The
 safetensors files are memory-mapped and each tensor is copied straight into its slice of
 the parameter, on the target device and in the target dtype, so no second full copy of
-the weights is ever held.
+the weights is ever held. FP8 models load through ``fp8_weights.py`` on the same plan.
 """
 
 from __future__ import annotations
@@ -58,13 +58,15 @@ def safetensors_files(checkpoint_dir: Path) -> list[Path]:
     return files
 
 
-def _index_tensors(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Checkpoint tensor name -> (file, shape), read from the headers only."""
-    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+def index_tensors(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """Checkpoint tensor name -> (file, shape, safetensors dtype such as ``"BF16"``,
+    ``"F8_E4M3"``), read from the headers only."""
+    found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
-                found[key] = (path, tuple(f.get_slice(key).get_shape()))
+                info = f.get_slice(key)
+                found[key] = (path, tuple(info.get_shape()), info.get_dtype())
     return found
 
 
@@ -82,7 +84,14 @@ def plan_checkpoint(
     Returns ``{param name: [(checkpoint key, file, shape), ...]}`` in row order. Raises
     ``ValueError`` naming missing tensors, unexpected tensors and shape mismatches.
     """
-    tensors = _index_tensors(files)
+    return plan_tensors(model, index_tensors(files), weight_prefix, tied)
+
+
+def plan_tensors(
+    model: nn.Module, tensors: dict[str, tuple[Path, tuple[int, ...], str]],
+    weight_prefix: str, tied: bool,
+) -> dict[str, list[tuple[str, Path, tuple[int, ...]]]]:
+    """``plan_checkpoint`` over an index of the checkpoint's tensors (``index_tensors``)."""
     by_name: dict[str, str] = {}  # prefix-free name -> checkpoint key
     unexpected: list[str] = []
     for key in tensors:
@@ -113,7 +122,7 @@ def plan_checkpoint(
     params = dict(model.named_parameters())
     plan: dict[str, list[tuple[str, Path, tuple[int, ...]]]] = {}
     for name, srcs in sources.items():
-        entries = [(by_name[s], *tensors[by_name[s]]) for s in srcs]
+        entries = [(by_name[s], *tensors[by_name[s]][:2]) for s in srcs]
         _check_fit(name, tuple(params[name].shape), entries)
         plan[name] = entries
     return plan
@@ -164,11 +173,11 @@ def load_weights(
                     dst[row : row + src.shape[0]].copy_(src)
                     bar.update(src.numel() * dst.element_size())
     for name, tensor in targets.items():
-        _set_parameter(model, name, tensor)
+        set_parameter(model, name, tensor)
     return total
 
 
-def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner_name, _, attr = name.rpartition(".")
     owner = model.get_submodule(owner_name) if owner_name else model
     setattr(owner, attr, nn.Parameter(tensor, requires_grad=False))

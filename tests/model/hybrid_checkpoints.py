@@ -55,8 +55,33 @@ SHAPES: dict[str, dict] = {
 }
 
 
+# Shapes for FP8 block weights: hidden 200, intermediate 136, 64-row K/V projections and a
+# 224-row GDN conv projection, so that blocks are partial on both axes and fused parts end
+# inside a 128-row block.
+FP8_SHAPES: dict[str, dict] = {
+    "h200-fp8-untied": dict(
+        hidden_size=200, intermediate_size=136, num_attention_heads=3, num_key_value_heads=1,
+        head_dim=64, linear_num_key_heads=1, linear_num_value_heads=3,
+        linear_key_head_dim=32, linear_value_head_dim=32,
+        layer_types=[LIN, FULL, LIN], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                         "partial_rotary_factor": 0.25},
+    ),
+    # Every dimension a multiple of 128: the shapes transformers' FP8 dequantization reads
+    # right (it takes the block size as rows // scale rows, so partial blocks come out wrong).
+    "h128-fp8-tied": dict(
+        hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32,
+        layer_types=[LIN, FULL], tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                         "partial_rotary_factor": 0.5},
+    ),
+}
+
+
 def hf_config(shape: str) -> Qwen3_5TextConfig:
-    kw = dict(SHAPES[shape])
+    kw = dict({**SHAPES, **FP8_SHAPES}[shape])
     return Qwen3_5TextConfig(
         vocab_size=VOCAB, num_hidden_layers=len(kw["layer_types"]), rms_norm_eps=1e-6,
         max_position_embeddings=4096, linear_conv_kernel_dim=4, pad_token_id=256, **kw,
@@ -164,3 +189,107 @@ def to_published_layout(text_dir: Path, out_dir: Path) -> Path:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     write_tokenizer(out_dir, 4096)
     return out_dir
+
+
+# ---- FP8 block checkpoints (the published *-FP8 layout) ------------------------------------
+#
+# The oracle below is written independently of pagedserve.quant.fp8: an explicit loop over
+# 128x128 blocks in float64. The format divides in float32 (as the reference quantizers do),
+# so the float64 quotient is rounded to float32 before e4m3; float64 holds more than twice
+# float32's bits, so that rounding equals float32's own division.
+
+FP8_BLOCK = 128
+QWEN_NOT_CONVERTED = ("lm_head", "in_proj_a", "in_proj_b")
+
+
+def oracle_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` ``[N, K]`` -> (float8_e4m3fn ``[N, K]``, float32 ``[ceil(N/128), ceil(K/128)]``)."""
+    n, k = w.shape
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    w64 = w.double()
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(nb, kb, dtype=torch.float32)
+    for i in range(nb):
+        for j in range(kb):
+            rows = slice(i * FP8_BLOCK, min(n, (i + 1) * FP8_BLOCK))
+            cols = slice(j * FP8_BLOCK, min(k, (j + 1) * FP8_BLOCK))
+            amax = w64[rows, cols].abs().max().item()
+            s = torch.tensor(amax / 448.0 if amax > 0 else 1.0).float()
+            scale[i, j] = s
+            quotient = (w64[rows, cols] / s.double()).float().clamp(-448.0, 448.0)
+            q[rows, cols] = quotient.to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def oracle_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float64 ``[N, K]``: every element times its block's scale."""
+    out = q.double().clone()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = (slice(i * FP8_BLOCK, (i + 1) * FP8_BLOCK),
+                     slice(j * FP8_BLOCK, (j + 1) * FP8_BLOCK))
+            out[block] *= scale[i, j].double()
+    return out
+
+
+def is_linear_weight(name: str, t: torch.Tensor) -> bool:
+    return t.ndim == 2 and name.endswith(".weight") and "embed_tokens" not in name
+
+
+def to_fp8_checkpoint(src_dir: Path, out_dir: Path,
+                      not_convert: tuple[str, ...] = QWEN_NOT_CONVERTED) -> Path:
+    """Rewrite a float checkpoint (either layout) in the published FP8 layout: every linear
+    weight not matched by ``not_convert`` (suffixes) becomes float8_e4m3fn plus a float32
+    ``weight_scale_inv``, and config.json gains Qwen's ``quantization_config``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src_dir, out_dir)
+    with open(out_dir / "config.json") as f:
+        config = json.load(f)
+    skipped = []
+    for file in sorted(out_dir.glob("*.safetensors")):
+        weights = load_file(str(file))
+        out = {}
+        for name, t in weights.items():
+            module = name.removesuffix(".weight")
+            if not is_linear_weight(name, t) or name.startswith(("model.visual.", "mtp.")):
+                out[name] = t
+            elif module.endswith(not_convert):
+                skipped.append(module)
+                out[name] = t
+            else:
+                out[name], out[name + "_scale_inv"] = oracle_quantize(t)
+        save_file(out, str(file))
+        index = out_dir / "model.safetensors.index.json"
+        if index.is_file():
+            with open(index) as f:
+                idx = json.load(f)
+            for name in out:
+                idx["weight_map"][name] = file.name
+            with open(index, "w") as f:
+                json.dump(idx, f)
+    config["quantization_config"] = {
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic", "modules_to_not_convert": sorted(skipped),
+    }
+    with open(out_dir / "config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    return out_dir
+
+
+def fp8_oracle_weights(fp8_dir: Path) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> float64 weight, FP8 tensors dequantized by the oracle."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(fp8_dir.glob("*.safetensors")):
+        weights.update(load_file(str(file)))
+    out = {}
+    for name, t in weights.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = weights.get(name + "_scale_inv")
+        out[name] = t.double() if scale is None else oracle_dequantize(t, scale)
+    return out

@@ -127,3 +127,24 @@ def test_plan_sets_the_prefix_checkpoints_apart(capsys):
                      "--max-model-len", "32768", "--prefix-checkpoint-memory", "2GiB"]) == 0
     out = capsys.readouterr().out
     assert f"prefix cache     {2 * GiB // per} state checkpoints" in out
+
+
+def test_plan_counts_fp8_weights_and_grows_the_pool(capsys):
+    """27B at bf16 is 53.8 GB of weights; FP8 linears leave the K/V pool the difference."""
+    base = ["plan", "--model", "preset:qwen3.5-27b", "--device-memory", "141GiB",
+            "--max-model-len", "131072", "--json"]
+    assert cli.main(base) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    assert cli.main(base + ["--quantization", "fp8"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)
+    assert bf16["weights"]["fp8_bytes"] == 0
+    assert round(bf16["weights"]["total_bytes"] / 1e9, 1) == 53.8
+    w = fp8["weights"]
+    # embed_tokens, lm_head and the GDN in_proj_a/b stay bf16 (Qwen's published choice),
+    # with conv taps, norms (layer, final, q/k, GDN) and dt_bias/A_log.
+    small = 48 * 10240 * 4 + 64 * 2 * 5120 + 5120 + 16 * 2 * 256 + 48 * 128 + 48 * 48 * 2
+    assert w["dense_bytes"] == 2 * (2 * 248_320 * 5120 + 48 * 2 * 48 * 5120 + small)
+    assert w["total_bytes"] < 0.55 * bf16["weights"]["total_bytes"]
+    saved = bf16["weights"]["total_bytes"] - w["total_bytes"]
+    assert fp8["plan"]["budget_bytes"] - bf16["plan"]["budget_bytes"] == saved
+    assert fp8["plan"]["num_blocks"] > bf16["plan"]["num_blocks"]

@@ -63,6 +63,9 @@ def test_layer_rule_sees_imports() -> None:
                     "pagedserve.kernels", "pagedserve.plan")),
         ("kernels", (), ("pagedserve.config", "pagedserve.model", "pagedserve.engine",
                          "pagedserve.server")),
+        # The FP8 weight format is a leaf, like the K/V formats.
+        ("quant", (), ("pagedserve.config", "pagedserve.model", "pagedserve.engine",
+                       "pagedserve.kernels", "pagedserve.kv", "pagedserve.plan")),
     ],
 )
 def test_layers_import_downwards(subpackage: str, allowed: tuple[str, ...],

@@ -1,0 +1,95 @@
+"""Linear layers whose weights are stored in the FP8 block format (``quant/fp8.py``).
+
+``Fp8Linear`` is a drop-in for a bias-free ``nn.Linear``: ``y = x @ W.T`` with ``W`` held as
+``float8_e4m3fn`` ``[N, K]`` plus float32 block scales. Semantics are weight-only: the
+activations stay in the model dtype and are never quantized, on every device.
+
+The forward dequantizes the whole weight to the activation dtype and runs the float matmul.
+That is the reference path on the CPU, and on CUDA it is what runs today too: the FP8 GPU
+kernels (a decode GEMV that dequantizes in registers, a prefill tensor-core GEMM) are not
+built yet, so an FP8 model on CUDA reads its weights at 1 byte per parameter from memory but
+computes no faster than bf16. ``forward`` is the seam where those kernels go.
+
+``RowConcatLinear`` serves a fused projection whose parts are stored differently (the GDN
+input projection of Qwen's FP8 checkpoints: ``in_proj_qkv`` and ``in_proj_z`` in FP8,
+``in_proj_b`` and ``in_proj_a`` in bf16): each run of like parts is one child layer, and the
+outputs are concatenated in row order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.quant import fp8
+
+
+class Fp8Linear(nn.Module):
+    """Bias-free linear layer over an FP8 block weight.
+
+    Attributes:
+        weight: ``float8_e4m3fn`` ``[N, K]``; the rows of ``parts`` one after another.
+        weight_scale_inv: float32 ``[sum(ceil(n / 128) for n in parts), ceil(K / 128)]``;
+            each part's block rows one after another (the diagram in ``quant/fp8.py``).
+        parts: row count of each fused part (one entry for an unfused weight).
+    """
+
+    def __init__(self, in_features: int, parts: tuple[int, ...], device: torch.device) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = sum(parts)
+        self.parts = parts
+        num_scale_rows = sum(fp8.num_blocks(n) for n in parts)
+        self.weight = nn.Parameter(
+            torch.empty(self.out_features, in_features, dtype=fp8.FP8_DTYPE, device=device),
+            requires_grad=False,
+        )
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(num_scale_rows, fp8.num_blocks(in_features), dtype=torch.float32,
+                        device=device),
+            requires_grad=False,
+        )
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as ``[N, K]`` in ``dtype`` (computed on each call, never cached)."""
+        return fp8.dequantize(self.weight, self.weight_scale_inv, self.parts, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[T, K]`` in the model dtype -> ``[T, N]`` in the same dtype."""
+        # Reference path on every device; FP8 GPU kernels are not built yet.
+        return F.linear(x, self.dequantized(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, parts={self.parts}, fp8 block {fp8.BLOCK}"
+
+
+class RowConcatLinear(nn.Module):
+    """A fused projection built from child layers that each own a run of its output rows."""
+
+    def __init__(self, children: list[nn.Module]) -> None:
+        super().__init__()
+        self.pieces = nn.ModuleList(children)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[T, K]`` -> ``[T, sum of the children's rows]``."""
+        return torch.cat([piece(x) for piece in self.pieces], dim=-1)
+
+
+def weight_nbytes(model: nn.Module) -> int:
+    """Bytes of every parameter: FP8 data at 1 byte each, scales and float weights at theirs."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def describe_weights(model: nn.Module) -> str:
+    """One line for the start-up log: total bytes, and the FP8 share with its scales."""
+    total = weight_nbytes(model)
+    fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    if not fp8_layers:
+        return f"{total / 2**30:.3f} GiB, no FP8 layers"
+    data = sum(m.weight.numel() for m in fp8_layers)
+    scales = sum(m.weight_scale_inv.numel() * 4 for m in fp8_layers)
+    return (f"{total / 2**30:.3f} GiB: {len(fp8_layers)} FP8 block-128 linear layers "
+            f"{data / 2**30:.3f} GiB + scales {scales / 2**20:.2f} MiB, the rest "
+            f"{(total - data - scales) / 2**30:.3f} GiB in the model dtype "
+            "(weight-only FP8: dequantized per call; FP8 GPU kernels are not built yet)")
