@@ -7,9 +7,10 @@
 
 The model is transformers' ``Qwen3_5ForCausalLM`` (fla's kernels on CUDA when installed),
 plus ``default_model/mtp.py``'s MTP module trained jointly on token t+2 (loss weight
-``--mtp-weight``). Training runs for a wall-clock budget with a time-based cosine schedule,
-evaluates on the corpus's held-out documents every ``--eval-every`` steps, and keeps the
-weights of the best validation loss. OUT receives a checkpoint transformers and pagedserve
+``--mtp-weight``). Training follows a cosine schedule over its budget -- ``--minutes`` of
+wall clock or ``--epochs`` passes over the data, whichever runs out first -- evaluates on
+the corpus's held-out documents every ``--eval-every`` steps, and keeps the weights of the
+best validation loss. OUT receives a checkpoint transformers and pagedserve
 load as they are: ``config.json``, ``generation_config.json``, the tokenizer files (with
 the chat template), safetensors shards under 15 MB with ``model.safetensors.index.json``
 (the MTP tensors in a shard of their own, ``mtp.safetensors``), ``MODEL_CARD.md`` and
@@ -51,7 +52,7 @@ class Shape:
 
     vocab_size: int = 8192
     hidden_size: int = 384
-    intermediate_size: int = 1024
+    intermediate_size: int = 896
     num_hidden_layers: int = 8  # 3 GDN then 1 gated attention, twice
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
@@ -211,8 +212,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     best: dict[str, Any] = {"val_loss": float("inf")}
     best_state: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
     history: list[dict[str, float]] = []
+    # Progress through the schedule: time or tokens, whichever is further along. The
+    # corpus is small, so --epochs usually ends the run before the time budget does.
+    token_budget = args.epochs * train_ids.numel()
     while True:
-        fraction = (time.time() - start) / budget
+        fraction = max((time.time() - start) / budget, tokens_seen / token_budget)
         done = fraction >= 1.0 or (args.max_steps is not None and step >= args.max_steps)
         if step % args.eval_every == 0 or done:
             metrics = evaluate(lm, mtp, windows, args.batch_size, device, amp)
@@ -312,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus", type=Path, default=Path(".corpus/corpus.jsonl.xz"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--minutes", type=float, default=8.0, help="training wall-clock budget")
+    ap.add_argument("--epochs", type=float, default=6.0,
+                    help="token budget, in passes over the train split")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shape, a few steps, on the CPU: checks the whole pipeline")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -88,7 +88,8 @@ def render(info: dict[str, Any]) -> str:
         "",
         f"- {info['steps']} steps, {info['tokens_seen']:,} tokens seen "
         f"({info['tokens_seen'] / max(1, data['tokens']['train']):.1f} epochs) in "
-        f"{info['seconds']:.0f} s on {info['device']}; AdamW, time-based cosine schedule, "
+        f"{info['seconds']:.0f} s on {info['device']}; AdamW, cosine schedule over the time or "
+        "token budget (the first to run out), "
         "bf16 autocast on CUDA; loss = main + w * MTP (arguments in `train_log.json`).",
         f"- Kept: the weights of the best validation loss, at step {best['step']}.",
         "",
