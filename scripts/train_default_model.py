@@ -42,7 +42,7 @@ from default_model import tokenizer as tok_mod  # noqa: E402
 from default_model.mtp import MTP  # noqa: E402
 
 LIN, FULL = "linear_attention", "full_attention"
-MAX_SHARD_BYTES = 15 * 1000 * 1000
+MAX_SHARD_BYTES = 14 * 1000 * 1000  # tensor bytes: the files stay under 15 MB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,19 +316,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus", type=Path, default=Path(".corpus/corpus.jsonl.xz"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--minutes", type=float, default=8.0, help="training wall-clock budget")
-    ap.add_argument("--epochs", type=float, default=6.0,
+    ap.add_argument("--epochs", type=float, default=10.0,
                     help="token budget, in passes over the train split")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shape, a few steps, on the CPU: checks the whole pipeline")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=float, default=0.03, help="fraction of the budget")
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--val-windows", type=int, default=256)
     ap.add_argument("--max-steps", type=int)
     ap.add_argument("--max-docs", type=int, help="use only the corpus's first documents")
