@@ -1,4 +1,4 @@
-"""Build the default model's training corpus from two Debian packages.
+"""Build the default model's training corpus from Debian packages.
 
     python scripts/default_model/corpus.py --out .corpus/corpus.jsonl.xz
 
@@ -7,6 +7,9 @@ installed, so R is not needed):
 
     r-cran-janeaustenr  Jane Austen's six completed novels (public-domain texts; the
                         package is MIT). One document per chapter.
+    bible-kjv-text      The King James Version of the Bible (public domain), read out with
+    + bible-kjv         the package's own ``bible`` program (GPL-2+; only run, not
+                        shipped). One document per chapter, its verses run together.
     python3.11-doc      The Python 3.11 documentation's reST sources (PSF License
                         Version 2). One document per page, with the markup lightened:
                         directives, labels and heading underlines dropped, roles reduced
@@ -38,7 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("r-cran-janeaustenr", "python3.11-doc")
+PACKAGES = ("r-cran-janeaustenr", "bible-kjv", "bible-kjv-text", "python3.11-doc")
 VAL_EVERY = 20
 AUSTEN_DATA = "usr/lib/R/site-library/janeaustenr/data/Rdata"
 # Title of each novel's R object, in the package's order.
@@ -171,6 +174,30 @@ def _paragraphs(lines: list[str]) -> str:
     return "\n\n".join(paras)
 
 
+# ---- the King James Version ----------------------------------------------------------
+_VERSE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+) (.*)$")
+
+
+def kjv_documents(root: Path) -> Iterator[tuple[str, str]]:
+    """(name, text) per chapter, e.g. ("Ge/1", "In the beginning God created ...")."""
+    dump = subprocess.run(
+        [str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-f", "gen1:1-rev22:21"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, check=True).stdout
+    chapter, verses = "", []
+    for line in dump.splitlines():
+        m = _VERSE.match(line)
+        if not m:
+            continue
+        name = f"{m.group(1)}/{m.group(2)}"
+        if name != chapter and verses:
+            yield chapter, " ".join(verses)
+            verses = []
+        chapter = name
+        verses.append(m.group(4).strip())
+    if verses:
+        yield chapter, " ".join(verses)
+
+
 # ---- the Python documentation --------------------------------------------------------
 _ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`!?~?([^`<]*?)(?:\s*<[^>]*>)?`")
 _UNDERLINE = re.compile(r"^\s*([=\-~^*#+\"'`]){3,}\s*$")
@@ -254,6 +281,7 @@ def build(debs: dict[str, Path], out: Path) -> dict[str, Any]:
                 "deb": deb.name, "sha256": hashlib.sha256(deb.read_bytes()).hexdigest()}
         root = Path(tmp)
         for source, docs in (("austen", austen_documents(root)),
+                             ("kjv", kjv_documents(root)),
                              ("python-docs", pydoc_documents(root))):
             n = chars = 0
             for i, (name, text) in enumerate(docs):

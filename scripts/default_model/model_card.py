@@ -8,10 +8,13 @@ LICENSES = """\
 - **Jane Austen's six novels** (*Sense and Sensibility*, *Pride and Prejudice*, *Mansfield
   Park*, *Emma*, *Northanger Abbey*, *Persuasion*), from Debian's `r-cran-janeaustenr`
   (Julia Silge's janeaustenr; package MIT, texts in the public domain).
+- **The King James Version of the Bible**, from Debian's `bible-kjv-text`, read out with
+  the `bible` program of `bible-kjv` (the text is in the public domain); one document per
+  chapter.
 - **The Python 3.11 documentation**, reST sources from Debian's `python3.11-doc`
   (PSF License Version 2), markup lightened; whatsnew, distutils and the C API left out.
 
-`scripts/default_model/corpus.py` builds the corpus from the two .deb files
+`scripts/default_model/corpus.py` builds the corpus from the .deb files
 (`apt-get download`, nothing installed); every 20th document of each source is held out
 for validation. The weights are released under the project's license (Apache-2.0)."""
 
