@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import sys
@@ -193,6 +194,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                "pad": tok_mod.token_id(tok, tok_mod.ENDOFTEXT)}
     config = hf_config(shape, special)
     lm = Qwen3_5ForCausalLM(config).to(device)
+    fla = importlib.util.find_spec("fla") is not None
+    if device.type == "cuda" and not fla:
+        print("warning: fla is not installed; Gated DeltaNet runs transformers' slow torch path",
+              flush=True)
     mtp = MTP(config).to(device)
     params = list(lm.parameters()) + list(mtp.parameters())
     decay = [p for p in params if p.ndim >= 2]
@@ -250,7 +255,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     info = {"shape": dataclasses.asdict(shape), "parameters": n_params, "data": data_info,
             "steps": step, "tokens_seen": tokens_seen, "seconds": round(time.time() - start, 1),
             "best": best, "history": history, "args": {k: str(v) for k, v in vars(args).items()},
-            "device": torch.cuda.get_device_name(device) if amp else str(device)}
+            "device": torch.cuda.get_device_name(device) if amp else str(device),
+            "fla": fla}
     save(lm, mtp, tok, args.out, info)
     return info
 
