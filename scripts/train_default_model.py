@@ -220,6 +220,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     # Progress through the schedule: time or tokens, whichever is further along. The
     # corpus is small, so --epochs usually ends the run before the time budget does.
     token_budget = args.epochs * train_ids.numel()
+    if args.max_steps is not None:
+        token_budget = min(token_budget, args.max_steps * args.batch_size * args.seq_len)
     while True:
         fraction = max((time.time() - start) / budget, tokens_seen / token_budget)
         done = fraction >= 1.0 or (args.max_steps is not None and step >= args.max_steps)
@@ -252,6 +254,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     assert best_state is not None
     lm.load_state_dict(best_state[0])
     mtp.load_state_dict(best_state[1])
+    manifest = args.corpus.parent / "manifest.json"
+    if manifest.is_file():
+        data_info["manifest"] = json.loads(manifest.read_text())
     info = {"shape": dataclasses.asdict(shape), "parameters": n_params, "data": data_info,
             "steps": step, "tokens_seen": tokens_seen, "seconds": round(time.time() - start, 1),
             "best": best, "history": history, "args": {k: str(v) for k, v in vars(args).items()},
@@ -336,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp-weight", type=float, default=0.3)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--val-windows", type=int, default=256)
-    ap.add_argument("--max-steps", type=int)
+    ap.add_argument("--max-steps", type=int, help="stop after this many steps (the schedule "
+                    "fits itself to them)")
     ap.add_argument("--max-docs", type=int, help="use only the corpus's first documents")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -344,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seq_len, args.batch_size, args.val_windows = 64, 4, 4
         args.eval_every = 10
         args.max_steps = args.max_steps or 20
-        args.minutes = min(args.minutes, 0.5)
+        args.minutes = min(args.minutes, 5.0)  # a bound only: the 20 steps end it
     info = train(args)
     print(json.dumps({k: info[k] for k in ("steps", "tokens_seen", "seconds", "best")}))
     return 0

@@ -35,7 +35,8 @@ The checkpoint replaces the random embedded default with no special case in the 
 ## Retraining
 
     python scripts/default_model/corpus.py --out .corpus/corpus.jsonl.xz    # a CPU machine
-    bash benchmarks/gpu_run.sh train-default-model:600   # the H200; carry .whl and .corpus
+    bash benchmarks/gpu_run.sh train-default-model:540   # the H200; carry .whl and .corpus
+    cat default-model.tar.part-* | tar -x                # the files back: default-model/
 
 or directly `python scripts/train_default_model.py --corpus .corpus/corpus.jsonl.xz
 --out OUT --minutes 8`."""
@@ -43,6 +44,15 @@ or directly `python scripts/train_default_model.py --corpus .corpus/corpus.jsonl
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
+
+
+def _corpus_lines(manifest: dict[str, Any] | None) -> list[str]:
+    if not manifest:
+        return []
+    debs = ", ".join(f"`{p['deb']}`" for p in manifest["packages"].values())
+    return [f"- Corpus file: {_mb(manifest['bytes_uncompressed'])} of JSON lines "
+            f"({_mb(manifest['bytes_compressed'])} xz), sha256 "
+            f"`{manifest['sha256_uncompressed'][:16]}…`, from {debs}."]
 
 
 def render(info: dict[str, Any]) -> str:
@@ -57,8 +67,9 @@ def render(info: dict[str, Any]) -> str:
         "full attention at 3:1, partial RoPE, q/k norms, output gate), with a "
         "multi-token-prediction module in Qwen's published `mtp.*` layout, trained from "
         "scratch by `scripts/train_default_model.py` so that pagedserve serves readable "
-        "English with nothing downloaded. It is tiny: expect fluent-looking Austen- or "
-        "docs-flavoured text, not facts or instructions followed.",
+        "English with nothing downloaded. It is tiny: it writes English in the manner of "
+        "its corpus (Austen, the King James Bible, the Python docs), not facts, and it "
+        "follows no instructions.",
         "",
         "## Model",
         "",
@@ -86,6 +97,7 @@ def render(info: dict[str, Any]) -> str:
         f"- Tokens: {data['tokens']['train']:,} train, {data['tokens']['val']:,} validation "
         f"({data['characters']['train'] / max(1, data['tokens']['train']):.2f} characters "
         "per token).",
+        *_corpus_lines(data.get("manifest")),
         "",
         "## Training",
         "",
