@@ -10,7 +10,8 @@
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
 #         bench-structured bench-chaos bench-prefix probe-decode
-#         trace-decode probe-pieces ab-probe.
+#         trace-decode probe-pieces ab-probe
+#         train-default-model (issue 38; carry .corpus as well as .whl).
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/tools/probe_decode.py with the
 # arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default"),
@@ -183,6 +184,22 @@ for spec in "$@"; do
                      --server-args "--max-model-len 40960 --max-num-seqs 16 --cache-type-k q4_0 --cache-type-v q4_0" \
                      ${PREFIX_ARGS:---scale 0.25 --conversations 16 --turns 6 --steps 10 --sweep-checkpoints 8} \
                      --out "$OUT" ;;
+    # The default model (issue 38): scripts/train_default_model.py on the carried corpus
+    # (.corpus/corpus.jsonl.xz, built on a CPU machine by scripts/default_model/corpus.py).
+    # The checkpoint comes back as $OUT/default-model.tar.part-aa, -ab, ... (15 MB each;
+    # `cat default-model.tar.part-* | tar -x` gives default-model/), with its
+    # MODEL_CARD.md and train_log.json beside them. $TRAIN_ARGS: more arguments, default
+    # --minutes 6.5, which with the tokenizer, the samples and the save fits a 540 s limit.
+    train-default-model) run_stage "$stage" "$limit" bash -c '
+                     set -e; out=$1; shift
+                     [ -f .corpus/corpus.jsonl.xz ] || { echo "no .corpus/corpus.jsonl.xz"; exit 1; }
+                     python3 -c "import transformers, tokenizers, fla; print(transformers.__version__, tokenizers.__version__)"
+                     rm -rf /tmp/default-model
+                     python3 scripts/train_default_model.py --corpus .corpus/corpus.jsonl.xz \
+                       --out /tmp/default-model "$@"
+                     tar -cf - -C /tmp default-model | split -b 15000000 - "$out/default-model.tar.part-"
+                     cp /tmp/default-model/MODEL_CARD.md /tmp/default-model/train_log.json "$out/"
+                     echo "train-default-model: passed"' _ "$OUT" ${TRAIN_ARGS:---minutes 6.5} ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done
