@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -58,7 +59,14 @@ def build_tokenizer() -> Tokenizer:
 
 def write_tokenizer(directory: Path, model_max_length: int) -> None:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template)."""
-    build_tokenizer().save(str(directory / "tokenizer.json"))
+    save_tokenizer(build_tokenizer(), directory, model_max_length)
+
+
+def save_tokenizer(tok: Tokenizer, directory: Path, model_max_length: int,
+                   **config_extra: Any) -> None:
+    """Write ``tok`` as ``tokenizer.json`` and a ``tokenizer_config.json`` that carries the
+    Qwen3.5 chat template and its special tokens (``config_extra`` adds keys)."""
+    tok.save(str(directory / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
@@ -68,6 +76,7 @@ def write_tokenizer(directory: Path, model_max_length: int) -> None:
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
         "chat_template": CHAT_TEMPLATE,
+        **config_extra,
     }
     with open(directory / "tokenizer_config.json", "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)

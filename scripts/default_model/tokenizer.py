@@ -14,7 +14,6 @@ before the byte-level BPE.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from tokenizers import (
     trainers,
 )
 
-from pagedserve.model.chat_template import CHAT_TEMPLATE
+from pagedserve.model.byte_tokenizer import save_tokenizer
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # (content, special) in Qwen's order of added tokens.
@@ -86,17 +85,4 @@ def token_id(tok: Tokenizer, content: str) -> int:
 
 def write_tokenizer(tok: Tokenizer, directory: Path, model_max_length: int) -> None:
     """``tokenizer.json`` and ``tokenizer_config.json`` (with the chat template)."""
-    tok.save(str(directory / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": IM_END,
-        "pad_token": ENDOFTEXT,
-        "unk_token": None,
-        "model_max_length": model_max_length,
-        "clean_up_tokenization_spaces": False,
-        "add_prefix_space": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    with open(directory / "tokenizer_config.json", "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+    save_tokenizer(tok, directory, model_max_length, add_prefix_space=False)
