@@ -47,7 +47,8 @@ summary=()
 run_stage() {
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  # SIGINT first: pytest then prints its summary (the failures' names) before it stops.
+  timeout -s INT -k 20 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
   summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) \
     "$(grep -E 'passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-90)")")
@@ -67,8 +68,9 @@ for spec in "$@"; do
     # on the one GPU, so that Triton's compiles overlap: about 430 s for the decode grid
     # with the kv_write, interpreter-decode, GDN, engine and model files and 120 s for the
     # rest of tests/kernels (one process takes more than 360 s for the decode grid alone).
-    # -v names each test as it ends, so a stage cut short by its limit still shows them.
-    tests-gpu)     run_stage "$stage" "$limit" $PYTEST -n 8 -v --maxfail=1000 tests/kernels \
+    # -vv (over $PYTEST's -q) names each test as it ends, so a stage cut short by its limit
+    # still shows them.
+    tests-gpu)     run_stage "$stage" "$limit" $PYTEST -n 8 -vv --maxfail=1000 tests/kernels \
                      tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
                      tests/engine/test_structured_gpu.py tests/model/test_gpu.py ;;
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
