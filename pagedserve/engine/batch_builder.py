@@ -103,7 +103,9 @@ def build_forward_batch(
         qsl.append(qsl[-1] + n)
         seq_lens.append(c.start_pos + n)
     handles = [c.kv_handle for c in chunks]
-    width = max(len(kv.block_table(h)) for h in handles)
+    # A one-column table means the contiguous layout to the attention kernels (a separate
+    # compile of them): a paged batch of short sequences gets two columns.
+    width = max(max(len(kv.block_table(h)) for h in handles), min(2, kv.max_blocks_per_seq))
     tables, _ = kv.batch_view(handles, num_table_cols or width)
     B, T = len(chunks), len(ids)
 

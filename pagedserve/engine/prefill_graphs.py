@@ -56,7 +56,9 @@ class PrefillGraphs:
         # The captured host copy of seq_lens: the longest a sequence can be, so that the
         # attention's split of the key range suits a chunk over any cached prefix.
         self.max_model_len = max_model_len
-        self.sizes = prefill_graph_sizes(max_tokens)
+        # A chunk never holds more rows than a sequence may hold tokens (and a larger
+        # graph's capture would read past the block table's width).
+        self.sizes = prefill_graph_sizes(min(max_tokens, max_model_len))
         n = self.sizes[-1] if self.sizes else 0
 
         def buf(shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from near_tie import assert_equal_or_near_ties, run_keeping_requests
 from test_engine import greedy, prompts, run_with_arrivals
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
@@ -23,12 +24,14 @@ pytestmark = [
 
 def _items():
     ps = prompts(11, [5, 40, 23, 64, 9, 31])
-    params = [greedy(40), SamplingParams(max_tokens=33, temperature=0.8, top_p=0.9, seed=5,
-                                         ignore_eos=True),
-              greedy(17), SamplingParams(max_tokens=25, temperature=1.0, top_k=20, seed=6,
-                                         ignore_eos=True),
-              SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(7, 9, 11)),
-              greedy(48)]
+    lp = {"ignore_eos": True, "logprobs": 20}
+    params = [SamplingParams(max_tokens=40, temperature=0.0, **lp),
+              SamplingParams(max_tokens=33, temperature=0.8, top_p=0.9, seed=5, **lp),
+              SamplingParams(max_tokens=17, temperature=0.0, **lp),
+              SamplingParams(max_tokens=25, temperature=1.0, top_k=20, seed=6, **lp),
+              SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=(7, 9, 11),
+                             logprobs=20),
+              SamplingParams(max_tokens=48, temperature=0.0, **lp)]
     arrivals = [0, 0, 2, 3, 9, 20]
     return [(a, f"r{i}", p, sp) for i, (a, p, sp) in enumerate(zip(arrivals, ps, params))]
 
@@ -42,12 +45,15 @@ def test_lookahead_matches_synchronous_steps_on_cuda(model_dir, kv_type):
             prefill_chunk=16, max_num_batched_tokens=32, max_model_len=256,
             cache_type_k=kv_type, cache_type_v=kv_type, async_scheduling=lookahead,
             check_integrity=True, progress=False))
-        outputs[lookahead] = run_with_arrivals(engine, _items())
+        outputs[lookahead] = run_keeping_requests(engine, _items())
         assert (engine.stats.num_lookahead_steps > 0) == lookahead
         assert engine.kv.pool.num_used_blocks == 0
         assert engine.runner.state_pool.num_used_slots == 0
-    assert outputs[True] == outputs[False]
+    # The two modes batch differently (a lookahead step holds decode rows only), so bf16
+    # rounding may flip a near-tie; a race (a stale token, row or noise index) does not
+    # land on one.
     assert sorted(outputs[True]) == [f"r{i}" for i in range(6)]
+    assert_equal_or_near_ties(outputs[True], outputs[False])
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q4_0"])
