@@ -51,11 +51,15 @@ its choice sits typically a nat or more below the clean run's (often outside its
 measures as the drift: the largest difference of the chosen tokens' logprobs over the equal
 prefix. The tolerance must stand well above the drift; a single corrupted position can still
 land on a near-tie by chance (about tolerance / 0.3 of the time), so one request proves
-little, but dozens are a sharp test.
+little, but dozens are a sharp test. The default, 0.5 nats, rests on a 27B-shape run on an
+H200 (q4_0 K/V): the drift's p99 was 0.31 nats and its largest value 0.34, the logprobs
+sit on a grid of 1/32 nat (the logits are bf16 at magnitudes of 4 to 8), and no divergence
+exceeded 0.41 nats; a corrupted read sits a nat or more below.
 
 Defaults: 500 requests, prompts up to 32K tokens (4% long, the rest around 256), up to 24
 output tokens, concurrency 96 against max-num-seqs 32, 64 solo reruns; the chaos phase is
-cut at 120 s and the solo reruns at 45 s (``benchmarks/gpu_run.sh`` stage ``bench-chaos``).
+cut at 240 s (on an H200, 110 s left 141 of the 500 unsent or in flight) and the solo
+reruns at 45 s (``benchmarks/gpu_run.sh`` stage ``bench-chaos``).
 ``--quick``: the embedded tiny model on the CPU, 40 requests of up to 96 tokens on an
 11-block pool with prefill chunks of 16 tokens (so that prompts grow into the pool chunk by
 chunk and preempt each other), in well under a minute (CI runs it:
@@ -256,12 +260,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chaos-budget-s", type=float, default=None,
                    help="cut the chaos phase after this long: every request still in "
                         "flight is abandoned, and the workload_sent check fails (default "
-                        "120; quick: none)")
+                        "240; quick: none)")
     p.add_argument("--verify-budget-s", type=float, default=45.0,
                    help="start no solo rerun after this long (default 45)")
     p.add_argument("--logprobs", type=int, default=10, help="top logprobs per token (10)")
-    p.add_argument("--tie-tolerance", type=float, default=0.2,
-                   help="largest logprob gap (nats) of a near-tie (default 0.2)")
+    p.add_argument("--tie-tolerance", type=float, default=0.5,
+                   help="largest logprob gap (nats) of a near-tie (default 0.5)")
     p.add_argument("--poll-s", type=float, default=None, help="/metrics period (1; quick 0.2)")
     p.add_argument("--server-args", default="",
                    help="more `pagedserve serve` flags, one string")
@@ -278,7 +282,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "output_len": 16 if q else 24, "prefill_chunk": 16 if q else None,
         "timeout_range": [0.05, 3.0] if q else [0.5, 8.0],
         "num_verify": 10**9 if q else 64, "poll_s": 0.2 if q else 1.0,
-        "chaos_budget_s": None if q else 120.0,
+        "chaos_budget_s": None if q else 240.0,
         "name": "chaos_quick" if q else "chaos",
     }
     for key, value in defaults.items():

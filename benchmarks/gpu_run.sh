@@ -172,9 +172,9 @@ for spec in "$@"; do
     # The chaos run (issue 32): a 27B-shape server (random bf16 weights, q4_0 K/V, a pool
     # of 1.5 longest requests) under 500 requests of up to 32K tokens with client
     # disconnects; checks no 5xx, no leaked blocks or slots, preemptions, outputs equal to
-    # solo reruns. Sized for a 300 s limit: the chaos phase is cut at --chaos-budget-s 120
-    # (its workload_sent check fails if it is) and solo reruns start within
-    # --verify-budget-s 45, which leaves about 100 s for the server's start and shutdown.
+    # solo reruns. Needs about 480 s: a cold server start (compiles, graphs, warm-up) takes
+    # about 180 s, the chaos phase is cut at --chaos-budget-s 240 (its workload_sent check
+    # fails if it is) and solo reruns start within --verify-budget-s 45.
     # $CHAOS_ARGS: more bench_chaos.py arguments (--num-requests, --max-prompt-len,
     # --concurrency, --num-verify, --tie-tolerance, --chaos-budget-s ...).
     bench-chaos)   run_stage "$stage" "$limit" python3 benchmarks/bench_chaos.py \
