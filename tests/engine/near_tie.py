@@ -75,19 +75,3 @@ def assert_equal_or_near_ties(a: dict[str, Request], b: dict[str, Request],
     assert not far, f"runs differ beyond a near-tie (id: (position, gap)): {far}"
     return ties
 
-
-def run_keeping_requests(engine, items) -> dict[str, Request]:
-    """``items``: (arrival_step, request_id, prompt, params), run as
-    ``test_engine.run_with_arrivals`` runs them. Returns id -> finished ``Request``."""
-    pending = sorted(items, key=lambda t: t[0])
-    done: dict[str, Request] = {}
-    step = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0][0] <= step:
-            _, rid, prompt, params = pending.pop(0)
-            engine.add_request(rid, prompt, params)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.request
-        step += 1
-    return done

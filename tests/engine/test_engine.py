@@ -21,8 +21,9 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def run_with_arrivals(engine, items):
-    """``items``: (arrival_step, request_id, prompt, params). Returns id -> token ids."""
+def run_keeping_requests(engine, items):
+    """``items``: (arrival_step, request_id, prompt, params). Returns id -> the finished
+    ``Request``."""
     pending = sorted(items, key=lambda t: t[0])
     done, step = {}, 0
     while pending or engine.has_unfinished_requests():
@@ -31,9 +32,15 @@ def run_with_arrivals(engine, items):
             engine.add_request(rid, prompt, params)
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = list(out.request.output_token_ids)
+                done[out.request_id] = out.request
         step += 1
     return done
+
+
+def run_with_arrivals(engine, items):
+    """``items``: (arrival_step, request_id, prompt, params). Returns id -> token ids."""
+    return {rid: list(req.output_token_ids)
+            for rid, req in run_keeping_requests(engine, items).items()}
 
 
 LENGTHS = [3, 17, 40, 9, 64]

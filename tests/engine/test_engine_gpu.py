@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from near_tie import assert_equal_or_near_ties, run_keeping_requests
-from test_engine import greedy, prompts, run_with_arrivals
+from near_tie import assert_equal_or_near_ties
+from test_engine import greedy, prompts, run_keeping_requests, run_with_arrivals
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
 from pagedserve.engine.request import SamplingParams

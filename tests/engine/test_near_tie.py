@@ -4,8 +4,8 @@ that samples with the wrong noise index, as a lookahead race would."""
 from __future__ import annotations
 
 import pytest
-from near_tie import assert_equal_or_near_ties, run_keeping_requests
-from test_engine import prompts
+from near_tie import assert_equal_or_near_ties
+from test_engine import prompts, run_keeping_requests
 
 from pagedserve.engine import sampler
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine

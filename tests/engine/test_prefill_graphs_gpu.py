@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from near_tie import assert_equal_or_near_ties, run_keeping_requests
-from test_engine import prompts
+from near_tie import assert_equal_or_near_ties
+from test_engine import prompts, run_keeping_requests
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
 from pagedserve.engine.request import SamplingParams
