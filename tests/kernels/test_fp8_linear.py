@@ -130,9 +130,11 @@ def test_weight_only_split_k_is_exact_and_leaves_counters_zero(splits):
 @pytest.mark.parametrize("m,dtype,config", [
     (1, torch.bfloat16, None),
     (70, torch.float16, None),
-    # Tiles smaller than the shape: row tiles ragged at 40, grouped order over 3 x 5 tiles.
-    (40, torch.bfloat16, GemmConfig(block_m=16, block_n=64, group_m=2, num_warps=4)),
-    (20, torch.float32, GemmConfig(block_m=16, block_n=128, group_m=3, num_warps=4)),
+    # Tiles smaller than the shape (64 rows, the least a Hopper FP8 MMA tile takes): 3 x 5
+    # tiles, ragged at row 150, in groups of 2 row tiles (the last group partial); then a
+    # group wider than the rows.
+    (150, torch.bfloat16, GemmConfig(block_m=64, block_n=64, group_m=2, num_warps=4)),
+    (20, torch.float32, GemmConfig(block_m=64, block_n=128, group_m=3, num_warps=4)),
 ])
 def test_w8a8_matches_oracle(m, dtype, config, parts):
     x = activations(m, K, dtype)
