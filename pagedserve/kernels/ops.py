@@ -228,8 +228,9 @@ def fp8_linear(
         ``[..., N]`` in ``x.dtype``. The reference dequantizes ``W`` to ``x.dtype`` and runs
         the float matmul (weight-only semantics at every row count).
     """
-    if _pick(backend, x.device) == "triton":
-        from pagedserve.kernels import fp8_matmul
+    from pagedserve.kernels import fp8_matmul
 
+    if _pick(backend, x.device) == "triton":
         return fp8_matmul.fp8_linear(x, weight, scale_inv, parts, counters, method)
+    fp8_matmul.check_args(x, weight, scale_inv, parts)
     return F.linear(x, fp8.dequantize(weight, scale_inv, parts, x.dtype))

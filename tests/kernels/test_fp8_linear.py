@@ -221,3 +221,9 @@ def test_module_on_the_cpu_runs_the_reference():
     assert "split_counters" not in layer.state_dict()
     x = activations(3, K, torch.bfloat16).cpu()
     assert torch.equal(layer(x), ops.fp8_linear(x, data, scale, RAGGED, backend="reference"))
+
+
+def test_reference_checks_the_same_arguments():
+    data, scale = make_weight(RAGGED, K, seed=8)
+    with pytest.raises(ValueError, match="scale_inv must be"):
+        ops.fp8_linear(torch.randn(2, K), data, scale[:-1], RAGGED, backend="reference")
