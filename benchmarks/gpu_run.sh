@@ -10,7 +10,7 @@
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
 #         bench-structured bench-chaos bench-prefix probe-decode
-#         trace-decode probe-pieces ab-probe
+#         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8
 #         train-default-model (issue 38; carry .corpus as well as .whl).
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/tools/probe_decode.py with the
@@ -157,6 +157,15 @@ for spec in "$@"; do
     # $PREFILL_ARGS: more bench_prefill.py arguments (--parts, --lengths, --configs).
     bench-prefill) run_stage "$stage" "$limit" python3 benchmarks/bench_prefill.py \
                      ${PREFILL_ARGS:-} --out "$OUT" ;;
+    # The FP8 linear kernels (issue 37): their GPU tests (27B shapes against the float64
+    # oracle, CUDA-graph replay) and their interpreter tests run on CUDA.
+    tests-fp8)     run_stage "$stage" "$limit" $PYTEST tests/kernels/test_fp8_linear_gpu.py \
+                     tests/kernels/test_fp8_linear.py ;;
+    # FP8 against bf16 on the 27B shape's linear layers: decode step, 8K-row prefill, the
+    # weight-only / w8a8 crossover. $FP8_ARGS: more bench_fp8.py arguments (--parts,
+    # --decode-rows, --gemv-sweep "64/4/4/0;128/4/3/0", --gemm-sweep "128/128/8/8/3;...").
+    bench-fp8)     run_stage "$stage" "$limit" python3 benchmarks/bench_fp8.py \
+                     ${FP8_ARGS:-} --out "$OUT" ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     # A grammar's cost per decode step at batch 8 on the 27B shape (needs xgrammar and

@@ -22,8 +22,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
                    help="float32, bfloat16 or float16 (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="fp8: quantize the linear weights of a bf16 checkpoint to FP8 128x128 "
-                        "blocks while loading (FP8 checkpoints are FP8 without it; weight-only: "
-                        "activations stay in --dtype)")
+                        "blocks while loading (FP8 checkpoints are FP8 without it; what runs "
+                        "where: docs/fp8.md)")
     p.add_argument("--kv-layout", default="paged", choices=("paged", "contiguous"))
     kv_help = "K/V storage type (default f16; f32 is exact and CPU-only)"
     p.add_argument("--cache-type-k", default="f16", choices=KV_TYPES, help=kv_help)

@@ -11,16 +11,19 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from pagedserve.kernels import guards, reference
 from pagedserve.kernels.decode_plan import DecodeConfig, DecodeWorkspace, default_occupancy
 from pagedserve.kv import formats
 from pagedserve.kv.formats import KVBlockStorage
+from pagedserve.quant import fp8
 
 # The public op API: the engine and the model import kernels only through this module.
 __all__ = [
-    "BACKENDS", "DecodeConfig", "DecodeWorkspace", "default_occupancy", "kv_write",
-    "paged_decode_attention", "paged_prefill_attention", "prefill_method",
+    "BACKENDS", "DecodeConfig", "DecodeWorkspace", "default_occupancy", "fp8_counters",
+    "fp8_linear", "kv_write", "paged_decode_attention", "paged_prefill_attention",
+    "prefill_method",
 ]
 
 BACKENDS = ("triton", "reference")
@@ -193,3 +196,41 @@ def paged_prefill_attention(
     out[t0:] = prefill_attention(q[t0:], cache_k, cache_v, block_tables, qsl,
                                  seq_lens_cpu or seq_lens.tolist(), seq_begin, scale)
     return out
+
+
+def fp8_counters(out_features: int, device: torch.device | str) -> torch.Tensor:
+    """The split-K counters of one FP8 weight of ``out_features`` rows: int32 zeros that
+    its Triton weight-only launches leave zero (``kernels.fp8_gemv``)."""
+    from pagedserve.kernels.fp8_gemv import num_counters
+
+    return torch.zeros(num_counters(out_features), dtype=torch.int32, device=device)
+
+
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, parts: tuple[int, ...],
+    *, counters: torch.Tensor | None = None, method: str | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``x @ W.T`` for an FP8 block weight ``W`` (``quant/fp8.py``, docs/fp8.md).
+
+    Args:
+        x: ``[..., K]`` float16/bfloat16/float32.
+        weight: ``float8_e4m3fn`` ``[N, K]``, the fused parts' rows one after another.
+        scale_inv: float32 ``[sum(ceil(n / 128) for n in parts), ceil(K / 128)]``.
+        parts: row count of each fused part.
+        counters: Triton only: the weight's split-K counters (``fp8_counters``); ``None``
+            allocates zeros per call.
+        method: Triton only: ``"weight_only"`` (``kernels.fp8_gemv``) or ``"w8a8"``
+            (activations quantized per 1x128 group, ``kernels.fp8_gemm``); ``None``:
+            ``fp8_matmul.method_for(rows)``, w8a8 from ``W8A8_MIN_ROWS`` rows.
+
+    Returns:
+        ``[..., N]`` in ``x.dtype``. The reference dequantizes ``W`` to ``x.dtype`` and runs
+        the float matmul (weight-only semantics at every row count).
+    """
+    from pagedserve.kernels import fp8_matmul
+
+    if _pick(backend, x.device) == "triton":
+        return fp8_matmul.fp8_linear(x, weight, scale_inv, parts, counters, method)
+    fp8_matmul.check_args(x, weight, scale_inv, parts)
+    return F.linear(x, fp8.dequantize(weight, scale_inv, parts, x.dtype))

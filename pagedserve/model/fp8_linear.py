@@ -1,14 +1,15 @@
 """Linear layers whose weights are stored in the FP8 block format (``quant/fp8.py``).
 
 ``Fp8Linear`` is a drop-in for a bias-free ``nn.Linear``: ``y = x @ W.T`` with ``W`` held as
-``float8_e4m3fn`` ``[N, K]`` plus float32 block scales. Semantics are weight-only: the
-activations stay in the model dtype and are never quantized, on every device.
+``float8_e4m3fn`` ``[N, K]`` plus float32 block scales. ``forward`` runs ``ops.fp8_linear``:
 
-The forward dequantizes the whole weight to the activation dtype and runs the float matmul.
-That is the reference path on the CPU, and on CUDA it is what runs today too: the FP8 GPU
-kernels (a decode GEMV that dequantizes in registers, a prefill tensor-core GEMM) are not
-built yet, so an FP8 model on CUDA reads its weights at 1 byte per parameter from memory but
-computes no faster than bf16. ``forward`` is the seam where those kernels go.
+- on CUDA, the Triton kernels, chosen by the number of rows (``kernels/fp8_matmul.py``):
+  below ``W8A8_MIN_ROWS`` (decode) the weight-only kernel, which dequantizes the weight in
+  registers and leaves the activations in the model dtype; from it on (prefill) the
+  activations are quantized per 1x128 group to e4m3 (the checkpoints' dynamic activation
+  scheme) and an FP8 tensor-core GEMM runs;
+- elsewhere, the reference: the whole weight dequantized to the activation dtype and the
+  float matmul (weight-only semantics at every row count).
 
 ``RowConcatLinear`` serves a fused projection whose parts are stored differently (the GDN
 input projection of Qwen's FP8 checkpoints: ``in_proj_qkv`` and ``in_proj_z`` in FP8,
@@ -19,9 +20,9 @@ outputs are concatenated in row order.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.kernels import ops
 from pagedserve.quant import fp8
 
 
@@ -33,7 +34,11 @@ class Fp8Linear(nn.Module):
         weight_scale_inv: float32 ``[sum(ceil(n / 128) for n in parts), ceil(K / 128)]``;
             each part's block rows one after another (the diagram in ``quant/fp8.py``).
         parts: row count of each fused part (one entry for an unfused weight).
+        split_counters: int32 zeros (a buffer, not saved): the weight-only kernel's split-K
+            counters, which its launches leave zero (``kernels/fp8_gemv.py``).
     """
+
+    split_counters: torch.Tensor
 
     def __init__(self, in_features: int, parts: tuple[int, ...], device: torch.device) -> None:
         super().__init__()
@@ -50,6 +55,8 @@ class Fp8Linear(nn.Module):
                         device=device),
             requires_grad=False,
         )
+        self.register_buffer("split_counters", ops.fp8_counters(self.out_features, device),
+                             persistent=False)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as ``[N, K]`` in ``dtype`` (computed on each call, never cached)."""
@@ -57,8 +64,8 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, K]`` in the model dtype -> ``[T, N]`` in the same dtype."""
-        # Reference path on every device; FP8 GPU kernels are not built yet.
-        return F.linear(x, self.dequantized(x.dtype))
+        return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.parts,
+                              counters=self.split_counters)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, parts={self.parts}, fp8 block {fp8.BLOCK}"
@@ -92,4 +99,4 @@ def describe_weights(model: nn.Module) -> str:
     return (f"{total / 2**30:.3f} GiB: {len(fp8_layers)} FP8 block-128 linear layers "
             f"{data / 2**30:.3f} GiB + scales {scales / 2**20:.2f} MiB, the rest "
             f"{(total - data - scales) / 2**30:.3f} GiB in the model dtype "
-            "(weight-only FP8: dequantized per call; FP8 GPU kernels are not built yet)")
+            "(FP8 Triton kernels on CUDA, dequantized float reference elsewhere)")

@@ -6,8 +6,9 @@ Accepted ``quantization_config`` (top level of config.json, or inside ``text_con
      "activation_scheme": "dynamic", "modules_to_not_convert": [...]}
 
 Anything else is rejected at start-up, naming the value. ``activation_scheme`` is accepted
-only as ``"dynamic"`` (no stored activation scales); pagedserve's FP8 layers are weight-only,
-so the scheme does not change what they compute.
+only as ``"dynamic"`` (no stored activation scales): on CUDA, steps of many rows quantize
+the activations per token and 128-column group as they run (``kernels/fp8_matmul.py``);
+steps of few rows, and the CPU, keep them in the model dtype (docs/fp8.md).
 
 ``--quantization fp8`` on an unquantized checkpoint converts, while loading, the same
 modules Qwen's published FP8 checkpoints convert: every linear projection of the decoder

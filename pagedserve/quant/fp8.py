@@ -22,8 +22,9 @@ partial block that must not share scales with the next part's first rows::
     scale [2 + 1, KB]       part 0 block rows 0, 1    | part 1 block row 0
     row n -> scale row      n // 128 for n < 200      | 2 + (n - 200) // 128
 
-``scale_rows(parts)`` gives that map; every path (CPU dequantize, tests, and the GPU kernels
-that will read it) uses it.
+``scale_rows(parts)`` gives that map; every path (CPU dequantize, tests, and the GPU kernels)
+uses it. Where every part but the last fills its block rows (``uniform_block_rows``: all the
+published Qwen3.5 shapes), the map is ``n // 128`` and the GPU kernels compute it instead.
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ def scale_rows(parts: tuple[int, ...], device: torch.device | str = "cpu") -> to
         out.append(base + torch.arange(rows, device=device) // BLOCK)
         base += num_blocks(rows)
     return torch.cat(out)
+
+
+def uniform_block_rows(parts: tuple[int, ...]) -> bool:
+    """Whether ``scale_rows(parts)`` is ``n // 128``: every part but the last is a whole
+    number of blocks, so no part ends inside a block row."""
+    return all(rows % BLOCK == 0 for rows in parts[:-1])
 
 
 @torch.no_grad()
