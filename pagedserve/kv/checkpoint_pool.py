@@ -128,6 +128,9 @@ class CheckpointPool:
         takes ``logits`` if it has no row yet. Returns the entry, or ``None`` when the
         pool has no capacity.
         """
+        if logits is not None and self.vocab_size and logits.shape != (self.vocab_size,):
+            raise ValueError(f"a logits row of shape {tuple(logits.shape)} does not fit "
+                             f"rows of {self.vocab_size}")
         entry = self._entries.get(key)
         if entry is not None:
             self.touch(entry)
@@ -154,9 +157,6 @@ class CheckpointPool:
     def _put_logits(self, entry: Checkpoint, logits: torch.Tensor) -> None:
         if self.vocab_size == 0:
             return  # this pool keeps no rows
-        if logits.shape != (self.vocab_size,):
-            raise ValueError(f"a logits row of shape {tuple(logits.shape)} does not fit "
-                             f"rows of {self.vocab_size}")
         self.logits[entry.slot] = logits
         entry.has_logits = True
 

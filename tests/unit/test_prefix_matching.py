@@ -5,6 +5,7 @@ no output."""
 import random
 
 import pytest
+import torch
 from prefix_driver import SHAPES, FakeEngine
 
 from pagedserve.engine.request import Request, SamplingParams
@@ -106,6 +107,30 @@ def test_checkpoint_eviction_goes_by_value_not_age():
     assert pool.get(2) is None and pool.get(1) is not None and pool.num_evictions == 1
     pool.restore(pool.get(1), states, slot)
     assert states.recurrent_state[0, slot].item() == 1.0
+    pool.check_invariants()
+
+
+def test_a_logits_row_lives_and_dies_with_its_checkpoint():
+    states = StatePool(SHAPES, 1, "cpu")
+    pool = CheckpointPool(SHAPES, 1, "cpu", vocab_size=3)
+    assert pool.bytes_per_checkpoint == SHAPES.bytes_per_slot + 3 * 4
+    slot = states.slot(states.acquire())
+    a = pool.save(1, 10, parent=0, tail=None, states=states, state_slot=slot)
+    assert not a.has_logits
+    with pytest.raises(ValueError, match="no logits row"):
+        pool.logits_row(a)
+    row = torch.tensor([1.0, 2.0, 3.0])
+    assert pool.save(1, 10, 0, None, states, slot, logits=row) is a and a.has_logits
+    copy = pool.logits_row(a)
+    assert copy.tolist() == [1.0, 2.0, 3.0]
+    b = pool.save(2, 20, 0, None, states, slot)  # evicts a: its slot, row and all
+    assert pool.get(1) is None and b.slot == a.slot and not b.has_logits
+    with pytest.raises(ValueError, match="no logits row"):
+        pool.logits_row(a)
+    pool.save(3, 30, 0, None, states, slot, logits=torch.zeros(3))  # evicts b
+    assert copy.tolist() == [1.0, 2.0, 3.0]  # a copy taken before stays what it was
+    with pytest.raises(ValueError, match="does not fit"):
+        pool.save(4, 40, 0, None, states, slot, logits=torch.zeros(4))
     pool.check_invariants()
 
 
