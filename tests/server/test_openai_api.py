@@ -206,6 +206,9 @@ def test_usage_and_metrics_report_cached_prompt_tokens(server, oai):
         messages=messages + [{"role": "assistant", "content": "ok"},
                              {"role": "user", "content": "more"}], **kwargs)
     assert chat[0].usage.prompt_tokens_details.cached_tokens == 0
+    # The same messages again: the whole prompt is cached, the answer unchanged.
+    assert chat[1].usage.prompt_tokens_details.cached_tokens == chat[1].usage.prompt_tokens
+    assert chat[1].choices[0].message.content == chat[0].choices[0].message.content
     assert more.usage.prompt_tokens_details.cached_tokens > 0
     text = get_metrics(server)
     hits = metric(text, "pagedserve:prefix_cache_hits_total")
