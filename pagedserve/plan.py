@@ -2,8 +2,8 @@
 
 The budget covers K/V and recurrent state only (weights and activations are separate).
 State slots are taken first, one per concurrently running sequence (``max_num_seqs``),
-then the prefix cache's state checkpoints (their own budget); the rest of the budget
-becomes K/V blocks.
+then the prefix cache's checkpoints (their own budget: a state slot's bytes and a float32
+logits row each); the rest of the budget becomes K/V blocks.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from pagedserve.config import CacheConfig, ModelConfig
+from pagedserve.kv.checkpoint_pool import checkpoint_bytes
 from pagedserve.kv.memory import GiB, KVFootprint, MiB
 from pagedserve.model.weight_footprint import WeightFootprint
 
@@ -98,8 +99,9 @@ class CapacityPlan:
     bytes_per_max_len_seq: int  # K/V of one max_model_len sequence plus its state slot
     max_tokens_in_pool: int
     padded_max_len_seqs: int  # sequences the same budget holds padded to max_model_len
-    num_checkpoints: int = 0  # prefix-cache state checkpoints (one state slot's bytes each)
+    num_checkpoints: int = 0  # prefix-cache checkpoints (a state slot and a logits row each)
     checkpoint_bytes: int = 0
+    bytes_per_checkpoint: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -134,13 +136,14 @@ def plan_capacity(
             f"the budget of {_fmt(budget_bytes)}; lower --max-model-len or raise the budget"
         )
     slots = max_num_seqs
-    checkpoint_bytes = num_checkpoints * state
-    num_blocks = (budget_bytes - slots * state - checkpoint_bytes) // kv.bytes_per_block
+    per_checkpoint = checkpoint_bytes(model.state_shapes(state_dtype), model.vocab_size)
+    all_checkpoints = num_checkpoints * per_checkpoint
+    num_blocks = (budget_bytes - slots * state - all_checkpoints) // kv.bytes_per_block
     if num_blocks * cache.block_size < max_model_len:
         raise ValueError(
             f"{max_num_seqs} state slots ({_fmt(max_num_seqs * state)}) leave room for "
             f"{num_blocks} blocks ({num_blocks * cache.block_size} tokens) besides "
-            f"{num_checkpoints} checkpoints ({_fmt(checkpoint_bytes)}), fewer than one "
+            f"{num_checkpoints} checkpoints ({_fmt(all_checkpoints)}), fewer than one "
             f"max_model_len={max_model_len} sequence; lower --max-num-seqs or raise the budget"
         )
     return CapacityPlan(
@@ -156,7 +159,8 @@ def plan_capacity(
         max_tokens_in_pool=int(num_blocks) * cache.block_size,
         padded_max_len_seqs=budget_bytes // per_seq,
         num_checkpoints=num_checkpoints,
-        checkpoint_bytes=checkpoint_bytes,
+        checkpoint_bytes=all_checkpoints,
+        bytes_per_checkpoint=per_checkpoint,
     )
 
 
@@ -245,7 +249,8 @@ def format_plan(model: ModelConfig, cache: CacheConfig, plan: CapacityPlan) -> s
         f"{plan.num_state_slots} state slots",
         f"padded equiv.    {plan.padded_max_len_seqs} sequences padded to max_model_len",
         f"prefix cache     {plan.num_checkpoints} state checkpoints "
-        f"({_fmt(plan.checkpoint_bytes)}, {_fmt(plan.state_bytes_per_slot)} each)",
+        f"({_fmt(plan.checkpoint_bytes)}, {_fmt(plan.bytes_per_checkpoint)} each: a state "
+        f"slot and a logits row)",
     ]
     return "\n".join(lines)
 

@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.config import CacheConfig, ModelConfig
     from pagedserve.engine.prefix_cache import num_checkpoints_for
     from pagedserve.engine.runner import DEFAULT_ACTIVATION_RESERVE
+    from pagedserve.kv.checkpoint_pool import checkpoint_bytes
     from pagedserve.model.loader import parse_dtype
     from pagedserve.model.weight_footprint import weight_footprint
     from pagedserve.quant.config import parse_quantization
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             weights.total_bytes, DEFAULT_ACTIVATION_RESERVE)
     else:
         budget = planning.gpu_free_bytes(args.gpu_memory_fraction)
-    per_checkpoint = model.state_shapes(torch.bfloat16).bytes_per_slot
+    per_checkpoint = checkpoint_bytes(model.state_shapes(torch.bfloat16), model.vocab_size)
     checkpoints = num_checkpoints_for(
         planning.parse_checkpoint_memory(args.prefix_checkpoint_memory), per_checkpoint,
         args.max_num_seqs)

@@ -25,6 +25,7 @@ from pagedserve.engine.lookahead import InflightStep, TokenReadback, lookahead_c
 from pagedserve.engine.prefix_cache import (
     DEFAULT_CHECKPOINT_INTERVAL,
     PrefixCache,
+    logits_with_cached_rows,
     num_checkpoints_for,
 )
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
@@ -40,6 +41,7 @@ from pagedserve.engine.sampler import (
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.warmup import warm_up
+from pagedserve.kv.checkpoint_pool import checkpoint_bytes
 from pagedserve.kv.memory import GiB
 from pagedserve.kv.prefix_hash import salt_of
 from pagedserve.model.fp8_linear import describe_weights
@@ -174,7 +176,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens)
         budget = sched_config.max_num_batched_tokens
         dtype = next(self.loaded.model.parameters()).dtype
-        bytes_per_checkpoint = cfg.state_shapes(dtype).bytes_per_slot
+        bytes_per_checkpoint = checkpoint_bytes(cfg.state_shapes(dtype), cfg.vocab_size)
         num_checkpoints = num_checkpoints_for(
             config.checkpoint_memory_bytes(), bytes_per_checkpoint, config.max_num_seqs)
         caching = (config.enable_prefix_caching and config.kv_layout == "paged"
@@ -206,7 +208,8 @@ class LLMEngine:
             self.prefix = PrefixCache(self.kv, self.runner.state_pool,
                                       self.runner.checkpoint_pool, salt,
                                       config.prefix_checkpoint_interval)
-            log.info("prefix caching on: %d state checkpoints of %.1f MiB (%.2f GiB), one "
+            log.info("prefix caching on: %d state checkpoints of %.1f MiB (state and a "
+                     "logits row; %.2f GiB), one "
                      "every %d prompt tokens and at each prompt's and request's end",
                      num_checkpoints, bytes_per_checkpoint / 2**20,
                      num_checkpoints * bytes_per_checkpoint / GiB,
@@ -359,8 +362,12 @@ class LLMEngine:
             if self.kv.pending_copies:  # of admissions preempted within the step
                 self.runner.apply_pending_copies(self.kv)
             return None
-        sampling = [i for i, c in enumerate(plan.chunks) if c.completes]
-        return self._launch(plan.chunks, sampling, [self._seq_chunk(c) for c in plan.chunks])
+        # Zero-token chunks (every token cached) go last: their logits rows are stored ones,
+        # after the forward pass's.
+        chunks = sorted(plan.chunks, key=lambda c: c.num_tokens == 0)
+        sampling = [i for i, c in enumerate(chunks) if c.completes]
+        return self._launch(chunks, sampling,
+                            [self._seq_chunk(c) for c in chunks if c.num_tokens])
 
     def _launch_lookahead(self, previous: InflightStep) -> InflightStep | None:
         chunks = lookahead_chunks(previous, self.scheduler, self.kv, self.max_model_len)
@@ -379,20 +386,26 @@ class LLMEngine:
     def _launch(self, chunks: list[ScheduledChunk], sampling: list[int],
                 seq_chunks: list[SeqChunk], input_ids: torch.Tensor | None = None,
                 defer_sampling: bool = False) -> InflightStep:
-        """Queue one forward pass and (unless deferred) its sampling on the device;
-        nothing waits for it."""
+        """Queue one forward pass of ``seq_chunks`` (the first chunks; any others forward
+        no token) and (unless deferred) its sampling on the device; nothing waits for it."""
         if self.kv.pending_copies:
             self.runner.apply_pending_copies(self.kv)
-        batch = build_forward_batch(seq_chunks, self.kv, self.runner.device,
-                                    staging=self._staging)
-        if input_ids is not None:
-            batch.input_ids = input_ids  # [B] int64, already on the device
-        step = InflightStep(chunks, sampling, None, logits=self.runner.execute(batch))
-        if self.prefix is not None:  # queued after the forward pass: its states
-            for c in chunks:
+        logits = None
+        if seq_chunks:
+            batch = build_forward_batch(seq_chunks, self.kv, self.runner.device,
+                                        staging=self._staging)
+            if input_ids is not None:
+                batch.input_ids = input_ids  # [B] int64, already on the device
+            logits = self.runner.execute(batch)
+        if self.prefix is not None and logits is not None:  # queued after the forward pass:
+            for i, c in enumerate(chunks[:len(seq_chunks)]):  # its states and logits rows
                 end = c.start_pos + c.num_tokens
                 if self.prefix.wants_checkpoint(c.request, c.start_pos, end):
-                    self.prefix.save(c.request, end)
+                    self.prefix.save(c.request, end, logits[i])
+        if len(seq_chunks) < len(chunks):
+            logits = logits_with_cached_rows(
+                logits, [c.request for c in chunks[len(seq_chunks):]])
+        step = InflightStep(chunks, sampling, None, logits=logits)
         if not defer_sampling:
             self._queue_sampling(step, tokens_ahead=int(input_ids is not None))
         return step

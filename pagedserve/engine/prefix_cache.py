@@ -9,8 +9,30 @@ when both halves of the prefix ``[0, p)`` are there:
     state   a checkpoint saved at exactly p (the GDN state cannot be rewound or
             advanced without recomputing the tokens)
 
-``match`` picks the longest such ``p`` below the request's token count (a sequence always
-recomputes its last token, which yields the logits of its next one).
+``match`` picks the longest such ``p`` up to the request's token count. Below it, the
+request recomputes its tokens from ``p`` on, the last one yielding the logits of its next
+token. At it (an identical prompt sent again, or any request whose whole token sequence
+is a checkpointed prefix) nothing is left to compute: its next token's distribution is
+the logits of its last token, which the forward pass that computed the checkpoint's state
+produced. A checkpoint saved right after its forward pass therefore keeps that pass's
+logits row (``CheckpointPool``; one float32 row of the vocabulary, 1 MB at 248K tokens,
+under 1% of a 27B-shape checkpoint's state and counted in its bytes), and a match at the
+full length needs that row. The request then runs a zero-token chunk: the engine forwards
+nothing for it and samples its first token from a copy of the stored row
+(``logits_with_cached_rows``), through the same sampler as a computed row, so penalties,
+logprobs, grammars and seeds apply unchanged; it decodes from its full length after. The
+zero-token chunk never enters a forward batch (CUDA graphs see the same batches as
+without it), a step of only such chunks runs no forward pass, and with async scheduling
+the decode step after it is launched ahead from its sampled token as after any prefill.
+
+The alternative, a second checkpoint at ``L - 1`` so that the last token is recomputed,
+is not taken: the prefill would stop one token short of every prompt's end to save it
+(one more forward step on every prompt's time to first token), each such checkpoint
+costs a whole state (150 MB for the 27B shape) instead of a row, and a hit still
+recomputes a token. Checkpoints saved when a request finishes or is preempted have no row
+(the logits of their last token were sampled steps earlier): a request whose tokens end
+exactly there resumes at the longest checkpoint below. A preempted request is never such
+a one: its last sampled token was not fed back, so its own checkpoint is one token short.
 
 Checkpoints are saved:
 
@@ -20,8 +42,9 @@ Checkpoints are saved:
 * when a request finishes or is preempted, at its computed length (prompt plus the
   output tokens fed back), unless a forward pass of it is still in flight;
 * where a request's tokens leave the cached K/V chain beyond its resume point (the last
-  full block it shares): the branch point of prompts that share a system prompt or
-  repeat a whole prompt, so that every later one resumes there.
+  full block it shares): the branch point of prompts that share a system prompt, or of
+  a whole prompt sent again after its end checkpoint was evicted, so that every later
+  one resumes there.
 
 A checkpoint is worth the tokens it saves recomputing, halved for every ``half_life``
 saves and hits since it was last used, and nothing once its K/V blocks are gone; the
@@ -31,6 +54,8 @@ least valuable is evicted when the checkpoint pool is full.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 from pagedserve.engine.request import Request
 from pagedserve.kv.checkpoint_pool import Checkpoint, CheckpointPool
@@ -122,10 +147,9 @@ class PrefixCache:
         return req.prefix_chain
 
     def match(self, req: Request) -> PrefixMatch:
-        """The longest cached prefix of ``req``'s tokens shorter than all of them."""
-        limit = req.num_tokens - 1
-        if limit <= 0:
-            return PrefixMatch(None, 0)
+        """The longest cached prefix of ``req``'s tokens: all of them only with a stored
+        logits row (``Checkpoint.has_logits``), which yields the next token's."""
+        limit = req.num_tokens
         bs = self.block_size
         chain = self.chain(req, limit)
         blocks: list[int] = []
@@ -138,7 +162,8 @@ class PrefixCache:
             best: tuple[Checkpoint, int | None] | None = None
             for entry in self.checkpoints.under(chain.parents[i]):
                 p = entry.num_tokens
-                if not i * bs <= p <= limit or (best and p <= best[0].num_tokens):
+                if (not i * bs <= p <= limit or (best and p <= best[0].num_tokens)
+                        or (p == limit and not entry.has_logits)):
                     continue
                 tail = self._tail(entry, blocks, i)
                 if (p % bs == 0 or tail is not None) and entry.key == chain.key_at(
@@ -165,8 +190,12 @@ class PrefixCache:
         are short); the caller restores the state once ``req`` has a slot."""
         return self.kv.create_from_prefix(hit.full_blocks, hit.num_tokens, hit.tail_block)
 
-    def restore(self, hit: PrefixHit, state_slot: int) -> None:
+    def restore(self, req: Request, hit: PrefixHit, state_slot: int) -> None:
+        """Copy ``hit``'s state into ``req``'s slot ``state_slot``; when ``hit`` covers all
+        of ``req``'s tokens, also a copy of its logits row into ``req.cached_logits``."""
         self.checkpoints.restore(hit.checkpoint, self.states, state_slot)
+        if hit.num_tokens == req.num_tokens:
+            req.cached_logits = self.checkpoints.logits_row(hit.checkpoint)
 
     def count(self, num_queried: int, num_hit: int) -> None:
         """An admission looked up ``num_queried`` tokens and resumed after ``num_hit``."""
@@ -196,8 +225,9 @@ class PrefixCache:
             end == req.num_prompt_tokens or end == req.checkpoint_branch
             or end % self.checkpoint_interval == 0)
 
-    def save(self, req: Request, end: int) -> None:
-        """Save ``req``'s state slot, which holds the state after ``end`` tokens."""
+    def save(self, req: Request, end: int, logits: torch.Tensor | None = None) -> None:
+        """Save ``req``'s state slot, which holds the state after ``end`` tokens, with
+        ``logits`` (``[vocab]`` float32), those of token ``end - 1``, if given."""
         if self.checkpoints.num_checkpoints == 0:
             return
         chain = self.chain(req, end)
@@ -208,7 +238,7 @@ class PrefixCache:
             tail = (block, self.kv.pool.epoch(block))
         self.checkpoints.save(chain.key_at(end, req.token_slice), end,
                               chain.parents[end // self.block_size], tail, self.states,
-                              self.states.slot(req.live_state_handle))
+                              self.states.slot(req.live_state_handle), logits)
 
     def on_commit(self, req: Request) -> None:
         """Name ``req``'s committed full blocks, so that other requests can find them."""
@@ -241,3 +271,18 @@ class PrefixCache:
 
     def check_invariants(self) -> None:
         self.checkpoints.check_invariants()
+
+
+def logits_with_cached_rows(logits: torch.Tensor | None, reqs: list[Request]) -> torch.Tensor:
+    """A step's logits: ``logits`` (``[B, V]``, the forward pass's rows; ``None`` when the
+    step forwards nothing) followed by the stored row of each of ``reqs``, which resumed
+    with every token cached (``PrefixCache.restore``). Each request's row is used once."""
+    rows = []
+    for req in reqs:
+        if req.cached_logits is None:
+            raise RuntimeError(f"request {req.request_id} forwards no token and has no "
+                               "stored logits row")
+        rows.append(req.cached_logits)
+        req.cached_logits = None
+    cached = torch.stack(rows)
+    return cached if logits is None else torch.cat([logits, cached])

@@ -12,6 +12,8 @@ from pagedserve.kv.handles import Handle
 from pagedserve.kv.prefix_hash import HashChain
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedserve.engine.structured import GrammarSpec, RequestGrammar
 
 MAX_LOGPROBS = 20
@@ -153,6 +155,9 @@ class Request:
     prefix_chain: HashChain | None = None
     num_cached_tokens: int = 0
     checkpoint_branch: int = 0  # where its tokens leave the cached chain (0: nowhere)
+    # Admitted with every token cached: the stored logits of its last token, from which
+    # its next token is sampled in the step that admits it (then None).
+    cached_logits: torch.Tensor | None = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -148,7 +148,8 @@ class ModelRunner:
             cfg.state_shapes(self.dtype), config.max_num_seqs, self.device
         )
         self.checkpoint_pool = CheckpointPool(
-            cfg.state_shapes(self.dtype), config.num_checkpoints, self.device)
+            cfg.state_shapes(self.dtype), config.num_checkpoints, self.device,
+            vocab_size=cfg.vocab_size)
         self.num_blocks = config.max_num_seqs if contiguous else self._paged_num_blocks()
         # One (K, V) storage pair per full-attention layer, all over the same block ids;
         # K and V side by side in one buffer when their types match (``allocate_pair``).

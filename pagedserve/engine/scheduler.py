@@ -94,7 +94,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``request`` forwarded this step, from ``start_pos``."""
+    """``num_tokens`` tokens of ``request`` forwarded this step, from ``start_pos``; 0 for
+    a request admitted with every token cached, which samples from its stored logits."""
 
     request: Request
     num_tokens: int
@@ -220,14 +221,14 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = self._admit(req, budget, chunk_cap)
-            if n == 0:
+            admitted = self._admit(req, budget, chunk_cap)
+            if admitted is None:
                 break  # head of the queue waits for memory; FCFS, no overtaking
             self.waiting.popleft()
             self.running.append(req)
-            budget -= n
-            (decode if n == 1 else prefill).append(
-                ScheduledChunk(req, n, req.num_computed_tokens))
+            budget -= admitted
+            (decode if admitted == 1 else prefill).append(
+                ScheduledChunk(req, admitted, req.num_computed_tokens))
         # A request scheduled early in the step can be the victim of a later reservation,
         # and can even be re-admitted from the queue's front: keep only chunks that start
         # where their request now stands.
@@ -272,9 +273,10 @@ class Scheduler:
         watermark = max(1, self.kv.pool.num_blocks // 100) if self.running else 0
         return self.kv.pool.num_free_blocks >= self.kv.blocks_needed(n) + watermark
 
-    def _admit(self, req: Request, budget: int, chunk_cap: int) -> int:
+    def _admit(self, req: Request, budget: int, chunk_cap: int) -> int | None:
         """Admit ``req`` (from its longest cached prefix) with its first chunk reserved;
-        returns that chunk's length, or 0 and no change when memory is short."""
+        returns that chunk's length (0: every token was cached, the chunk samples from the
+        stored logits), or ``None`` and no change when memory is short."""
         hit = None
         if self.prefix is not None:
             match = self.prefix.match(req)
@@ -288,16 +290,16 @@ class Scheduler:
             handle = self.prefix.resume(req, hit)
         if handle is None and (hit is not None or not self._blocks_free_for(n)):
             req.num_computed_tokens = 0
-            return 0
+            return None
         req.kv_handle = handle or self.kv.create()
         req.state_handle = self.states.acquire()
         if not self.kv.reserve(req.kv_handle, n):
             self._release(req)
             req.num_computed_tokens = 0
-            return 0
+            return None
         if self.prefix is not None:
             if hit is not None:
-                self.prefix.restore(hit, self.states.slot(req.state_handle))
+                self.prefix.restore(req, hit, self.states.slot(req.state_handle))
                 if req.first_scheduled_time is None:
                     req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
             self.prefix.count(req.num_tokens, req.num_computed_tokens)

@@ -4,16 +4,20 @@ Pure mechanism.
 A hybrid model resumes a prefix at position ``p`` only with the conv and recurrent state
 of every linear-attention layer after exactly ``p`` tokens. The pool keeps such copies in
 preallocated tensors with the state pool's per-slot layout, each under a key (the prefix's
-chained hash at ``p``, ``prefix_hash.HashChain.key_at``)::
+chained hash at ``p``, ``prefix_hash.HashChain.key_at``), beside one float32 row of
+logits per checkpoint: those of the prefix's last token (the distribution of token
+``p``), present when the save had them at hand (``Checkpoint.has_logits``)::
 
     conv_state      [num_linear_layers, num_checkpoints, conv_dim, conv_kernel - 1]
     recurrent_state [num_linear_layers, num_checkpoints, Hv, Dk, Dv]            float32
+    logits          [num_checkpoints, vocab_size]                               float32
 
-``save`` copies a state slot into a checkpoint (evicting the entry of least value when the
-pool is full); ``restore`` copies a checkpoint into a state slot. Both are device copies
-queued in stream order, so a save queued after a forward pass sees that pass's state, and
-a restore queued before a forward pass feeds it. Which positions to save and what an entry
-is worth are the caller's policy (``value``).
+``save`` copies a state slot (and a logits row) into a checkpoint (evicting the entry of
+least value when the pool is full); ``restore`` copies a checkpoint into a state slot, and
+``logits_row`` copies out its row. All are device copies queued in stream order, so a save
+queued after a forward pass sees that pass's state, and a restore queued before a forward
+pass feeds it. Which positions to save and what an entry is worth are the caller's policy
+(``value``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ import torch
 
 from pagedserve.kv.state_pool import StatePool, StateShapes
 
+LOGITS_DTYPE = torch.float32
+
+
+def checkpoint_bytes(shapes: StateShapes, vocab_size: int) -> int:
+    """Bytes of one checkpoint: a state slot's and a float32 logits row of ``vocab_size``."""
+    return shapes.bytes_per_slot + vocab_size * LOGITS_DTYPE.itemsize
+
 
 @dataclass
 class Checkpoint:
@@ -32,7 +43,8 @@ class Checkpoint:
 
     ``parent``: the chain name the key hangs from (its last full block, or the salt);
     ``tail``: ``(block id, epoch)`` of the K/V block holding the rows past the last full
-    block, ``None`` when ``num_tokens`` is block-aligned; ``last_used``: the pool's clock.
+    block, ``None`` when ``num_tokens`` is block-aligned; ``last_used``: the pool's clock;
+    ``has_logits``: its slot's logits row holds the logits of the prefix's last token.
     """
 
     key: int
@@ -41,6 +53,7 @@ class Checkpoint:
     parent: int
     tail: tuple[int, int] | None
     last_used: int
+    has_logits: bool = False
 
 
 class CheckpointPool:
@@ -50,12 +63,14 @@ class CheckpointPool:
         shapes: per-slot state shapes (the state pool's).
         num_checkpoints: capacity.
         device: where the copies live (the state pool's device).
+        vocab_size: width of each checkpoint's logits row (0: none is kept).
         value: what keeping an entry saves, given the pool's clock; the entry of least
             value is evicted when a save needs room. Default: tokens covered.
     """
 
     def __init__(self, shapes: StateShapes, num_checkpoints: int, device: str | torch.device,
-                 value: Callable[[Checkpoint, int], float] | None = None) -> None:
+                 value: Callable[[Checkpoint, int], float] | None = None,
+                 vocab_size: int = 0) -> None:
         if num_checkpoints < 0:
             raise ValueError(f"num_checkpoints must be >= 0, got {num_checkpoints}")
         self.shapes = shapes
@@ -68,6 +83,10 @@ class CheckpointPool:
         self.recurrent_state = torch.zeros(
             (shapes.num_layers, num_checkpoints, *shapes.recurrent),
             dtype=shapes.recurrent_dtype, device=device)
+        # [num_checkpoints, vocab_size]
+        self.logits = torch.zeros((num_checkpoints, vocab_size), dtype=LOGITS_DTYPE,
+                                  device=device)
+        self.vocab_size = vocab_size
         self._entries: dict[int, Checkpoint] = {}
         self._by_parent: dict[int, dict[int, Checkpoint]] = {}
         self._free_slots = list(range(num_checkpoints - 1, -1, -1))
@@ -77,7 +96,7 @@ class CheckpointPool:
 
     @property
     def bytes_per_checkpoint(self) -> int:
-        return self.shapes.bytes_per_slot
+        return checkpoint_bytes(self.shapes, self.vocab_size)
 
     @property
     def total_bytes(self) -> int:
@@ -99,15 +118,24 @@ class CheckpointPool:
         entry.last_used = self.clock
 
     def save(self, key: int, num_tokens: int, parent: int, tail: tuple[int, int] | None,
-             states: StatePool, state_slot: int) -> Checkpoint | None:
-        """Copy state slot ``state_slot`` of ``states`` into a checkpoint under ``key``.
+             states: StatePool, state_slot: int,
+             logits: torch.Tensor | None = None) -> Checkpoint | None:
+        """Copy state slot ``state_slot`` of ``states`` into a checkpoint under ``key``,
+        with ``logits`` (``[vocab_size]`` float32: those of the prefix's last token), if
+        given, as its logits row.
 
-        An entry already under ``key`` is only touched (same prefix, same state). Returns
-        the entry, or ``None`` when the pool has no capacity.
+        An entry already under ``key`` is only touched (same prefix, same state), and
+        takes ``logits`` if it has no row yet. Returns the entry, or ``None`` when the
+        pool has no capacity.
         """
+        if logits is not None and self.vocab_size and logits.shape != (self.vocab_size,):
+            raise ValueError(f"a logits row of shape {tuple(logits.shape)} does not fit "
+                             f"rows of {self.vocab_size}")
         entry = self._entries.get(key)
         if entry is not None:
             self.touch(entry)
+            if logits is not None and not entry.has_logits:
+                self._put_logits(entry, logits)
             return entry
         if self.num_checkpoints == 0:
             return None
@@ -119,10 +147,26 @@ class CheckpointPool:
         self.recurrent_state[:, slot] = states.recurrent_state[:, state_slot]
         self.clock += 1
         entry = Checkpoint(key, slot, num_tokens, parent, tail, self.clock)
+        if logits is not None:
+            self._put_logits(entry, logits)
         self._entries[key] = entry
         self._by_parent.setdefault(parent, {})[key] = entry
         self.num_saves += 1
         return entry
+
+    def _put_logits(self, entry: Checkpoint, logits: torch.Tensor) -> None:
+        if self.vocab_size == 0:
+            return  # this pool keeps no rows
+        self.logits[entry.slot] = logits
+        entry.has_logits = True
+
+    def logits_row(self, entry: Checkpoint) -> torch.Tensor:
+        """A copy of ``entry``'s logits row (``[vocab_size]`` float32; the copy stays valid
+        whatever later saves write into the entry's slot)."""
+        if self._entries.get(entry.key) is not entry or not entry.has_logits:
+            raise ValueError(f"checkpoint {entry.key:x} holds no logits row")
+        self.touch(entry)
+        return self.logits[entry.slot].clone()
 
     def restore(self, entry: Checkpoint, states: StatePool, state_slot: int) -> None:
         """Copy ``entry``'s state into state slot ``state_slot`` of ``states``."""
@@ -151,6 +195,8 @@ class CheckpointPool:
         if len(slots) + len(self._free_slots) != self.num_checkpoints:
             raise AssertionError(f"{len(slots)} used + {len(self._free_slots)} free "
                                  f"checkpoint slots != {self.num_checkpoints}")
+        if self.vocab_size == 0 and any(e.has_logits for e in self._entries.values()):
+            raise AssertionError("a checkpoint claims a logits row the pool does not keep")
         indexed = sum(len(v) for v in self._by_parent.values())
         if indexed != len(self._entries):
             raise AssertionError(f"{indexed} indexed checkpoints for {len(self._entries)}")

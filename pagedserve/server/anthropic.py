@@ -7,13 +7,20 @@ messages); the answer comes back as content blocks -- ``thinking``, ``text``, ``
 ``tool_choice`` ``any`` / ``tool`` is enforced by the grammar, as ``required`` / a named
 function is for OpenAI's route. Errors have Anthropic's shape (``errors.py``).
 
+``usage`` has Anthropic's meaning: ``input_tokens`` are the prompt tokens computed,
+``cache_read_input_tokens`` those resumed from the prefix cache (the two add up to the
+prompt), ``cache_creation_input_tokens`` is 0 (caching needs no request to write it).
+
 Streaming uses Anthropic's events::
 
     message_start -> (content_block_start, content_block_delta..., content_block_stop)...
-    -> message_delta (stop_reason, output_tokens) -> message_stop
+    -> message_delta (stop_reason, usage) -> message_stop
 
 one block per kind of output, in the order the output gives them (``thinking_delta``,
 ``text_delta``, ``input_json_delta`` whose ``partial_json`` pieces add up to the input).
+``message_start`` goes out with the first output, once the request has been admitted, so
+that its usage already splits the prompt into computed and cached tokens; the usage of
+``message_delta`` is cumulative, as Anthropic's is.
 """
 
 from __future__ import annotations
@@ -154,8 +161,14 @@ async def create_message(body: MessagesRequest,
     return {**head, "content": content_blocks(message),
             "stop_reason": stop_reason(reason, stop, bool(message.tool_calls)),
             "stop_sequence": stop if isinstance(stop, str) else None,
-            "usage": {"input_tokens": len(prompt), "output_tokens": num_out,
-                      "cache_read_input_tokens": job.num_cached_tokens(1)}}
+            "usage": _usage(job, len(prompt), num_out)}
+
+
+def _usage(job: EngineJob, num_prompt_tokens: int, num_out: int) -> dict[str, int]:
+    """Anthropic's usage of ``job``'s one request (after its admission)."""
+    cached = job.num_cached_tokens(1)
+    return {"input_tokens": num_prompt_tokens - cached, "output_tokens": num_out,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 async def _collect(job: EngineJob,
@@ -242,12 +255,14 @@ class _BlockWriter:
 
 async def _stream(job: EngineJob, head: dict[str, Any], fmt: OutputFormat,
                   num_prompt_tokens: int) -> AsyncIterator[bytes]:
-    yield _event("message_start", {"message": {
-        **head, "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": num_prompt_tokens, "output_tokens": 0}}})
-    parser, blocks, num_out = AssistantParser(fmt), _BlockWriter(), 0
+    parser, blocks, num_out, started = AssistantParser(fmt), _BlockWriter(), 0, False
     try:
         async for _, out in job.outputs():
+            if not started:  # admitted by now: its cached tokens are known
+                started = True
+                yield _event("message_start", {"message": {
+                    **head, "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": _usage(job, num_prompt_tokens, 0)}})
             num_out += len(out.new_token_ids)
             for event in blocks.write(parser.feed(out.new_text)):
                 yield event
@@ -263,8 +278,7 @@ async def _stream(job: EngineJob, head: dict[str, Any], fmt: OutputFormat,
                 "delta": {"stop_reason": stop_reason(out.finish_reason, stop,
                                                      blocks.num_calls > 0),
                           "stop_sequence": stop if isinstance(stop, str) else None},
-                "usage": {"output_tokens": num_out,
-                          "cache_read_input_tokens": job.num_cached_tokens(1)}})
+                "usage": _usage(job, num_prompt_tokens, num_out)})
         yield _event("message_stop", {})
     except APIError as exc:
         yield _event("error", {"error": anthropic_error_body(exc)["error"]})

@@ -47,14 +47,60 @@ def test_a_hit_at_every_prefix_length_gives_transformers_tokens(make_engine, hf_
     assert engine.kv.pool.num_used_blocks == 0
 
 
-@SYNC
-def test_a_whole_identical_prompt_recomputes_its_tail_exactly(make_engine, hf_greedy):
+def count_forwarded(engine) -> list[int]:
+    """Tokens each forward pass of ``engine`` runs, from now on."""
+    counts: list[int] = []
+    execute = engine.runner.execute
+
+    def counting(batch):
+        counts.append(int(batch.input_ids.numel()))
+        return execute(batch)
+
+    engine.runner.execute = counting
+    return counts
+
+
+def test_an_identical_prompt_is_all_cached_from_its_second_send(make_engine, hf_greedy):
     engine = make_engine(prefill_chunk=32)
-    prompt = BASE[:50]
-    cached = [run(engine, (f"r{i}", prompt, 6))[f"r{i}"] for i in range(3)]
-    # The 2nd checkpoints where it leaves the cached chain (48); the 3rd resumes there.
-    assert [r.num_cached_tokens for r in cached] == [0, 0, 48]
-    assert all(r.output_token_ids == hf_greedy(prompt, 6) for r in cached)
+    forwarded = count_forwarded(engine)
+    for prompt in (BASE[:50], BASE[:48], BASE[:1]):  # a tail row, block-aligned, one token
+        first = run(engine, ("first", prompt, 6))["first"]
+        assert first.num_cached_tokens == 0
+        forwarded.clear()
+        again = [run(engine, (f"again{i}", prompt, 6))[f"again{i}"] for i in range(2)]
+        # No prompt token runs again: its first token is sampled from the logits stored
+        # with the prompt-end checkpoint, then 5 decode steps of one token each.
+        assert sum(forwarded) == 2 * 5
+        assert [r.num_cached_tokens for r in again] == [len(prompt)] * 2
+        expected = hf_greedy(prompt, 6)
+        assert first.output_token_ids == expected, len(prompt)
+        assert all(r.output_token_ids == expected for r in again), len(prompt)
+    assert engine.kv.pool.num_used_blocks == 0
+    assert engine.runner.state_pool.num_used_slots == 0
+
+
+def test_a_whole_prompt_hit_samples_as_caching_off(make_engine):
+    """Seeded sampling, a repetition penalty and logprobs on the stored row give what a
+    cold prefill gives; the first send sampled with other settings."""
+    prompt = BASE[:37]
+    plain = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    rich = SamplingParams(max_tokens=8, temperature=1.3, top_k=40, seed=1234,
+                          repetition_penalty=1.5, logprobs=3, ignore_eos=True)
+
+    def send(engine, rid, params):
+        req = engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return req
+
+    on = make_engine(prefill_chunk=16)
+    send(on, "first", plain)
+    hit = send(on, "hit", rich)
+    cold = send(make_engine(prefill_chunk=16, enable_prefix_caching=False), "cold", rich)
+    assert hit.num_cached_tokens == 37
+    assert hit.output_token_ids == cold.output_token_ids
+    assert hit.output_logprobs == cold.output_logprobs
+    assert len(hit.output_logprobs) == 8 and len(hit.output_logprobs[0].top) == 3
 
 
 @SYNC
@@ -122,14 +168,19 @@ def test_no_leak_with_shared_prefixes_cancellations_and_preemption(make_engine):
                          prefix_checkpoint_memory=str(6 * per_checkpoint))
     bases = [ids(30 + i, 60) for i in range(4)]
     live: list[str] = []
+    sent: list[list[int]] = []
+    reqs = []
     submitted = 0
     while submitted < 60 or engine.has_unfinished_requests():
         for _ in range(rng.randrange(3)):
             if submitted < 60:
                 prompt = rng.choice(bases)[:rng.randrange(1, 60)] + ids(submitted, rng.randrange(4))
-                engine.add_request(f"r{submitted}", prompt, SamplingParams(
+                if sent and rng.random() < 0.5:
+                    prompt = rng.choice(sent)  # sent again, identical
+                sent.append(prompt)
+                reqs.append(engine.add_request(f"r{submitted}", prompt, SamplingParams(
                     max_tokens=rng.randrange(1, 16), temperature=rng.choice([0.0, 0.8]),
-                    seed=rng.randrange(1000)))
+                    seed=rng.randrange(1000))))
                 live.append(f"r{submitted}")
                 submitted += 1
         if live and rng.random() < 0.15:
@@ -138,6 +189,8 @@ def test_no_leak_with_shared_prefixes_cancellations_and_preemption(make_engine):
             if out.finished and out.request_id in live:
                 live.remove(out.request_id)
     assert engine.scheduler.num_preemptions > 0 and engine.prefix.stats.num_hits > 0
+    assert sum(r.num_cached_tokens == r.num_prompt_tokens for r in reqs) >= 3  # resent
+    assert all(r.cached_logits is None for r in reqs)
     assert engine.kv.pool.num_used_blocks == 0 and engine.kv.num_live_seqs == 0
     assert engine.runner.state_pool.num_used_slots == 0 and not engine.requests
     assert engine.kv_cache_usage() == 0.0 and engine.kv.pool.num_cached_blocks > 0

@@ -202,14 +202,20 @@ def test_usage_and_metrics_report_cached_prompt_tokens(server, oai):
     messages = [{"role": "user", "content": prompt}]
     kwargs = dict(model=model, max_tokens=2, temperature=0.0, extra_body={"ignore_eos": True})
     chat = [oai.chat.completions.create(messages=messages, **kwargs) for _ in range(2)]
-    more = oai.chat.completions.create(
-        messages=messages + [{"role": "assistant", "content": "ok"},
-                             {"role": "user", "content": "more"}], **kwargs)
     assert chat[0].usage.prompt_tokens_details.cached_tokens == 0
-    assert more.usage.prompt_tokens_details.cached_tokens > 0
+    # The same messages again: the whole prompt is cached, the answer unchanged.
+    assert chat[1].usage.prompt_tokens_details.cached_tokens == chat[1].usage.prompt_tokens
+    assert chat[1].choices[0].message.content == chat[0].choices[0].message.content
+    # A later turn shares the history up to where the template rewrites its last turn; no
+    # checkpoint lies there (the history is shorter than one interval), so it leaves one
+    # where it leaves the cached chain, and the same turn sent again resumes whole.
+    history = messages + [{"role": "assistant", "content": "ok"},
+                          {"role": "user", "content": "more"}]
+    more = [oai.chat.completions.create(messages=history, **kwargs) for _ in range(2)]
+    assert more[1].usage.prompt_tokens_details.cached_tokens == more[1].usage.prompt_tokens
     text = get_metrics(server)
     hits = metric(text, "pagedserve:prefix_cache_hits_total")
-    assert hits >= 2 * len(prompt) + more.usage.prompt_tokens_details.cached_tokens
+    assert hits >= 2 * len(prompt) + chat[1].usage.prompt_tokens + more[1].usage.prompt_tokens
     assert metric(text, "pagedserve:prefix_cache_queries_total") > hits
     assert metric(text, "pagedserve:prefix_checkpoints") > 0
     assert 0 < metric(text, "pagedserve:prefix_checkpoint_usage_perc") <= 1

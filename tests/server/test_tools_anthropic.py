@@ -59,7 +59,29 @@ def test_message_with_system_and_turns(ant):
     assert out.stop_reason in ("max_tokens", "end_turn")
     count = ant.messages.count_tokens(model=MODEL, system="Be brief.", messages=CONVERSATION,
                                       thinking=NO_THINKING)
-    assert out.usage.input_tokens == count.input_tokens > 0
+    # Anthropic's usage: computed and cached prompt tokens add up to the prompt.
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens == count.input_tokens > 0
+    assert out.usage.cache_creation_input_tokens == 0
+
+
+def test_usage_splits_the_prompt_into_computed_and_cached_tokens(ant):
+    kw = dict(system="Zebra facts only.", thinking=NO_THINKING, extra_body=GREEDY,
+              max_tokens=6)
+    count = ant.messages.count_tokens(model=MODEL, system=kw["system"],
+                                      messages=CONVERSATION, thinking=NO_THINKING).input_tokens
+    first, again = create(ant, **kw), create(ant, **kw)
+    assert (first.usage.input_tokens, first.usage.cache_read_input_tokens) == (count, 0)
+    # The same prompt again: every prompt token is read from the cache.
+    assert (again.usage.input_tokens, again.usage.cache_read_input_tokens) == (0, count)
+    assert [b.model_dump() for b in again.content] == [b.model_dump() for b in first.content]
+    assert again.usage.output_tokens == first.usage.output_tokens
+    with ant.messages.stream(model=MODEL, messages=CONVERSATION, **kw) as stream:
+        starts = [e.message.usage for e in stream if e.type == "message_start"]
+        final = stream.get_final_message().usage
+    assert [(u.input_tokens, u.cache_read_input_tokens, u.output_tokens) for u in starts] \
+        == [(0, count, 0)]
+    assert (final.input_tokens, final.cache_read_input_tokens, final.output_tokens,
+            final.cache_creation_input_tokens) == (0, count, again.usage.output_tokens, 0)
 
 
 def test_stream_rebuilds_the_whole_message(ant):

@@ -1,19 +1,20 @@
 """A model-free engine over the real scheduler, K/V manager, state pool and prefix cache.
 
 Its "model" keeps, per K/V row, the token id written there, and as the recurrent state a
-running hash of every token fed to the sequence (exact in float32). Each chunk checks,
-before it runs, that its sequence's rows below the chunk hold exactly its tokens and that
-its state slot holds exactly the hash of those tokens: a prefix hit with wrong blocks, a
-missing copy-on-write or a wrong checkpoint fails at once. The next token is a function
-of the state, so outputs with caching on equal those with caching off only if every
-resumed state is exact.
+running hash of every token fed to the sequence (exact in float32); its "logits" are a
+one-wide row holding that hash. Each chunk checks, before it runs, that its sequence's
+rows below the chunk hold exactly its tokens and that its state slot holds exactly the
+hash of those tokens: a prefix hit with wrong blocks, a missing copy-on-write or a wrong
+checkpoint fails at once. The next token is a function of the logits row (a zero-token
+chunk, admitted with every token cached, takes its stored row), so outputs with caching
+on equal those with caching off only if every resumed state and row is exact.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.prefix_cache import PrefixCache
+from pagedserve.engine.prefix_cache import PrefixCache, logits_with_cached_rows
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams
 from pagedserve.engine.scheduler import Scheduler, SchedulerConfig
 from pagedserve.kv.block_pool import BlockPool
@@ -45,7 +46,7 @@ class FakeEngine:
         self.kv = KVCacheManager(BlockPool(num_blocks, block_size), max_num_seqs + 2,
                                  -(-max_model_len // block_size))
         self.states = StatePool(SHAPES, max_num_seqs, "cpu")
-        self.checkpoints = CheckpointPool(SHAPES, num_checkpoints, "cpu")
+        self.checkpoints = CheckpointPool(SHAPES, num_checkpoints, "cpu", vocab_size=1)
         self.prefix = PrefixCache(self.kv, self.states, self.checkpoints, salt=1,
                                   checkpoint_interval=interval) if caching else None
         self.scheduler = Scheduler(
@@ -82,7 +83,8 @@ class FakeEngine:
         plan = self.scheduler.schedule()
         self._apply_copies()
         bs = self.block_size
-        for c in plan.chunks:
+        logits: dict[int, torch.Tensor] = {}  # chunk index -> its logits row
+        for i, c in enumerate(plan.chunks):
             req = c.request
             tokens = req.all_token_ids
             for pos in range(c.start_pos):  # the cached and computed rows are exact
@@ -95,10 +97,17 @@ class FakeEngine:
                 self.rows.setdefault(block, [None] * bs)[pos % bs] = tokens[pos]
                 s = fold(s, tokens[pos])
             self.states.recurrent_state[0, slot, 0, 0, 0] = float(s)
+            if c.num_tokens == 0:
+                continue  # every token cached: it samples from its stored row
+            logits[i] = torch.tensor([float(s)])
             end = c.start_pos + c.num_tokens
             if self.prefix is not None and self.prefix.wants_checkpoint(req, c.start_pos, end):
-                self.prefix.save(req, end)
-        for c in plan.chunks:
+                self.prefix.save(req, end, logits[i])
+        resumed = [i for i, c in enumerate(plan.chunks) if c.num_tokens == 0]
+        if resumed:
+            stored = logits_with_cached_rows(None, [plan.chunks[i].request for i in resumed])
+            logits.update(zip(resumed, stored))
+        for i, c in enumerate(plan.chunks):
             req = c.request
             if req.status is not RequestStatus.RUNNING:
                 continue
@@ -107,9 +116,7 @@ class FakeEngine:
             if self.prefix is not None:
                 self.prefix.on_commit(req)
             if c.completes:
-                slot = self.states.slot(req.live_state_handle)
-                s = int(self.states.recurrent_state[0, slot, 0, 0, 0].item())
-                req.output_token_ids.append(s % VOCAB)
+                req.output_token_ids.append(int(logits[i][0].item()) % VOCAB)
                 if len(req.output_token_ids) >= req.params.max_tokens:
                     self.scheduler.finish(req, RequestStatus.FINISHED_LENGTH)
                     self.finished[req.request_id] = self.requests.pop(req.request_id)

@@ -117,9 +117,11 @@ def test_plan_sets_the_prefix_checkpoints_apart(capsys):
     cfg, cache = qwen27b(), CacheConfig("q4_0", "q4_0")
     none = planning.plan_capacity(cfg, cache, 40 * GiB, 8, 32768)
     some = planning.plan_capacity(cfg, cache, 40 * GiB, 8, 32768, num_checkpoints=10)
-    per = cfg.state_shapes(torch.bfloat16).bytes_per_slot
+    state = cfg.state_shapes(torch.bfloat16).bytes_per_slot
+    per = state + 4 * cfg.vocab_size  # a checkpoint keeps a float32 logits row too
     assert some.checkpoint_bytes == 10 * per and some.num_checkpoints == 10
-    assert some.num_blocks == (40 * GiB - 8 * per - 10 * per) // none.bytes_per_block
+    assert some.bytes_per_checkpoint == per
+    assert some.num_blocks == (40 * GiB - 8 * state - 10 * per) // none.bytes_per_block
     assert planning.parse_checkpoint_memory("0") == 0
     assert planning.parse_checkpoint_memory(None) is None
     assert planning.parse_checkpoint_memory("1GiB") == GiB
@@ -127,6 +129,7 @@ def test_plan_sets_the_prefix_checkpoints_apart(capsys):
                      "--max-model-len", "32768", "--prefix-checkpoint-memory", "2GiB"]) == 0
     out = capsys.readouterr().out
     assert f"prefix cache     {2 * GiB // per} state checkpoints" in out
+    assert "each: a state slot and a logits row" in out
 
 
 def test_plan_counts_fp8_weights_and_grows_the_pool(capsys):

@@ -5,6 +5,7 @@ no output."""
 import random
 
 import pytest
+import torch
 from prefix_driver import SHAPES, FakeEngine
 
 from pagedserve.engine.request import Request, SamplingParams
@@ -109,6 +110,30 @@ def test_checkpoint_eviction_goes_by_value_not_age():
     pool.check_invariants()
 
 
+def test_a_logits_row_lives_and_dies_with_its_checkpoint():
+    states = StatePool(SHAPES, 1, "cpu")
+    pool = CheckpointPool(SHAPES, 1, "cpu", vocab_size=3)
+    assert pool.bytes_per_checkpoint == SHAPES.bytes_per_slot + 3 * 4
+    slot = states.slot(states.acquire())
+    a = pool.save(1, 10, parent=0, tail=None, states=states, state_slot=slot)
+    assert not a.has_logits
+    with pytest.raises(ValueError, match="no logits row"):
+        pool.logits_row(a)
+    row = torch.tensor([1.0, 2.0, 3.0])
+    assert pool.save(1, 10, 0, None, states, slot, logits=row) is a and a.has_logits
+    copy = pool.logits_row(a)
+    assert copy.tolist() == [1.0, 2.0, 3.0]
+    b = pool.save(2, 20, 0, None, states, slot)  # evicts a: its slot, row and all
+    assert pool.get(1) is None and b.slot == a.slot and not b.has_logits
+    with pytest.raises(ValueError, match="no logits row"):
+        pool.logits_row(a)
+    pool.save(3, 30, 0, None, states, slot, logits=torch.zeros(3))  # evicts b
+    assert copy.tolist() == [1.0, 2.0, 3.0]  # a copy taken before stays what it was
+    with pytest.raises(ValueError, match="does not fit"):
+        pool.save(4, 40, 0, None, states, slot, logits=torch.zeros(4))
+    pool.check_invariants()
+
+
 # ---- matching -----------------------------------------------------------------------------
 def test_match_resumes_at_the_longest_checkpointed_prefix_with_exact_blocks():
     e = FakeEngine(block_size=4, chunk=64, interval=1000)
@@ -135,18 +160,30 @@ def test_match_resumes_at_the_longest_checkpointed_prefix_with_exact_blocks():
     assert e.prefix.match(Request("d", [0] + base, SamplingParams())).hit is None
 
 
-def test_identical_prompt_recomputes_its_last_token_and_checkpoints_its_branch():
-    e = FakeEngine(block_size=4, chunk=64, interval=1000)
+def test_identical_prompt_resumes_at_its_end_and_samples_from_the_stored_logits():
+    off = FakeEngine(caching=False)
+    cold = off.add("cold", list(range(1, 20)), max_tokens=3)
+    off.run()
+    e = FakeEngine(block_size=4, chunk=64, interval=8)
     prompt = list(range(1, 20))
-    outs = []
-    for i in range(3):
-        r = e.add(str(i), prompt, max_tokens=2)
+    reqs = []
+    for i in range(2):
+        reqs.append(e.add(str(i), prompt, max_tokens=3))
         e.run()
-        outs.append((r.output_token_ids, r.num_cached_tokens))
-    # 1st: cold. 2nd: no checkpoint below 19, so cold too, but it checkpoints where it
-    # leaves the cached chain (16). 3rd: resumes there.
-    assert [o[1] for o in outs] == [0, 0, 16]
-    assert outs[0][0] == outs[1][0] == outs[2][0]
+    # 2nd: every token cached; its first token comes from the row saved with the
+    # prompt-end checkpoint, so it forwards no prompt token at all.
+    assert [r.num_cached_tokens for r in reqs] == [0, 19]
+    assert e.prefix.stats.num_hits == 19
+    assert reqs[0].output_token_ids == reqs[1].output_token_ids == cold.output_token_ids
+    # Interval checkpoints (8, 16) keep their chunk's last logits too: a prompt that ends
+    # there resumes whole. The finish checkpoint (19 + 2 fed back = 21) has no row: a
+    # request whose tokens end there resumes at the longest checkpoint below (19).
+    whole = e.prefix.match(Request("p16", prompt[:16], SamplingParams())).hit
+    assert whole.num_tokens == 16 and whole.checkpoint.has_logits
+    ends = {c.num_tokens: c.has_logits for c in e.checkpoints._entries.values()}
+    assert ends == {8: True, 16: True, 19: True, 21: False}
+    history = prompt + reqs[0].output_token_ids[:2]
+    assert e.prefix.match(Request("h", history, SamplingParams())).hit.num_tokens == 19
 
 
 # ---- random workloads ----------------------------------------------------------------------

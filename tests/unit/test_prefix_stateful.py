@@ -4,7 +4,8 @@ abort and preempt over the real scheduler, pools and prefix cache (``prefix_driv
 After every step: the pools' invariants (every block exactly one of free, cached, owned;
 cached + free + owned = total; refcounts equal owners), no owned block was ever given
 away (its epoch is unchanged), and every match names blocks whose rows hold the request's
-tokens and a checkpoint holding exactly their state.
+tokens and a checkpoint holding exactly their state (and their logits row, for a match of
+every token).
 """
 
 import hypothesis.strategies as st
@@ -54,6 +55,9 @@ class PrefixMachine(RuleBasedStateMachine):
             assert self.e.rows[blocks[pos // bs]][pos % bs] == tokens[pos]
         value = self.e.checkpoints.recurrent_state[0, hit.checkpoint.slot, 0, 0, 0].item()
         assert int(value) == state_of(tokens[:hit.num_tokens])
+        if hit.num_tokens == len(tokens):  # resumes whole: its stored logits are exact too
+            row = self.e.checkpoints.logits[hit.checkpoint.slot, 0].item()
+            assert int(row) == state_of(tokens)
 
     @rule(n=st.integers(1, 24))
     def evict(self, n):
