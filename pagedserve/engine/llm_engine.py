@@ -14,6 +14,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -612,6 +613,16 @@ class LLMEngine:
                 "prefix_cache_hits": self.prefix.stats.num_hits,
                 "num_prefix_checkpoints": ckpt.num_used,
                 "prefix_checkpoint_capacity": ckpt.num_checkpoints}
+
+    def spec_decode_counts(self) -> dict[str, Any]:
+        """Speculative-decoding counters under vLLM's names (empty without speculation)."""
+        if self.spec is None:
+            return {}
+        s = self.spec.stats
+        return {"spec_decode_num_drafts": s.num_drafts,
+                "spec_decode_num_draft_tokens": s.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": tuple(s.accepted_per_pos)}
 
     @property
     def num_running(self) -> int:

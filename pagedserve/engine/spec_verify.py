@@ -15,7 +15,7 @@ drawn from ``p_d``. Each emitted token is then distributed exactly as ``p_j``.
 
 The randomness is counter-based like the sampler's (``sampler.exponential_noise``): a pure
 function of (request seed, output index, stream), one stream each for drafting, the
-accept test and the residual draw; the bonus token uses the plain sampler's stream. Every
+accept test and the residual draw; the bonus token is the plain sampler's own draw. Every
 output index is decided once, so a seeded request repeats itself whatever shares its batch.
 """
 
@@ -24,9 +24,11 @@ from __future__ import annotations
 import torch
 
 from pagedserve.engine.request import SEED_RANGE
-from pagedserve.engine.sampler import exponential_noise
+from pagedserve.engine.sampler import _fmix32, exponential_noise
 
-# Streams of noise, XORed into the high half of the seed.
+_M32 = 0xFFFFFFFF
+
+# Streams of noise, each hashed with the seed (``_seed_halves``); 0 is the sampler's own.
 DRAFT_STREAM = 0x5EC0_0001
 ACCEPT_STREAM = 0x5EC0_0002
 RESIDUAL_STREAM = 0x5EC0_0003
@@ -48,10 +50,16 @@ def uniforms(seed: int, index: torch.Tensor, stream: int) -> torch.Tensor:
 
 
 def _seed_halves(seed: int, stream: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The 32-bit seed halves of ``stream``: two rounds of the hash over (seed, stream),
+    so that streams of one seed are independent. (Only XORing the stream into a half
+    leaves the rows of two streams related by a fixed XOR, which the finalizer does not
+    hide: draft and accept noise then correlate measurably.)"""
     seed %= SEED_RANGE  # as the sampler folds it
-    lo = torch.full_like(index, seed & 0xFFFFFFFF)
-    hi = torch.full_like(index, ((seed >> 32) & 0xFFFFFFFF) ^ stream)
-    return lo, hi
+    lo = torch.full_like(index, seed & _M32)
+    hi = torch.full_like(index, (seed >> 32) & _M32)
+    s = _fmix32(torch.full_like(index, stream))
+    lo = _fmix32(_fmix32(lo ^ s) + hi + 0x9E3779B9)
+    return lo, _fmix32(_fmix32(hi + s) ^ lo)
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_ids: list[int]) -> list[int]:

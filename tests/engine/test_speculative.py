@@ -170,10 +170,10 @@ def test_logprobs_of_kept_drafts_are_the_models(spec_model) -> None:
 def test_no_leaks_with_preemptions_and_aborts(spec_model) -> None:
     """Many requests through a pool too small for all of them, some aborted mid-run:
     every step passes the integrity checks and everything ends free."""
-    engine = make_engine(spec_model, 3, num_blocks=12, max_num_seqs=4, block_size=16)
+    engine = make_engine(spec_model, 3, num_blocks=7, max_num_seqs=4, block_size=16)
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    for i in range(40):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i in range(16):
         engine.add_request(f"r{i}", prompt_ids(i, rng.randint(3, 40)), params)
     steps = 0
     while engine.has_unfinished_requests():
@@ -189,12 +189,12 @@ def test_no_leaks_with_preemptions_and_aborts(spec_model) -> None:
 
 
 def test_seeded_sampling_with_speculation_repeats(spec_model) -> None:
-    params = SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=1234,
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_k=40, seed=1234,
                             ignore_eos=True)
     a = run(make_engine(spec_model, 3, max_num_seqs=3), PROMPTS, params)
     b = run(make_engine(spec_model, 3, max_num_seqs=1), PROMPTS, params)
     assert a == b
-    assert all(len(v) == 16 for v in a.values())
+    assert all(len(v) == 10 for v in a.values())
 
 
 @pytest.mark.parametrize("spec, kw, message", [
@@ -236,3 +236,25 @@ def test_unfinished_status_is_exact(spec_model) -> None:
     assert last is not None and last.finished and last.finish_reason == "length"
     assert last.num_output_tokens == 7
     assert last.request is not None and last.request.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_spec_counters_reach_prometheus(spec_model) -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pagedserve.engine.async_engine import EngineSnapshot
+    from pagedserve.server.metrics import _EngineCollector
+
+    engine = make_engine(spec_model, 2, forced(spec_model, lambda i: i % 3 == 0))
+    run(engine, PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    counts = engine.spec_decode_counts()
+    s = engine.spec.stats
+    assert counts["spec_decode_num_accepted_tokens"] == sum(s.accepted_per_pos) > 0
+    assert sum(s.num_by_accepted) == s.num_drafts == counts["spec_decode_num_drafts"]
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(
+        SimpleNamespace(snapshot=EngineSnapshot(**counts)), "m", None))  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    assert f'pagedserve:spec_decode_num_drafts_total{{model_name="m"}} {s.num_drafts}.0' in text
+    assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"}' in text
