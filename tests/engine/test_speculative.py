@@ -172,9 +172,9 @@ def test_no_leaks_with_preemptions_and_aborts(spec_model) -> None:
     every step passes the integrity checks and everything ends free."""
     engine = make_engine(spec_model, 3, num_blocks=7, max_num_seqs=4, block_size=16)
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    for i in range(16):
-        engine.add_request(f"r{i}", prompt_ids(i, rng.randint(3, 40)), params)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for i in range(10):  # two of them need 8 blocks: the younger is preempted
+        engine.add_request(f"r{i}", prompt_ids(i, rng.randint(30, 44)), params)
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()
