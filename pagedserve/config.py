@@ -63,6 +63,9 @@ class ModelConfig:
     # Where the language-model weights sit in the checkpoint: "model." for the text-only
     # layout, "model.language_model." for the published vision-language wrapper.
     weight_prefix: str = "model."
+    # Decoder layers of the multi-token-prediction module (``mtp.*``, ``model/mtp.py``);
+    # 0 when the config names none.
+    mtp_num_hidden_layers: int = 0
 
     def __post_init__(self) -> None:
         _require(self.vocab_size > 0, f"vocab_size must be > 0, got {self.vocab_size}")
@@ -228,6 +231,7 @@ class ModelConfig:
             eos_token_ids=as_id_tuple(eos),
             architecture=architectures[0] if architectures else "Qwen3_5ForCausalLM",
             weight_prefix=prefix,
+            mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers") or 0),
         )
 
     @classmethod

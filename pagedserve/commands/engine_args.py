@@ -46,6 +46,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens back before launching the next "
                         "(async scheduling is on by default on CUDA)")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, vLLM\'s JSON: {"method": "mtp", '
+                        '"num_speculative_tokens": K} with K in 1..4 (drafts with the '
+                        'checkpoint\'s MTP head; needs --no-enable-prefix-caching)')
     p.add_argument("--engine-seed", type=int, default=0,
                    help="seed for requests that bring none")
     add_prefix_arguments(p)
@@ -80,6 +84,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         async_scheduling=False if args.no_async_scheduling else None,
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_checkpoint_memory=args.prefix_checkpoint_memory,
+        speculative_config=args.speculative_config,
     )
     if args.prefix_checkpoint_interval is not None:
         fields["prefix_checkpoint_interval"] = args.prefix_checkpoint_interval

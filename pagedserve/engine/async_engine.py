@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.engine.failures import RequestFailedError, describe
 from pagedserve.engine.llm_engine import LLMEngine, RequestOutput
@@ -51,6 +52,10 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0  # of which resumed from it
     num_prefix_checkpoints: int = 0  # state checkpoints held
     prefix_checkpoint_capacity: int = 0
+    spec_decode_num_drafts: int = 0  # speculative decoding (``engine/spec_step.py``)
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 class EngineDeadError(RuntimeError):
@@ -188,6 +193,7 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         e = self.engine
+        counts: dict[str, Any] = {**e.prefix_cache_counts(), **e.spec_decode_counts()}
         self.snapshot = EngineSnapshot(
             num_running=e.num_running, num_waiting=e.num_waiting,
             kv_cache_usage=e.kv_cache_usage(),
@@ -197,7 +203,7 @@ class AsyncEngine:
             num_preemptions=e.scheduler.num_preemptions,
             num_prompt_tokens=e.stats.num_prompt_tokens,
             num_generation_tokens=e.stats.num_generation_tokens,
-            **e.prefix_cache_counts(),
+            **counts,
         )
 
 

@@ -14,12 +14,14 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from pagedserve.config import CacheConfig
 from pagedserve.engine.batch_builder import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.drafter import Drafter, MTPDrafter
 from pagedserve.engine.failures import FINISH_ERROR, describe, is_fatal
 from pagedserve.engine.lookahead import InflightStep, TokenReadback, lookahead_chunks
 from pagedserve.engine.prefix_cache import (
@@ -39,6 +41,8 @@ from pagedserve.engine.sampler import (
     sample,
 )
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from pagedserve.engine.spec_step import SpeculativeDecoding
+from pagedserve.engine.speculative import SpeculativeConfig
 from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.warmup import warm_up
 from pagedserve.kv.checkpoint_pool import checkpoint_bytes
@@ -92,6 +96,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_checkpoint_memory: str | None = None
     prefix_checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
+    # ``--speculative-config``: vLLM's JSON (or its dict), ``engine/speculative.py``.
+    speculative_config: str | dict | None = None
 
     def __post_init__(self) -> None:
         for name, value, lowest in (
@@ -113,6 +119,7 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for, but CUDA is not available")
         CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
+        self.speculative()  # raises on a bad config or an unsupported combination
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {self.quantization!r} is not supported; "
                              f"accepted: {QUANTIZATIONS}")
@@ -128,6 +135,22 @@ class EngineConfig:
 
     def checkpoint_memory_bytes(self) -> int | None:
         return parse_checkpoint_memory(self.prefix_checkpoint_memory)
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed ``speculative_config``; raises ``ValueError`` for a bad one and for
+        what speculative steps do not support yet (``engine/spec_step.py``)."""
+        if self.speculative_config is None:
+            return None
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if self.async_scheduling:
+            raise ValueError("speculative-config needs synchronous scheduling: speculative "
+                             "steps are read back before the next is scheduled; drop "
+                             "async scheduling (--no-async-scheduling)")
+        if self.enable_prefix_caching and self.kv_layout == "paged":
+            raise ValueError("speculative-config does not support prefix caching yet (the "
+                             "MTP head's K/V row at a block's end depends on the next "
+                             "block's first token); pass --no-enable-prefix-caching")
+        return spec
 
 
 @dataclass
@@ -155,12 +178,19 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 drafter: Drafter | None = None) -> None:
+        """``drafter`` replaces the MTP head as the speculative drafter (tests)."""
         self.config = config
         started = time.perf_counter()
+        spec = config.speculative()
+        mtp = spec is not None and drafter is None
         self.loaded = loaded or load_model(config.model, config.device, config.dtype,
                                            progress=config.progress,
-                                           quantization=config.quantization)
+                                           quantization=config.quantization, mtp=mtp)
+        if mtp and self.loaded.model.mtp is None:
+            raise ValueError("speculative method 'mtp' needs the model loaded with its MTP "
+                             "head (load_model(..., mtp=True))")
         # Seconds per start-up phase (``warm_up`` adds its own).
         self.startup_seconds = {"weights": time.perf_counter() - started}
         cfg = self.loaded.config
@@ -193,7 +223,7 @@ class LLMEngine:
                          gpu_memory_utilization=config.gpu_memory_utilization,
                          cuda_graphs=config.cuda_graphs,
                          prefill_graph_tokens=min(sched_config.prefill_chunk, max_len),
-                         num_checkpoints=num_checkpoints),
+                         num_checkpoints=num_checkpoints, state_snapshots=spec is not None),
         )
         self.startup_seconds["kv_cache_and_graphs"] = (
             time.perf_counter() - started - self.startup_seconds["weights"])
@@ -214,14 +244,21 @@ class LLMEngine:
                      num_checkpoints, bytes_per_checkpoint / 2**20,
                      num_checkpoints * bytes_per_checkpoint / GiB,
                      config.prefix_checkpoint_interval)
-        self.scheduler = Scheduler(sched_config, self.kv, self.runner.state_pool, self.prefix)
+        self.spec: SpeculativeDecoding | None = None
+        if spec is not None:
+            self.spec = SpeculativeDecoding(
+                spec, drafter or MTPDrafter(self.runner, self.kv), max_len)
+            log.info("speculative decoding: %s, %d tokens per step (verify and draft passes "
+                     "run eagerly)", spec.method, spec.num_speculative_tokens)
+        self.scheduler = Scheduler(sched_config, self.kv, self.runner.state_pool, self.prefix,
+                                   self.spec.draft_limit if self.spec is not None else None)
         cuda = self.runner.device.type == "cuda"
         # Pinned buffers for each step's host->device copies (CUDA only; see HostStaging).
         self._staging = HostStaging(self.runner.device, budget, config.max_num_seqs,
                                     self.runner.max_blocks_per_seq) if cuda else None
         # Async scheduling (lookahead.py): on CUDA by default; on the CPU every op is
         # synchronous, so it would only cost the extra row after a late stop.
-        self.async_scheduling = cuda if config.async_scheduling is None \
+        self.async_scheduling = (cuda and spec is None) if config.async_scheduling is None \
             else config.async_scheduling
         self._inflight: InflightStep | None = None
         self._readback = TokenReadback(config.max_num_seqs) if cuda else None
@@ -328,6 +365,9 @@ class LLMEngine:
         before this one is read back, so a forward pass may still be in flight on return;
         ``has_unfinished_requests`` counts it.
         """
+        if self.spec is not None:
+            outputs = self.spec.step(self)
+            return self._take_failed() + outputs
         if self._inflight is None:
             self._inflight = self._launch_scheduled()
             if self._inflight is None:
@@ -586,6 +626,16 @@ class LLMEngine:
                 "prefix_cache_hits": self.prefix.stats.num_hits,
                 "num_prefix_checkpoints": ckpt.num_used,
                 "prefix_checkpoint_capacity": ckpt.num_checkpoints}
+
+    def spec_decode_counts(self) -> dict[str, Any]:
+        """Speculative-decoding counters under vLLM's names (empty without speculation)."""
+        if self.spec is None:
+            return {}
+        s = self.spec.stats
+        return {"spec_decode_num_drafts": s.num_drafts,
+                "spec_decode_num_draft_tokens": s.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": tuple(s.accepted_per_pos)}
 
     @property
     def num_running(self) -> int:

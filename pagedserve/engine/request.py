@@ -6,7 +6,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedserve.kv.handles import Handle
 from pagedserve.kv.prefix_hash import HashChain
@@ -150,6 +150,8 @@ class Request:
     output_text: str = ""
     stop_reason: str | int | None = None
     grammar: RequestGrammar | None = None  # the state of params.structured, if any
+    # The drafter's state at the request's computed tokens (``engine/drafter.py``).
+    draft_tail: Any = None
     # Prefix caching: the tokens' block names (computed once), and the prompt tokens the
     # first admission found cached (``usage.prompt_tokens_details.cached_tokens``).
     prefix_chain: HashChain | None = None

@@ -68,6 +68,8 @@ class RunnerConfig:
             (``PrefillGraphs``; 0: none). At most the step's token budget.
         num_checkpoints: recurrent-state checkpoints kept for prefix caching
             (``CheckpointPool``; 0: none), allocated before the K/V pool is sized.
+        state_snapshots: keep one spare copy of every state slot, for speculative
+            decoding's rollback (``save_states`` / ``restore_states``).
     """
 
     max_model_len: int = 4096
@@ -79,6 +81,7 @@ class RunnerConfig:
     max_graph_batch_size: int | None = None
     prefill_graph_tokens: int = 512
     num_checkpoints: int = 0
+    state_snapshots: bool = False
 
     def __post_init__(self) -> None:
         if self.num_checkpoints < 0:
@@ -150,6 +153,10 @@ class ModelRunner:
         self.checkpoint_pool = CheckpointPool(
             cfg.state_shapes(self.dtype), config.num_checkpoints, self.device,
             vocab_size=cfg.vocab_size)
+        # Spare copies of the state slots, indexed by slot: [L_lin, S + 1, ...] each.
+        self._snapshots = ((torch.empty_like(self.state_pool.conv_state),
+                            torch.empty_like(self.state_pool.recurrent_state))
+                           if config.state_snapshots else None)
         self.num_blocks = config.max_num_seqs if contiguous else self._paged_num_blocks()
         # One (K, V) storage pair per full-attention layer, all over the same block ids;
         # K and V side by side in one buffer when their types match (``allocate_pair``).
@@ -158,7 +165,7 @@ class ModelRunner:
                 cache_config.cache_type_k, cache_config.cache_type_v, self.num_blocks,
                 self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.device,
             )
-            for _ in range(cfg.num_full_attention_layers)
+            for _ in range(self.num_kv_layers)
         ]
         workspace = None
         if self.device.type == "cuda":
@@ -167,9 +174,16 @@ class ModelRunner:
                 cfg.head_dim, self.device,
                 occupancy=default_occupancy(cache_config.cache_type_k, cache_config.cache_type_v),
             )
+        # The MTP head's layer takes the last pair: its rows sit under the target's block
+        # tables, so every block holds its row i beside the target's row i (``mtp.py``).
+        num_target = cfg.num_full_attention_layers
         self.caches = ModelCaches(
-            self.kv_caches, self.state_pool.conv_state, self.state_pool.recurrent_state,
-            workspace,
+            self.kv_caches[:num_target], self.state_pool.conv_state,
+            self.state_pool.recurrent_state, workspace,
+        )
+        self.mtp_caches = ModelCaches(
+            self.kv_caches[num_target:], self.state_pool.conv_state,
+            self.state_pool.recurrent_state, workspace,
         )
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
@@ -199,10 +213,19 @@ class ModelRunner:
                 )
 
     # ---- sizing ---------------------------------------------------------------------------
+    @property
+    def has_mtp(self) -> bool:
+        return getattr(self.model, "mtp", None) is not None
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Full-attention layers with K/V storage: the target's, and the MTP head's."""
+        return self.model_config.num_full_attention_layers + int(self.has_mtp)
+
     def _kv_footprint(self, block_size: int) -> KVFootprint:
         cfg = self.model_config
         return KVFootprint(
-            max(cfg.num_full_attention_layers, 1), cfg.num_key_value_heads, cfg.head_dim,
+            max(self.num_kv_layers, 1), cfg.num_key_value_heads, cfg.head_dim,
             self.cache_config.cache_type_k, self.cache_config.cache_type_v, block_size,
         )
 
@@ -238,7 +261,8 @@ class ModelRunner:
         kv = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
         state = sum(
             t.numel() * t.element_size()
-            for t in (self.state_pool.conv_state, self.state_pool.recurrent_state)
+            for t in (self.state_pool.conv_state, self.state_pool.recurrent_state,
+                      *(self._snapshots or ()))
         )
         return MemoryUsage(self.weights_bytes, kv, state, self.checkpoint_pool.total_bytes)
 
@@ -279,6 +303,48 @@ class ModelRunner:
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch, self.caches)  # [T, H]
         return self.model.compute_logits(hidden[batch.logits_indices])  # [B, vocab]
+
+    # ---- speculative decoding (eager: no CUDA graph covers these passes) ------------------
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run one step eagerly and return every row's final-normed hidden state
+        ``[T, H]`` (a verify step scores several rows per sequence)."""
+        return self.model(batch, self.caches)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, H]`` -> float32 logits ``[N, vocab]`` (the shared head)."""
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def mtp_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """One pass of the MTP head (``model/mtp.py``) over ``batch`` from the states
+        ``hidden`` ``[T, H]``; writes its K/V rows and returns its outputs ``[T, H]``."""
+        mtp = self.model.mtp
+        if mtp is None:
+            raise ValueError("this model was loaded without its MTP head")
+        return mtp(batch, hidden, self.model.embed_tokens, self.model.rotary, self.mtp_caches)
+
+    @torch.inference_mode()
+    def save_states(self, slots: list[int]) -> None:
+        """Copy the conv and recurrent state of each slot in ``slots`` to its spare."""
+        conv, rec = self._spares()
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        conv.index_copy_(1, index, self.state_pool.conv_state.index_select(1, index))
+        rec.index_copy_(1, index, self.state_pool.recurrent_state.index_select(1, index))
+
+    @torch.inference_mode()
+    def restore_states(self, slots: list[int]) -> None:
+        """Put back the states ``save_states`` copied for each slot in ``slots``."""
+        conv, rec = self._spares()
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        self.state_pool.conv_state.index_copy_(1, index, conv.index_select(1, index))
+        self.state_pool.recurrent_state.index_copy_(1, index, rec.index_select(1, index))
+
+    def _spares(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._snapshots is None:
+            raise ValueError("this runner keeps no state snapshots (RunnerConfig.state_snapshots)")
+        return self._snapshots
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[BlockCopy]) -> None:

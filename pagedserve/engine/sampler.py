@@ -223,6 +223,16 @@ def _counts(ids: torch.Tensor, B: int, V: int, device: torch.device | str) -> to
 
 
 def _sample_random(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    x = filtered_logits(x, st)
+    noise = exponential_noise(st.seed_lo, st.seed_hi, st.step, x.shape[1])  # [B, V]
+    # argmax(p / E) == argmax(log p - log E); the softmax normalizer is common to a row.
+    return (x - noise.log()).argmax(dim=-1)
+
+
+def filtered_logits(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """``x`` float32 ``[B, V]`` divided by each row's temperature, with the tokens that
+    min_p, top_k and top_p drop at the dtype's minimum: ``softmax`` of the result is the
+    distribution a sampled row draws from."""
     temp = torch.where(st.temperature >= GREEDY_TEMPERATURE, st.temperature,
                        torch.ones_like(st.temperature))
     x = x / temp[:, None]
@@ -233,9 +243,7 @@ def _sample_random(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         x = x.masked_fill(probs < floor, neg_inf)
     if st.any_top_k or st.any_top_p:
         x = _top_k_top_p(x, st, neg_inf)
-    noise = exponential_noise(st.seed_lo, st.seed_hi, st.step, x.shape[1])  # [B, V]
-    # argmax(p / E) == argmax(log p - log E); the softmax normalizer is common to a row.
-    return (x - noise.log()).argmax(dim=-1)
+    return x
 
 
 def _top_k_top_p(x: torch.Tensor, st: SamplingTensors, neg_inf: float) -> torch.Tensor:

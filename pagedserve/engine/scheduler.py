@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.engine.prefix_cache import PrefixCache
@@ -94,17 +95,19 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``request`` forwarded this step, from ``start_pos``; 0 for
+    """``num_tokens`` tokens of ``request`` forwarded this step, from ``start_pos``; the
+    last ``num_draft`` of them are draft tokens to verify (speculative decoding). 0 tokens:
     a request admitted with every token cached, which samples from its stored logits."""
 
     request: Request
     num_tokens: int
     start_pos: int
+    num_draft: int = 0
 
     @property
     def completes(self) -> bool:
         """Whether this chunk reaches the request's last known token (so it samples)."""
-        return self.start_pos + self.num_tokens == self.request.num_tokens
+        return self.start_pos + self.num_tokens - self.num_draft == self.request.num_tokens
 
 
 @dataclass
@@ -125,7 +128,11 @@ class Scheduler:
     """Queues of requests over one ``KVCacheManager`` and one ``StatePool``."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, states: StatePool,
-                 prefix: PrefixCache | None = None) -> None:
+                 prefix: PrefixCache | None = None,
+                 draft_limit: Callable[[Request], int] | None = None) -> None:
+        """``draft_limit(request)``: draft tokens a decoding request may verify in its
+        next step (speculative decoding; ``None``: none). Its decode chunk then holds
+        ``1 + drafts`` rows, within the step's budget."""
         if kv.max_num_seqs < config.max_num_seqs or states.num_slots < config.max_num_seqs:
             raise ValueError(
                 f"max-num-seqs {config.max_num_seqs} exceeds the sequence rows "
@@ -135,6 +142,7 @@ class Scheduler:
         self.kv = kv
         self.states = states
         self.prefix = prefix
+        self.draft_limit = draft_limit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -213,11 +221,14 @@ class Scheduler:
                 n = self._chunk_len(req, budget, chunk_cap)
                 if n == 0:
                     continue
-                if not self._reserve_or_preempt(req, n, preempted):
+                drafts = 0
+                if want_decode and self.draft_limit is not None:
+                    drafts = max(0, min(self.draft_limit(req), budget - n))
+                if not self._reserve_or_preempt(req, n + drafts, preempted):
                     continue
-                budget -= n
-                chunk = ScheduledChunk(req, n, req.num_computed_tokens)
-                (decode if n == 1 else prefill).append(chunk)
+                budget -= n + drafts
+                chunk = ScheduledChunk(req, n + drafts, req.num_computed_tokens, drafts)
+                (decode if want_decode or n == 1 else prefill).append(chunk)
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]

@@ -247,6 +247,15 @@ class KVCacheManager:
             )
         s.num_tokens += num_tokens
 
+    def unreserve(self, handle: Handle) -> None:
+        """Drop the claim past the committed tokens (rejected draft rows): the blocks only
+        it covered go back to the pool; the table keeps ``ceil(num_tokens / block_size)``
+        entries."""
+        index = self._handles.validate(handle)
+        s = self._seqs[index]
+        s.num_reserved = s.num_tokens
+        self._shrink_to_reserved(index)
+
     def append(self, handle: Handle, num_new_tokens: int) -> bool:
         """Reserve and commit ``num_new_tokens``. All or nothing."""
         if not self.reserve(handle, num_new_tokens):

@@ -31,13 +31,13 @@ from tqdm.auto import tqdm
 from pagedserve.model.fp8_linear import Fp8Linear, RowConcatLinear, weight_nbytes
 from pagedserve.model.weight_footprint import part_rows
 from pagedserve.model.weights import (
-    LM_HEAD,
-    SKIPPED_PREFIXES,
+    checkpoint_key,
     index_tensors,
     packed_sources,
     plan_tensors,
     safetensors_files,
     set_parameter,
+    skipped_prefixes,
 )
 from pagedserve.quant import fp8
 from pagedserve.quant.config import Fp8Config
@@ -73,7 +73,7 @@ def load_fp8_weights(
     """
     tensors = index_tensors(safetensors_files(checkpoint_dir))
     scales = {k: tensors.pop(k) for k in list(tensors)
-              if k.endswith(SCALE_SUFFIX) and not k.startswith(SKIPPED_PREFIXES)}
+              if k.endswith(SCALE_SUFFIX) and not k.startswith(skipped_prefixes(model))}
     plan = plan_tensors(model, tensors, weight_prefix, tied)
     used_scales: set[str] = set()
     parts: list[_Part] = []
@@ -258,8 +258,7 @@ def quantize_linears(model: nn.Module, weight_prefix: str, quant: Fp8Config) -> 
             continue
         packer = model.get_submodule(owner_name.rpartition(".")[0])
         rows = part_rows(packer, owner.weight.shape[0], len(sources))
-        kinds = [quant.is_converted(s.removesuffix(".weight") if s == LM_HEAD
-                                    else weight_prefix + s.removesuffix(".weight"))
+        kinds = [quant.is_converted(checkpoint_key(s, weight_prefix).removesuffix(".weight"))
                  for s in sources]
         if not any(kinds):
             continue

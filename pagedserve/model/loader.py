@@ -21,6 +21,7 @@ from pagedserve.config import ModelConfig
 from pagedserve.model.fp8_linear import weight_nbytes
 from pagedserve.model.fp8_weights import load_fp8_weights, quantize_linears
 from pagedserve.model.generation_defaults import GenerationDefaults, merge_ids
+from pagedserve.model.mtp import SUPPORTED_MTP_LAYERS, MTPHead
 from pagedserve.model.qwen3_5 import Qwen3_5Model
 from pagedserve.model.random_weights import random_model
 from pagedserve.model.resolve import resolve_checkpoint
@@ -129,10 +130,13 @@ def load_model(
     progress: bool = True,
     revision: str | None = None,
     quantization: str | None = None,
+    mtp: bool = False,
 ) -> LoadedModel:
     """Load ``model`` (directory, cached hub id, or ``None`` for the embedded default).
 
-    A checkpoint with an FP8 ``quantization_config`` loads its FP8 weights as stored;
+    ``mtp=True`` loads the MTP draft head (``mtp.*``) too, as ``model.mtp``; a checkpoint
+    without it is rejected before any weight is read (``check_mtp``). A checkpoint
+    with an FP8 ``quantization_config`` loads its FP8 weights as stored;
     ``quantization="fp8"`` quantizes an unquantized checkpoint's linear weights while loading
     (``quant/config.py`` says which). The model dtype is the activations' dtype either way.
     """
@@ -140,7 +144,7 @@ def load_model(
     dtype = parse_dtype(dtype, device)
     preset = presets.preset_name(str(model)) if model is not None else None
     if preset is not None:
-        return load_preset(preset, device, dtype, quantization)
+        return load_preset(preset, device, dtype, quantization, mtp)
     if model is None:
         from pagedserve.model.default_model import default_model_path
 
@@ -151,9 +155,13 @@ def load_model(
     cfg = ModelConfig.from_hf_dict(raw)
     check_supported(cfg, raw, device, dtype)
     quant = parse_quantization(raw, quantization)
+    if mtp:
+        check_mtp(cfg, path)
 
     with torch.device("meta"):
         decoder = Qwen3_5Model(cfg)
+        if mtp:
+            decoder.mtp = MTPHead(cfg)
     if quant is None:
         weights_bytes = load_weights(
             decoder, path, cfg.weight_prefix, cfg.tie_word_embeddings, device, dtype, progress
@@ -177,19 +185,34 @@ def load_model(
                        None if quant is None else "fp8")
 
 
+def check_mtp(cfg: ModelConfig, path: Path) -> None:
+    """Reject, before any weight is read, a checkpoint with no MTP head this engine runs."""
+    from pagedserve.model.weights import MTP_PREFIX, index_tensors, safetensors_files
+
+    if not any(k.startswith(MTP_PREFIX) for k in index_tensors(safetensors_files(path))):
+        raise ValueError(f"speculative method 'mtp' needs the checkpoint's MTP module, but "
+                         f"{path} has no mtp.* tensors")
+    if cfg.mtp_num_hidden_layers != SUPPORTED_MTP_LAYERS:
+        raise ValueError(f"speculative method 'mtp' runs a {SUPPORTED_MTP_LAYERS}-layer MTP "
+                         f"module; {path}/config.json has mtp_num_hidden_layers "
+                         f"{cfg.mtp_num_hidden_layers}")
+
+
 def load_preset(name: str, device: torch.device, dtype: torch.dtype,
-                quantization: str | None = None) -> LoadedModel:
+                quantization: str | None = None, mtp: bool = False) -> LoadedModel:
     """A preset shape with seeded random weights built on ``device``; no tokenizer, so
     prompts must be token ids. For benchmarks of real shapes without their checkpoints.
     ``quantization="fp8"`` quantizes the random linear weights as ``--quantization fp8``
-    quantizes a checkpoint's."""
+    quantizes a checkpoint's; ``mtp=True`` adds a random one-layer MTP head."""
     path = presets.config_path(name)
     with open(path) as f:
         raw = json.load(f)
     cfg = ModelConfig.from_hf_dict(raw)
+    if mtp:
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=SUPPORTED_MTP_LAYERS)
     check_supported(cfg, raw, device, dtype)
     quant = parse_quantization(raw, quantization)
-    decoder = random_model(cfg, device, dtype)
+    decoder = random_model(cfg, device, dtype, mtp=mtp)
     if quant is not None:
         quantize_linears(decoder, cfg.weight_prefix, quant)
     return LoadedModel(path.parent, cfg, decoder, None, GenerationDefaults(),

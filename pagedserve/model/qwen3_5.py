@@ -53,9 +53,11 @@ class DecoderLayer(nn.Module):
     K/V pair or its state slots sit in ``ModelCaches``.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_index: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, cache_index: int,
+                 layer_type: str | None = None) -> None:
         super().__init__()
-        self.is_full_attention = cfg.layer_types[layer_idx] == FULL_ATTENTION
+        # ``layer_type`` overrides ``cfg.layer_types`` (the MTP module's layer sits past them).
+        self.is_full_attention = (layer_type or cfg.layer_types[layer_idx]) == FULL_ATTENTION
         self.cache_index = cache_index
         if self.is_full_attention:
             self.self_attn = GatedAttention(cfg)
@@ -109,6 +111,9 @@ class Qwen3_5Model(nn.Module):
             None if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        # The MTP draft head (``model/mtp.py``), when the loader was asked for it: its
+        # parameters are named ``mtp.*`` as in the checkpoint.
+        self.mtp: nn.Module | None = None
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Run one step; returns the final-normed hidden states ``[T, H]``."""

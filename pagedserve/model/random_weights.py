@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedserve.config import ModelConfig
+from pagedserve.model.mtp import MTPHead
 from pagedserve.model.qwen3_5 import Qwen3_5Model
 
 
@@ -23,10 +24,13 @@ def set_param(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 @torch.no_grad()
 def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 seed: int = 0) -> Qwen3_5Model:
-    """pagedserve's decoder of shape ``cfg`` with seeded random weights on ``device``."""
+                 seed: int = 0, mtp: bool = False) -> Qwen3_5Model:
+    """pagedserve's decoder of shape ``cfg`` with seeded random weights on ``device``
+    (``mtp``: with an MTP draft head, ``model/mtp.py``)."""
     with torch.device("meta"):
         model = Qwen3_5Model(cfg)
+        if mtp:
+            model.mtp = MTPHead(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in list(model.named_parameters()):
         t = torch.empty(p.shape, dtype=dtype, device=device)

@@ -4,7 +4,12 @@ Checkpoint names carry a layout prefix that is stripped to get the module's name
 
     text-only  Qwen3_5ForCausalLM                model.<name>                  lm_head.weight
     published  Qwen3_5ForConditionalGeneration   model.language_model.<name>   lm_head.weight
-                                                 model.visual.*, mtp.*         (skipped)
+                                                 model.visual.*                (skipped)
+    both                                         mtp.<name>                    mtp.<name>
+
+``mtp.*`` (the MTP draft head, ``mtp.py``) loads only into a model that has one
+(``Qwen3_5Model.mtp``); otherwise it is skipped with the vision tower. Its names are the
+module's own, prefix and all.
 
 Three module parameters are row-wise concatenations of checkpoint tensors (``PACKED`` on
 the module that owns them); every other parameter is one tensor of the same name. The
@@ -26,6 +31,7 @@ from tqdm.auto import tqdm
 
 # Tensors of the published checkpoints that a text-only server does not use.
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+MTP_PREFIX = "mtp."
 LM_HEAD = "lm_head.weight"
 _MAX_LISTED = 8
 
@@ -38,6 +44,18 @@ def packed_sources(model: nn.Module) -> dict[str, tuple[str, ...]]:
         for name, parts in getattr(module, "PACKED", {}).items():
             packed[base + name] = tuple(base + p for p in parts)
     return {name: packed.get(name, (name,)) for name, _ in model.named_parameters()}
+
+
+def skipped_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Checkpoint prefixes ``model`` does not load: ``mtp.`` too unless it has the head."""
+    if getattr(model, "mtp", None) is not None:
+        return tuple(p for p in SKIPPED_PREFIXES if p != MTP_PREFIX)
+    return SKIPPED_PREFIXES
+
+
+def checkpoint_key(name: str, weight_prefix: str) -> str:
+    """The checkpoint name of prefix-free module name ``name``."""
+    return name if name == LM_HEAD or name.startswith(MTP_PREFIX) else weight_prefix + name
 
 
 def safetensors_files(checkpoint_dir: Path) -> list[Path]:
@@ -94,12 +112,15 @@ def plan_tensors(
     """``plan_checkpoint`` over an index of the checkpoint's tensors (``index_tensors``)."""
     by_name: dict[str, str] = {}  # prefix-free name -> checkpoint key
     unexpected: list[str] = []
+    skipped = skipped_prefixes(model)
     for key in tensors:
-        if key.startswith(SKIPPED_PREFIXES):
+        if key.startswith(skipped):
             continue
         if key == LM_HEAD:
             if not tied:  # a tied checkpoint may still carry a copy; the embedding wins
                 by_name[LM_HEAD] = key
+        elif key.startswith(MTP_PREFIX):
+            by_name[key] = key
         elif key.startswith(weight_prefix):
             by_name[key[len(weight_prefix):]] = key
         else:
@@ -111,7 +132,7 @@ def plan_tensors(
     if missing or unexpected:
         parts = []
         if missing:
-            keys = [m if m == LM_HEAD else weight_prefix + m for m in missing]
+            keys = [checkpoint_key(m, weight_prefix) for m in missing]
             parts.append(f"missing tensors: {_listing(keys)}")
         if unexpected:
             parts.append(f"unexpected tensors: {_listing(unexpected)}")

@@ -13,7 +13,9 @@ steps of few rows, and the CPU, keep them in the model dtype (docs/fp8.md).
 ``--quantization fp8`` on an unquantized checkpoint converts, while loading, the same
 modules Qwen's published FP8 checkpoints convert: every linear projection of the decoder
 layers except the GDN ``in_proj_a`` and ``in_proj_b``; embeddings and ``lm_head`` stay in
-the model dtype.
+the model dtype. Of the MTP draft head (``mtp.*``) the decoder layer's projections are
+converted and ``mtp.fc`` stays in the model dtype, as published low-precision checkpoints
+keep it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pagedserve.quant import fp8
 from pagedserve.quant.names import QUANTIZATIONS
 
 # Module names (prefix-free) kept in the model dtype by ``--quantization fp8``.
-ONLINE_NOT_CONVERTED = ("lm_head", "in_proj_a", "in_proj_b")
+ONLINE_NOT_CONVERTED = ("lm_head", "in_proj_a", "in_proj_b", "mtp.fc")
 
 
 @dataclass(frozen=True)

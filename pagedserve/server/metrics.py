@@ -75,7 +75,7 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             g.add_metric([self.model_name], value)
             yield g
-        counters = (
+        counters: tuple[tuple[str, str, int], ...] = (
             ("num_preemptions", "Requests preempted (blocks freed, recomputed later).",
              s.num_preemptions),
             ("prompt_tokens", "Prompt tokens prefilled.", s.num_prompt_tokens),
@@ -84,9 +84,25 @@ class _EngineCollector(Collector):
              s.prefix_cache_queries),
             ("prefix_cache_hits", "Prefix cache hits, in tokens.", s.prefix_cache_hits),
         )
+        if s.spec_decode_num_accepted_tokens_per_pos:
+            counters += (
+                ("spec_decode_num_drafts", "Speculative verifies (one per sequence and "
+                 "step).", s.spec_decode_num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                 s.spec_decode_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 s.spec_decode_num_accepted_tokens),
+            )
         for name, doc, value in counters:
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             c.add_metric([self.model_name], value)
+            yield c
+        if s.spec_decode_num_accepted_tokens_per_pos:
+            c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the draft.",
+                                    labels=["model_name", "position"])
+            for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                c.add_metric([self.model_name, str(pos)], value)
             yield c
 
 

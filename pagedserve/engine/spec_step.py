@@ -1,0 +1,287 @@
+"""Speculative steps: draft, verify ``d + 1`` rows per sequence, keep what the target
+would have chosen, roll the rest back.
+
+One step (synchronous: its tokens are read back before the next is scheduled)::
+
+    schedule        a decoding request that may speculate gets 1 + d rows (d <= k),
+                    reserved in the K/V manager like any chunk
+    propose         the drafter's d tokens per such request
+    save states     each speculating sequence's state slot, to its spare
+    forward         the whole batch, eagerly; logits of every verify row and of the last
+                    row of each chunk that completes
+    decide          plain rows: the sampler; verify rows: ``spec_verify`` (m <= d kept)
+    observe         the drafter sees the rows kept (the MTP head writes its K/V rows)
+    roll back       where m < d: the slot back from its spare, then the m + 1 kept rows
+                    forwarded again over it (their K/V rows are rewritten with the same
+                    values); the reservation past the kept rows is dropped, which frees
+                    the blocks only rejected rows used
+    append          tokens one at a time: a stop (EOS, stop id or string, max_tokens,
+                    max_model_len) inside the kept run ends it there
+
+Rollback by replay: the recurrent GDN state cannot be rewound, and the Gated DeltaNet ops
+return only the state after a chunk's last row. Replaying the kept rows from the saved
+state is exact with the ops as they are, on every device, at the cost of one more forward
+pass over ``m + 1`` rows for the sequences that rejected a draft. Keeping the state after
+each verified row (``k + 1`` spare slots written by the GDN kernels) would save that pass;
+it needs those kernels to write intermediate states.
+
+Requests speculate only when each verify row's distribution is the plain sampler's: not
+with a grammar or penalties (their masks and counts follow the drafts), and not before
+``min_tokens`` outputs; such requests decode one token a step in the same batches.
+Speculation needs synchronous scheduling and no prefix caching (the engine rejects both at
+start-up), and its passes run eagerly: no CUDA graph covers a verify step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch
+from pagedserve.engine.drafter import Draft, Drafter, DraftRequest, Observed
+from pagedserve.engine.lookahead import InflightStep
+from pagedserve.engine.request import Request, RequestStatus, TokenLogprob
+from pagedserve.engine.sampler import SamplingTensors, filtered_logits, sample
+from pagedserve.engine.scheduler import ScheduledChunk
+from pagedserve.engine.spec_verify import verify_greedy, verify_sampled
+from pagedserve.engine.speculative import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine, RequestOutput
+
+
+@dataclass
+class SpecStats:
+    """vLLM's speculative-decoding counters: ``num_drafts`` verify rows-sets (one per
+    speculating sequence and step), their draft tokens, the drafts kept, and the drafts
+    kept at each position 0..k-1."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    # Verifies that kept exactly m drafts, by m (0..k): which rollback branch ran.
+    num_by_accepted: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify (kept drafts + the target's own), 0 before any."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class _Verified:
+    """One speculating chunk's outcome: ``tokens`` emitted (m + 1), their logprobs."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+class SpeculativeDecoding:
+    """The speculative step of one engine, with its drafter and counters."""
+
+    def __init__(self, config: SpeculativeConfig, drafter: Drafter, max_model_len: int) -> None:
+        self.config = config
+        self.drafter = drafter
+        self.max_model_len = max_model_len
+        k = config.num_speculative_tokens
+        self.stats = SpecStats(accepted_per_pos=[0] * k, num_by_accepted=[0] * (k + 1))
+
+    def draft_limit(self, req: Request) -> int:
+        """Drafts ``req`` verifies next step: ``k``, fewer near ``max_tokens`` or
+        ``max_model_len``, none when its rows would not be the plain sampler's."""
+        p = req.params
+        if (req.grammar is not None or p.presence_penalty or p.frequency_penalty
+                or p.repetition_penalty != 1.0 or len(req.output_token_ids) < p.min_tokens
+                or not self.drafter.ready(req)):
+            return 0
+        return max(0, min(self.config.num_speculative_tokens,
+                          p.max_tokens - len(req.output_token_ids) - 1,
+                          self.max_model_len - req.num_tokens - 1))
+
+    @torch.inference_mode()
+    def step(self, e: LLMEngine) -> list[RequestOutput]:
+        plan = e.scheduler.schedule()
+        if e.kv.pending_copies:
+            e.runner.apply_pending_copies(e.kv)
+        if not plan.chunks:
+            return []
+        # Single-row decodes first (the batch's decode rows), then verify chunks, then prompts.
+        chunks = sorted(plan.chunks,
+                        key=lambda c: 0 if c.num_tokens == 1 else 1 if c.num_draft else 2)
+        spec = [i for i, c in enumerate(chunks) if c.num_draft]
+        slots = [e.runner.state_pool.slot(c.request.live_state_handle) for c in chunks]
+        drafts = dict(zip(spec, self.drafter.propose(
+            [DraftRequest(chunks[i].request, slots[i], chunks[i].start_pos,
+                          chunks[i].num_draft) for i in spec])))
+        seq_chunks = []
+        for i, c in enumerate(chunks):
+            ids = c.request.token_slice(c.start_pos, c.start_pos + c.num_tokens - c.num_draft)
+            if c.num_draft:
+                ids += drafts[i].token_ids
+            seq_chunks.append(SeqChunk(c.request.live_kv_handle, slots[i], tuple(ids),
+                                       c.start_pos))
+        if spec:
+            e.runner.save_states([slots[i] for i in spec])
+        batch = build_forward_batch(seq_chunks, e.kv, e.runner.device, staging=e._staging)
+        hidden = e.runner.forward_hidden(batch)  # [T, H]
+        qsl = batch.query_start_loc_cpu
+        plain = [i for i, c in enumerate(chunks) if c.completes and not c.num_draft]
+        rows = [qsl[i + 1] - 1 for i in plain]
+        for i in spec:
+            rows += range(qsl[i + 1] - 1 - chunks[i].num_draft, qsl[i + 1])
+        logits = e.runner.compute_logits(hidden[rows]) if rows else None  # [R, V]
+        sampled = self._sample_plain(e, chunks, plain, logits)
+        verified: dict[int, _Verified] = {}
+        offset = len(plain)
+        for i in spec:
+            d = chunks[i].num_draft
+            assert logits is not None
+            verified[i] = self._verify(e, chunks[i].request, logits[offset:offset + d + 1],
+                                       drafts[i])
+            offset += d + 1
+        self._observe(chunks, slots, qsl, hidden, sampled, verified)
+        self._roll_back(e, chunks, slots, verified, seq_chunks)
+        return self._apply(e, chunks, sampled, verified)
+
+    # ---- deciding ---------------------------------------------------------------------
+    def _sample_plain(self, e: LLMEngine, chunks: list[ScheduledChunk], plain: list[int],
+                      logits: torch.Tensor | None) -> dict[int, tuple[int, TokenLogprob | None]]:
+        """The sampler's token (and logprob) for each completing chunk without drafts."""
+        if not plain:
+            return {}
+        assert logits is not None
+        step = InflightStep([chunks[i] for i in plain], list(range(len(plain))), None,
+                            logits=logits[:len(plain)])
+        e._queue_sampling(step, tokens_ahead=0)
+        out = step.host_output()
+        if out is None:
+            return {}
+        from pagedserve.engine.llm_engine import _row
+
+        return {i: _row(out, k, chunks[i].request.params.logprobs)
+                for k, i in enumerate(plain) if chunks[i].request.status is RequestStatus.RUNNING}
+
+    def _verify(self, e: LLMEngine, req: Request, target: torch.Tensor,
+                draft: Draft) -> _Verified:
+        """``target`` float32 ``[d + 1, V]``: the verify rows of ``req``."""
+        d = len(draft.token_ids)
+        if req.params.greedy:
+            tokens = verify_greedy(target, draft.token_ids)
+        else:
+            st = SamplingTensors.from_requests([req] * (d + 1), e.vocab_size, target.device)
+            st.step = st.step + torch.arange(d + 1, device=target.device)
+            p = torch.softmax(filtered_logits(target, st), dim=-1)  # [d + 1, V]
+            q = None
+            if draft.logits is not None:
+                q = torch.softmax(filtered_logits(draft.logits, _first_rows(st, d)), dim=-1)
+            tokens = verify_sampled(p, q, draft.token_ids, req.sample_seed,
+                                    len(req.output_token_ids), sample(target, st).token_ids)
+        m = len(tokens) - 1
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += d
+        s.num_accepted_tokens += m
+        for j in range(m):
+            s.accepted_per_pos[j] += 1
+        s.num_by_accepted[m] += 1
+        logprobs: list[TokenLogprob | None] = [None] * len(tokens)
+        n = req.params.logprobs
+        if n is not None:
+            logp = torch.log_softmax(target[:len(tokens)], dim=-1)  # the model's own
+            for j, t in enumerate(tokens):
+                top: list[tuple[int, float]] = []
+                if n > 0:
+                    vals, ids = logp[j].topk(n)
+                    top = list(zip(ids.tolist(), vals.tolist()))
+                logprobs[j] = TokenLogprob(t, float(logp[j, t]), top)
+        return _Verified(tokens, logprobs)
+
+    # ---- after the forward pass ---------------------------------------------------------
+    def _observe(self, chunks: list[ScheduledChunk], slots: list[int], qsl: list[int],
+                 hidden: torch.Tensor, sampled: dict, verified: dict[int, _Verified]) -> None:
+        kept = []
+        for i, c in enumerate(chunks):
+            req = c.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            if i in verified:
+                next_ids = verified[i].tokens
+            elif c.completes:
+                if i not in sampled:
+                    continue
+                next_ids = req.token_slice(c.start_pos + 1, c.start_pos + c.num_tokens)
+                next_ids.append(sampled[i][0])
+            else:
+                next_ids = req.token_slice(c.start_pos + 1, c.start_pos + c.num_tokens + 1)
+            kept.append(Observed(req, slots[i], c.start_pos, next_ids,
+                                 hidden[qsl[i]:qsl[i] + len(next_ids)], c.completes))
+        self.drafter.observe(kept)
+
+    def _roll_back(self, e: LLMEngine, chunks: list[ScheduledChunk], slots: list[int],
+                   verified: dict[int, _Verified], seq_chunks: list[SeqChunk]) -> None:
+        """Slots of sequences that rejected a draft back to their spare, then their kept
+        rows forwarded again: the state ends at the last kept token."""
+        redo = [i for i, v in verified.items() if len(v.tokens) - 1 < chunks[i].num_draft]
+        if not redo:
+            return
+        e.runner.restore_states([slots[i] for i in redo])
+        replay = [SeqChunk(seq_chunks[i].kv_handle, slots[i],
+                           seq_chunks[i].token_ids[:len(verified[i].tokens)],
+                           seq_chunks[i].start_pos) for i in redo]
+        replay.sort(key=lambda c: len(c.token_ids) > 1)  # single rows first
+        e.runner.forward_hidden(build_forward_batch(replay, e.kv, e.runner.device))
+
+    def _apply(self, e: LLMEngine, chunks: list[ScheduledChunk], sampled: dict,
+               verified: dict[int, _Verified]) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for i, c in enumerate(chunks):
+            req = c.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            kept = len(verified[i].tokens) if i in verified else c.num_tokens
+            e.kv.commit(req.live_kv_handle, kept)
+            if c.num_draft:
+                e.kv.unreserve(req.live_kv_handle)
+            req.num_computed_tokens += kept
+        for i, c in enumerate(chunks):
+            if i in verified:
+                v = verified[i]
+                pairs = list(zip(v.tokens, v.logprobs))
+            elif i in sampled:
+                pairs = [sampled[i]]
+            else:
+                continue
+            parts = []
+            for token, logprob in pairs:
+                if c.request.status is not RequestStatus.RUNNING:
+                    break
+                parts.append(e._append_token(c.request, token, logprob, now))
+            if parts:
+                outputs.append(_merge(parts))
+                e.stats.num_generation_tokens += sum(len(p.new_token_ids) for p in parts)
+        e.stats.num_steps += 1
+        if e.config.check_integrity:
+            e.scheduler.check_integrity()
+        return outputs
+
+
+def _first_rows(st: SamplingTensors, n: int) -> SamplingTensors:
+    """``st`` cut to its first ``n`` rows (per-row settings only; no penalties here)."""
+    return replace(st, **{name: getattr(st, name)[:n] for name in (
+        "temperature", "top_p", "top_k", "min_p", "presence", "frequency", "repetition",
+        "seed_lo", "seed_hi", "step")})
+
+
+def _merge(parts: list[RequestOutput]) -> RequestOutput:
+    """One request's outputs of a step as one (tokens, text and logprobs in order)."""
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    return replace(last, new_token_ids=[t for p in parts for t in p.new_token_ids],
+                   new_text="".join(p.new_text for p in parts),
+                   new_logprobs=[lp for p in parts for lp in p.new_logprobs])

@@ -1,0 +1,111 @@
+"""Which drafted tokens a verify step keeps, so that the output stays the target's own.
+
+One sequence's verify rows score ``d + 1`` positions: row ``j`` is the target's
+distribution ``p_j`` after the tokens before draft ``j``; drafts ``t_1..t_d`` came from
+distributions ``q_1..q_d`` (``None``: a deterministic drafter, ``q_j`` one-hot at ``t_j``).
+
+Greedy rows keep drafts while each equals ``argmax p_j``; the first that does not is
+replaced by that argmax, and if all are kept ``argmax p_d`` follows (the bonus token): the
+tokens are exactly those of plain greedy decoding.
+
+Sampled rows use rejection sampling (Leviathan et al., Chen et al.): draft ``t_j`` is kept
+with probability ``min(1, p_j(t_j) / q_j(t_j))``; the first rejected one is replaced by a
+draw from ``max(0, p_j - q_j)`` (normalized), and after ``d`` kept drafts a bonus token is
+drawn from ``p_d``. Each emitted token is then distributed exactly as ``p_j``.
+
+The randomness is counter-based like the sampler's (``sampler.exponential_noise``): a pure
+function of (request seed, output index, stream), one stream each for drafting, the
+accept test and the residual draw; the bonus token is the plain sampler's own draw. Every
+output index is decided once, so a seeded request repeats itself whatever shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.engine.request import SEED_RANGE
+from pagedserve.engine.sampler import _fmix32, exponential_noise
+
+_M32 = 0xFFFFFFFF
+
+# Streams of noise, each hashed with the seed (``_seed_halves``); 0 is the sampler's own.
+DRAFT_STREAM = 0x5EC0_0001
+ACCEPT_STREAM = 0x5EC0_0002
+RESIDUAL_STREAM = 0x5EC0_0003
+
+
+def race(probs: torch.Tensor, seed: int, index: torch.Tensor, stream: int) -> torch.Tensor:
+    """One draw per row of ``probs`` float ``[N, V]`` (rows need not be normalized) by the
+    exponential race, with the noise of (``seed``, output index ``index`` int64 ``[N]``,
+    ``stream``). Returns int64 ``[N]``."""
+    lo, hi = _seed_halves(seed, stream, index)
+    noise = exponential_noise(lo, hi, index, probs.shape[1])  # [N, V]
+    return (probs / noise).argmax(dim=-1)
+
+
+def uniforms(seed: int, index: torch.Tensor, stream: int) -> torch.Tensor:
+    """float32 ``[N]`` in (0, 1): one uniform per output index of ``index`` int64 ``[N]``."""
+    lo, hi = _seed_halves(seed, stream, index)
+    return torch.exp(-exponential_noise(lo, hi, index, 1)[:, 0])
+
+
+def _seed_halves(seed: int, stream: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The 32-bit seed halves of ``stream``: two rounds of the hash over (seed, stream),
+    so that streams of one seed are independent. (Only XORing the stream into a half
+    leaves the rows of two streams related by a fixed XOR, which the finalizer does not
+    hide: draft and accept noise then correlate measurably.)"""
+    seed %= SEED_RANGE  # as the sampler folds it
+    lo = torch.full_like(index, seed & _M32)
+    hi = torch.full_like(index, (seed >> 32) & _M32)
+    s = _fmix32(torch.full_like(index, stream))
+    lo = _fmix32(_fmix32(lo ^ s) + hi + 0x9E3779B9)
+    return lo, _fmix32(_fmix32(hi + s) ^ lo)
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_ids: list[int]) -> list[int]:
+    """``target_logits`` ``[d + 1, V]``; returns the ``m + 1`` tokens emitted (``m`` drafts
+    kept, then the target's own choice)."""
+    best = target_logits.argmax(dim=-1).tolist()  # [d + 1]
+    out = []
+    for j, t in enumerate(draft_ids):
+        if t != best[j]:
+            break
+        out.append(t)
+    out.append(best[len(out)])
+    return out
+
+
+def verify_sampled(p: torch.Tensor, q: torch.Tensor | None, draft_ids: list[int], seed: int,
+                   first_index: int, bonus_sample: torch.Tensor) -> list[int]:
+    """Rejection sampling of one sequence's drafts.
+
+    Args:
+        p: float32 ``[d + 1, V]`` the target's distributions (filtered, normalized).
+        q: float32 ``[d, V]`` the drafts' distributions, or ``None`` (one-hot drafts).
+        draft_ids: the ``d`` drafted tokens.
+        seed: the request's sampling seed; ``first_index``: output index of draft 1.
+        bonus_sample: int64 ``[d + 1]`` the plain sampler's draw from each ``p_j`` (used
+            for the bonus token only, so that it is the sampler's own).
+    Returns:
+        The ``m + 1`` tokens emitted.
+    """
+    d = len(draft_ids)
+    if d == 0:
+        return [int(bonus_sample[0])]
+    ids = torch.tensor(draft_ids, dtype=torch.long, device=p.device)  # [d]
+    rows = torch.arange(d, device=p.device)
+    p_draft = p[rows, ids]  # [d]
+    if q is None:
+        q = torch.zeros_like(p[:d]).scatter_(1, ids[:, None], 1.0)
+    q_draft = q[rows, ids]  # [d]
+    index = torch.arange(first_index, first_index + d, dtype=torch.long, device=p.device)
+    u = uniforms(seed, index, ACCEPT_STREAM)  # [d]
+    keep = (u * q_draft <= p_draft).tolist()  # u < p / q, without dividing by q = 0
+    m = keep.index(False) if False in keep else d
+    if m == d:
+        return [*draft_ids, int(bonus_sample[d])]
+    residual = (p[m] - q[m]).clamp_min(0)  # [V]
+    if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is exact
+        residual = p[m]
+    fix = race(residual[None], seed, index[m:m + 1], RESIDUAL_STREAM)
+    return [*draft_ids[:m], int(fix[0])]

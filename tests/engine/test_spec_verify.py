@@ -1,0 +1,69 @@
+"""The rejection sampler emits the target's distribution, whatever the drafts' (chi-square
+over many seeded draws on a six-token vocabulary), and greedy verification keeps exactly
+the drafts plain greedy decoding would choose."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.engine.spec_verify import DRAFT_STREAM, race, verify_greedy, verify_sampled
+
+# The 0.999 quantile of chi-square with 5 degrees of freedom: a correct sampler fails this
+# with probability 1e-3 for one random set of seeds; the seeds here are fixed, so the test
+# is deterministic, and a sampler off by a few percent in any cell fails it.
+CHI2_5_999 = 20.515
+N = 3000
+
+P = torch.tensor([[0.30, 0.05, 0.25, 0.0, 0.10, 0.30],
+                  [0.10, 0.40, 0.10, 0.20, 0.10, 0.10],
+                  [0.20, 0.20, 0.20, 0.20, 0.10, 0.10]])  # [d + 1, V]
+Q = torch.tensor([[0.05, 0.40, 0.05, 0.30, 0.20, 0.0],
+                  [0.30, 0.10, 0.30, 0.10, 0.10, 0.10]])  # [d, V]
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    mask = expected > 0
+    assert counts[~mask].sum() == 0, "a token of probability 0 was emitted"
+    return float(((counts[mask] - expected[mask]) ** 2 / expected[mask]).sum())
+
+
+def draw(seed: int, q: torch.Tensor | None) -> list[int]:
+    index = torch.arange(3)
+    if q is None:  # a deterministic drafter: always tokens 1 and 3
+        drafts = [1, 3]
+    else:
+        drafts = race(q, seed, index[:2], DRAFT_STREAM).tolist()
+    bonus = race(P, seed, index, 0)
+    return verify_sampled(P, q, drafts, seed, 0, bonus)
+
+
+@pytest.mark.parametrize("q", [Q, None], ids=["sampled-drafts", "one-hot-drafts"])
+def test_first_token_follows_the_target(q) -> None:
+    counts = torch.zeros(6)
+    second = torch.zeros(6)
+    for seed in range(N):
+        out = draw(seed, q)
+        counts[out[0]] += 1
+        if len(out) > 1:  # the first draft was kept: the next token also follows p_1
+            second[out[1]] += 1
+    assert chi_square(counts, P[0]) < CHI2_5_999
+    assert second.sum() > N / 25
+    assert chi_square(second, P[1]) < CHI2_5_999
+
+
+def test_sampler_is_not_the_draft_distribution() -> None:
+    """The statistic can fail: the draft tokens alone are far from the target."""
+    counts = torch.zeros(6)
+    for seed in range(N):
+        counts[int(race(Q[:1], seed, torch.tensor([0]), DRAFT_STREAM)[0])] += 1
+    with pytest.raises(AssertionError):
+        assert chi_square(counts, P[0]) < CHI2_5_999
+
+
+def test_greedy_keeps_the_matching_prefix() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])  # argmax 1, 0, 2
+    assert verify_greedy(logits, [1, 0]) == [1, 0, 2]  # both kept, then the bonus
+    assert verify_greedy(logits, [1, 2]) == [1, 0]  # second rejected: the target's 0
+    assert verify_greedy(logits, [2, 0]) == [1]  # first rejected

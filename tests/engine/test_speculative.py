@@ -1,0 +1,260 @@
+"""Speculative decoding in the engine: greedy tokens equal plain decoding's and
+transformers', every rollback branch, stops inside a kept run, no leaks under preemption
+and aborts, reproducible seeded sampling, and the start-up checks.
+
+Two drafters: the checkpoint's own MTP head with random weights (drafts are mostly
+rejected, so rollback runs nearly every step) and a forced drafter that proposes
+transformers' own greedy continuation, corrupted at chosen output indices, so that every
+number of kept drafts occurs.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+
+from hybrid_checkpoints import build_hf_model, prompt_ids  # noqa: E402
+from mtp_checkpoints import build_mtp, save_with_mtp  # noqa: E402
+
+from pagedserve.engine.drafter import Draft, DraftRequest, Observed  # noqa: E402
+from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from pagedserve.engine.request import Request, RequestStatus, SamplingParams  # noqa: E402
+from pagedserve.model.loader import load_model  # noqa: E402
+
+SHAPE = "d64-gqa3-untied"
+NEW = 24
+PROMPTS = [prompt_ids(0, 37), prompt_ids(1, 5), prompt_ids(2, 18)]
+
+
+@pytest.fixture(scope="module")
+def spec_model(tmp_path_factory):
+    """(checkpoint dir, loaded with MTP, transformers' greedy tokens per prompt)."""
+    hf = build_hf_model(SHAPE)
+    path = save_with_mtp(hf, build_mtp(hf), tmp_path_factory.mktemp("spec"))
+    loaded = load_model(path, device="cpu", dtype=torch.float32, progress=False, mtp=True)
+    refs = [hf_greedy(hf, p, NEW) for p in PROMPTS]
+    return path, loaded, refs
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' model and its own cache, argmax at every step."""
+    ids, past, out = torch.tensor([prompt]), None, []
+    for _ in range(n):
+        o = model(input_ids=ids, past_key_values=past, use_cache=True)
+        past = o.past_key_values
+        out.append(int(o.logits[0, -1].argmax()))
+        ids = torch.tensor([[out[-1]]])
+    return out
+
+
+def make_engine(spec_model, k: int | None, drafter=None, **kw) -> LLMEngine:
+    path, loaded, _ = spec_model
+    kw.setdefault("check_integrity", True)
+    kw.setdefault("max_model_len", 128)
+    spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", progress=False,
+                                  enable_prefix_caching=False, speculative_config=spec, **kw),
+                     loaded=loaded, drafter=drafter)
+
+
+def run(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_greedy_equals_plain_decoding_and_transformers(spec_model, k) -> None:
+    refs = spec_model[2]
+    engine = make_engine(spec_model, k, max_num_seqs=3)
+    got = run(engine, PROMPTS, GREEDY)
+    assert [got[str(i)] for i in range(len(PROMPTS))] == refs
+    plain = run(make_engine(spec_model, None, max_num_seqs=3), PROMPTS, GREEDY)
+    assert plain == got
+    s = engine.spec.stats
+    assert s.num_drafts > 0 and s.num_draft_tokens >= s.num_drafts
+    assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
+
+
+class ForcedDrafter:
+    """Proposes ``continuation[request][i]`` for output index ``i``, plus one (mod the
+    vocabulary) wherever ``corrupt(i)``; records the number of drafts of every proposal."""
+
+    def __init__(self, continuation: dict[str, list[int]], corrupt, vocab: int) -> None:
+        self.continuation, self.corrupt, self.vocab = continuation, corrupt, vocab
+
+    def ready(self, req: Request) -> bool:
+        return True
+
+    def propose(self, wants: list[DraftRequest]) -> list[Draft]:
+        drafts = []
+        for w in wants:
+            ref = self.continuation[w.request.request_id]
+            first = len(w.request.output_token_ids)
+            ids = [(ref[i] + 1) % self.vocab if self.corrupt(i) else ref[i]
+                   for i in range(first, first + w.num_drafts)]
+            drafts.append(Draft(ids))
+        return drafts
+
+    def observe(self, kept: list[Observed]) -> None:
+        pass
+
+
+def forced(spec_model, corrupt) -> ForcedDrafter:
+    refs = spec_model[2]
+    return ForcedDrafter({str(i): r for i, r in enumerate(refs)}, corrupt,
+                         spec_model[1].config.vocab_size)
+
+
+def test_forced_drafts_hit_every_rollback_branch(spec_model) -> None:
+    refs = spec_model[2]
+    # Corrupt indices 1 mod 5 and 2 mod 7: runs of every length 0..3 get kept.
+    engine = make_engine(spec_model, 3, forced(spec_model, lambda i: i % 5 == 1 or i % 7 == 2),
+                         max_num_seqs=3)
+    got = run(engine, PROMPTS, GREEDY)
+    assert [got[str(i)] for i in range(len(PROMPTS))] == refs
+    assert all(n > 0 for n in engine.spec.stats.num_by_accepted), \
+        engine.spec.stats.num_by_accepted
+
+
+@pytest.mark.parametrize("stop_at", [3, 9])
+def test_stop_inside_a_kept_run_truncates_exactly(spec_model, stop_at) -> None:
+    """A stop id, a max_tokens cut and the plain engine's output agree, with every draft
+    right (the stop falls inside a run of kept drafts)."""
+    ref = spec_model[2][0]
+    stop = ref[stop_at]
+    want_len = ref.index(stop) + 1  # the stop id is the last token (not emitted as text)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True,
+                            stop_token_ids=(stop,))
+    engine = make_engine(spec_model, 4, forced(spec_model, lambda i: False))
+    got = run(engine, PROMPTS[:1], params)["0"]
+    assert got == ref[:want_len]
+    cut = run(make_engine(spec_model, 4, forced(spec_model, lambda i: False)), PROMPTS[:1],
+              SamplingParams(max_tokens=stop_at + 2, temperature=0.0, ignore_eos=True))["0"]
+    assert cut == ref[:stop_at + 2]
+
+
+def test_logprobs_of_kept_drafts_are_the_models(spec_model) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    engine = make_engine(spec_model, 3, forced(spec_model, lambda i: i == 4))
+    plain = make_engine(spec_model, None)
+    for e in (engine, plain):
+        e.add_request("0", PROMPTS[0], params)
+    outs = {}
+    for name, e in (("spec", engine), ("plain", plain)):
+        lps = []
+        while e.has_unfinished_requests():
+            for o in e.step():
+                lps.extend(o.new_logprobs)
+        outs[name] = lps
+    assert [lp.token_id for lp in outs["spec"]] == [lp.token_id for lp in outs["plain"]]
+    for a, b in zip(outs["spec"], outs["plain"]):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_no_leaks_with_preemptions_and_aborts(spec_model) -> None:
+    """Many requests through a pool too small for all of them, some aborted mid-run:
+    every step passes the integrity checks and everything ends free."""
+    engine = make_engine(spec_model, 3, num_blocks=7, max_num_seqs=4, block_size=16)
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for i in range(10):  # two of them need 8 blocks: the younger is preempted
+        engine.add_request(f"r{i}", prompt_ids(i, rng.randint(30, 44)), params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        running = [r.request_id for r in engine.scheduler.running]
+        if running and rng.random() < 0.15:
+            engine.abort_request(rng.choice(running))
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.spec.stats.num_drafts > 0
+    assert engine.kv.pool.num_used_blocks == 0
+    assert engine.runner.state_pool.num_used_slots == 0 and engine.kv.num_live_seqs == 0
+
+
+def test_seeded_sampling_with_speculation_repeats(spec_model) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_k=40, seed=1234,
+                            ignore_eos=True)
+    a = run(make_engine(spec_model, 3, max_num_seqs=3), PROMPTS, params)
+    b = run(make_engine(spec_model, 3, max_num_seqs=1), PROMPTS, params)
+    assert a == b
+    assert all(len(v) == 10 for v in a.values())
+
+
+@pytest.mark.parametrize("spec, kw, message", [
+    ('{"method": "mtp"', {}, "not valid JSON"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, {}, "method 'eagle'"),
+    ({"method": "mtp", "num_speculative_tokens": 5}, {}, r"in \[1, 4\]"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "x": 1}, {}, "unsupported fields"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, {"async_scheduling": True},
+     "synchronous scheduling"),
+    ({"method": "mtp", "num_speculative_tokens": 2}, {"enable_prefix_caching": True},
+     "prefix caching"),
+])
+def test_bad_speculative_configs_are_rejected(spec, kw, message) -> None:
+    kw.setdefault("enable_prefix_caching", False)
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=spec, **kw)
+
+
+def test_checkpoint_without_mtp_is_rejected_at_start_up(tmp_path) -> None:
+    from hybrid_checkpoints import save_checkpoint
+
+    path = save_checkpoint(build_hf_model(SHAPE), tmp_path)
+    with pytest.raises(ValueError, match="no mtp"):
+        LLMEngine(EngineConfig(model=str(path), dtype="float32", progress=False,
+                               enable_prefix_caching=False,
+                               speculative_config='{"method": "mtp", '
+                                                  '"num_speculative_tokens": 2}'))
+
+
+def test_unfinished_status_is_exact(spec_model) -> None:
+    """Finish reasons under speculation: length at max_tokens, counted once."""
+    engine = make_engine(spec_model, 2, forced(spec_model, lambda i: False))
+    engine.add_request("0", PROMPTS[0], SamplingParams(max_tokens=7, temperature=0.0,
+                                                       ignore_eos=True))
+    last = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            last = o
+    assert last is not None and last.finished and last.finish_reason == "length"
+    assert last.num_output_tokens == 7
+    assert last.request is not None and last.request.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_spec_counters_reach_prometheus(spec_model) -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pagedserve.engine.async_engine import EngineSnapshot
+    from pagedserve.server.metrics import _EngineCollector
+
+    engine = make_engine(spec_model, 2, forced(spec_model, lambda i: i % 3 == 0))
+    run(engine, PROMPTS[:1], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    counts = engine.spec_decode_counts()
+    s = engine.spec.stats
+    assert counts["spec_decode_num_accepted_tokens"] == sum(s.accepted_per_pos) > 0
+    assert sum(s.num_by_accepted) == s.num_drafts == counts["spec_decode_num_drafts"]
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(
+        SimpleNamespace(snapshot=EngineSnapshot(**counts)), "m", None))  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    assert f'pagedserve:spec_decode_num_drafts_total{{model_name="m"}} {s.num_drafts}.0' in text
+    assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"}' in text
