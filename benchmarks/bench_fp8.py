@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
@@ -52,9 +51,8 @@ from pagedserve.config import ModelConfig  # noqa: E402
 from pagedserve.kernels import fp8_matmul, ops  # noqa: E402
 from pagedserve.kernels.fp8_gemm import GemmConfig  # noqa: E402
 from pagedserve.kernels.fp8_gemv import GemvConfig, launch_config  # noqa: E402
+from pagedserve.model.fp8_weights import packed_linears, runs_of  # noqa: E402
 from pagedserve.model.qwen3_5 import Qwen3_5Model  # noqa: E402
-from pagedserve.model.weight_footprint import part_rows  # noqa: E402
-from pagedserve.model.weights import LM_HEAD, packed_sources  # noqa: E402
 from pagedserve.quant import fp8  # noqa: E402
 from pagedserve.quant.config import ONLINE_NOT_CONVERTED, Fp8Config  # noqa: E402
 
@@ -106,27 +104,14 @@ def linear_shapes(cfg: ModelConfig) -> list[Linear]:
     with torch.device("meta"):
         model = Qwen3_5Model(cfg)
     counts: Counter[tuple[str, tuple[int, ...], int, bool]] = Counter()
-    for name, sources in packed_sources(model).items():
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name) if owner_name else model
-        if not (isinstance(owner, nn.Linear) and attr == "weight"):
-            continue
-        packer = model.get_submodule(owner_name.rpartition(".")[0])
-        rows = part_rows(packer, owner.weight.shape[0], len(sources))
-        kinds = [quant.is_converted(s.removesuffix(".weight") if s == LM_HEAD
-                                    else cfg.weight_prefix + s.removesuffix(".weight"))
-                 for s in sources]
-        short = ".".join(p for p in owner_name.split(".") if not p.isdigit()
+    for linear in packed_linears(model, cfg.weight_prefix, quant):
+        short = ".".join(p for p in linear.name.split(".") if not p.isdigit()
                          and p != "layers")
-        first = 0
-        while first < len(kinds):
-            end = first
-            while end < len(kinds) and kinds[end] == kinds[first]:
-                end += 1
-            label = short if end - first == len(kinds) else \
-                f"{short}[{','.join(s.rsplit('.', 2)[-2] for s in sources[first:end])}]"
-            counts[(label, tuple(rows[first:end]), owner.in_features, kinds[first])] += 1
-            first = end
+        for is_fp8, first, end in runs_of(linear.converted):
+            label = short if end - first == len(linear.sources) else \
+                f"{short}[{','.join(s.rsplit('.', 2)[-2] for s in linear.sources[first:end])}]"
+            counts[(label, tuple(linear.rows[first:end]), linear.module.in_features,
+                    is_fp8)] += 1
     return [Linear(name, parts, k, count, is_fp8)
             for (name, parts, k, is_fp8), count in counts.items()]
 

@@ -18,7 +18,7 @@ part keeps its own block rows, see ``quant/fp8.py``); nothing is dequantized.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,7 +150,7 @@ def _check_scale(
         raise ValueError(f"{scale_key} is stored as {storage}; accepted: F32, BF16, F16")
 
 
-def _runs(kinds: list[bool]) -> list[tuple[bool, int, int]]:
+def runs_of(kinds: list[bool]) -> list[tuple[bool, int, int]]:
     """``[(is_fp8, first part, end part), ...]``: maximal runs of like parts."""
     runs: list[tuple[bool, int, int]] = []
     for i, kind in enumerate(kinds):
@@ -171,7 +171,7 @@ def _swap_linear(
     assert isinstance(old, nn.Linear) and old.bias is None  # decoder projections are bias-free
     children: list[nn.Module] = []
     parts: list[_Part] = []
-    for is_fp8, first, end in _runs(kinds):
+    for is_fp8, first, end in runs_of(kinds):
         run = entries[first:end]
         rows = tuple(e[2][0] for e in run)
         if is_fp8:
@@ -246,11 +246,21 @@ def _copy_one(f: Any, part: _Part, is_scale: bool, serialized: bool, device: tor
         part.scale[part.scale_row : part.scale_row + scale.shape[0]].copy_(scale)
 
 
-@torch.no_grad()
-def quantize_linears(model: nn.Module, weight_prefix: str, quant: Fp8Config) -> None:
-    """Quantize, in place, the loaded linear weights of ``model`` that ``quant`` converts,
-    each fused part on its own block grid (for models made without a checkpoint, such as
-    the random-weight presets). The float weights are released as each layer is done."""
+@dataclass(frozen=True)
+class PackedLinear:
+    """A linear layer of ``model`` and the checkpoint parts fused into its rows."""
+
+    name: str  # the module's name in the model
+    module: nn.Linear
+    rows: tuple[int, ...]  # output rows of each part, in order
+    sources: list[str]  # each part's prefix-free weight name
+    converted: list[bool]  # which parts the FP8 config converts
+
+
+def packed_linears(model: nn.Module, weight_prefix: str,
+                   quant: Fp8Config) -> Iterator[PackedLinear]:
+    """Every linear layer of ``model`` with its parts and which of them ``quant``
+    converts."""
     for name, sources in packed_sources(model).items():
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
@@ -260,11 +270,22 @@ def quantize_linears(model: nn.Module, weight_prefix: str, quant: Fp8Config) -> 
         rows = part_rows(packer, owner.weight.shape[0], len(sources))
         kinds = [quant.is_converted(checkpoint_key(s, weight_prefix).removesuffix(".weight"))
                  for s in sources]
+        yield PackedLinear(owner_name, owner, rows, list(sources), kinds)
+
+
+@torch.no_grad()
+def quantize_linears(model: nn.Module, weight_prefix: str, quant: Fp8Config) -> None:
+    """Quantize, in place, the loaded linear weights of ``model`` that ``quant`` converts,
+    each fused part on its own block grid (for models made without a checkpoint, such as
+    the random-weight presets). The float weights are released as each layer is done."""
+    for linear in packed_linears(model, weight_prefix, quant):
+        owner_name, owner, rows, kinds = (linear.name, linear.module, linear.rows,
+                                          linear.converted)
         if not any(kinds):
             continue
         pieces = owner.weight.split(rows)
         children: list[nn.Module] = []
-        for is_fp8, first, end in _runs(kinds):
+        for is_fp8, first, end in runs_of(kinds):
             child: nn.Module
             if is_fp8:
                 child = Fp8Linear(owner.in_features, rows[first:end], owner.weight.device)
