@@ -2,7 +2,8 @@
 # Everything the H200 runs, in named stages, in one call of the device tool:
 #   bash benchmarks/gpu_run.sh STAGE:SECONDS [STAGE:SECONDS ...]
 # Stages: tests-gpu (every test that runs on the GPU, in parallel: the one to run before
-#           calling kernel work done) tests-kernels (or tests-kernels-grid +
+#           calling kernel work done; about 600 s) tests-gpu-engine (its engine, model and
+#           FP8 part) tests-kernels (or tests-kernels-grid +
 #           tests-kernels-small) tests-packed
 #         tests-fragment (the Gluon q4_0 / q8_0 kernel's GPU tests) tests-triton (the rest)
 #         tests-select (pytest $TEST_ARGS)
@@ -73,6 +74,12 @@ for spec in "$@"; do
     tests-gpu)     run_stage "$stage" "$limit" $PYTEST -n 8 -vv --maxfail=1000 tests/kernels \
                      tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
                      tests/engine/test_structured_gpu.py tests/model/test_gpu.py ;;
+    # The engine's, the model's and the FP8 kernels' GPU tests alone (about 200 s): the
+    # part of tests-gpu that changes most often.
+    tests-gpu-engine) run_stage "$stage" "$limit" $PYTEST -n 6 -vv --maxfail=100 \
+                     tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
+                     tests/engine/test_structured_gpu.py tests/model/test_gpu.py \
+                     tests/kernels/test_fp8_linear_gpu.py ;;
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
     # The same, in two parts (most of their time is Triton compiling each configuration
