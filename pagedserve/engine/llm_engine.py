@@ -222,7 +222,7 @@ class LLMEngine:
                          num_blocks=config.num_blocks,
                          gpu_memory_utilization=config.gpu_memory_utilization,
                          cuda_graphs=config.cuda_graphs,
-                         prefill_graph_tokens=min(sched_config.prefill_chunk, max_len),
+                         prefill_graph_tokens=sched_config.prefill_chunk,
                          num_checkpoints=num_checkpoints, state_snapshots=spec is not None),
         )
         self.startup_seconds["kv_cache_and_graphs"] = (

@@ -65,7 +65,7 @@ class RunnerConfig:
             This changes the model passed in, for every runner that shares it.
         max_graph_batch_size: largest decode batch run as a graph (default ``max_num_seqs``).
         prefill_graph_tokens: largest one-sequence prefill chunk run as a graph
-            (``PrefillGraphs``; 0: none). At most the step's token budget.
+            (``PrefillGraphs``, which caps it at ``max_model_len``; 0: none).
         num_checkpoints: recurrent-state checkpoints kept for prefix caching
             (``CheckpointPool``; 0: none), allocated before the K/V pool is sized.
         state_snapshots: keep one spare copy of every state slot, for speculative
