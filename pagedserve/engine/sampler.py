@@ -269,8 +269,17 @@ def exponential_noise(
     idx = torch.arange(vocab, device=seed_lo.device, dtype=torch.long)[None, :]
     h = _fmix32(row[:, None] ^ ((idx * 0x9E3779B1) & _M32))
     h = _fmix32(h ^ row[:, None])
-    u = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
-    return -torch.log(u)
+    return -torch.log(open_uniform(h >> 8)).float()
+
+
+def open_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """24-bit integers ``k`` -> float64 ``(k + 1/2) / 2^24``, exact and strictly inside
+    (0, 1), so that the noise ``-log u`` lies in [2^-25, 17.4]: never 0, never infinite.
+
+    In float32, ``2^24 - 1/2`` rounds up to ``2^24``: the top ``k`` would give ``u = 1``
+    and a noise of 0, which wins the exponential race for any token, masked ones included
+    (about once per 2^24 tokens, so once in a few steps of a 248K vocabulary)."""
+    return (bits.double() + 0.5) * 2.0**-24
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:

@@ -146,3 +146,31 @@ def test_logprobs_are_the_models_log_softmax():
     assert torch.equal(out.top_ids[0], ref[0].topk(3).indices)
     for i in range(2):
         assert abs(out.sampled_logprob[i].item() - ref[i, out.token_ids[i]].item()) < 1e-6
+
+
+def test_noise_is_positive_and_finite_at_the_extreme_bits():
+    """float64 oracle: the top 24-bit value maps just under 1 (float32 would round it to 1,
+    a noise of 0, which wins the race for any token), the bottom one just over 0."""
+    from pagedserve.engine.sampler import open_uniform
+    bits = torch.tensor([0, 1, (1 << 23) + 1, (1 << 24) - 1])
+    u = open_uniform(bits)
+    assert u.tolist() == [(k + 0.5) / 2**24 for k in bits.tolist()]
+    assert ((u > 0) & (u < 1)).all()
+    noise = (-torch.log(u)).float()
+    assert (noise > 0).all() and torch.isfinite(noise).all()
+
+
+def test_masked_tokens_never_win_the_race():
+    """Seeded draws over a wide vocabulary with all but two tokens masked (a grammar's
+    mask): 64 steps of 8 rows of 2^18 tokens draw about 8 top-bit noises (one per 2^24),
+    and every draw is still one of the two allowed tokens."""
+    vocab, rows = 1 << 18, 8
+    logits = torch.zeros(rows, vocab)
+    words = torch.zeros(rows, vocab // 32, dtype=torch.int32)
+    words[:, 0] = 0b110  # tokens 1 and 2 allowed
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(rows)]
+    for step in range(64):
+        st = SamplingTensors.from_requests(
+            requests(params, seeds=list(range(rows)), outputs=[[0] * step] * rows), vocab,
+            "cpu")
+        assert set(sample(logits, st, words).token_ids.tolist()) <= {1, 2}, step
