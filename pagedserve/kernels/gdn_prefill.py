@@ -162,6 +162,14 @@ def fla_available() -> bool:
     return load_fla_chunk_rule() is not None
 
 
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it when its data is not 16-byte aligned. Triton specializes
+    pointer arguments on 16-byte alignment, and fla's kernels do not opt out: a slice that
+    starts after an odd number of decode rows of a narrow tensor (``beta`` ``[T, Hv]`` of
+    a small model) would compile a second variant of each kernel after the warm-up."""
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
 def gated_delta_rule_prefill_fla(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     recurrent_state: torch.Tensor, query_start_loc: torch.Tensor,
@@ -201,9 +209,9 @@ def gated_delta_rule_prefill_fla(
             "cu_seqlens_cpu": torch.tensor([c - t0 for c in query_start_loc_cpu[seq_begin:]],
                                            dtype=torch.long),
         }
+    q, k, v, g, beta = (_aligned(t[t0:]) for t in (q, k, v, g.float(), beta))
     o, final = chunk_rule(
-        q[t0:].unsqueeze(0), k[t0:].unsqueeze(0), v[t0:].unsqueeze(0),
-        g[t0:].unsqueeze(0).float(), beta[t0:].unsqueeze(0),
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
         scale=q.shape[-1] ** -0.5,
         initial_state=initial,
         output_final_state=True,

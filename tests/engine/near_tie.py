@@ -46,14 +46,18 @@ def _score(lp: TokenLogprob, token: int, seed: int | None, temperature: float,
 
 def divergence(a: Request, b: Request) -> tuple[int, float] | None:
     """(position, gap) of the first token where ``a`` and ``b`` differ; ``None`` if equal.
-    Both requests ran with ``logprobs`` set and the same sampling parameters."""
+    Both requests ran with the same sampling parameters, and at least ``a`` with
+    ``logprobs`` set; a run without logprobs (``b``: a mode that refuses them) adds no
+    term to the gap, so only ``a``'s side of it is checked."""
     seed = None if a.params.greedy else a.sample_seed
     t = a.params.temperature
     for pos, (x, y) in enumerate(zip(a.output_token_ids, b.output_token_ids)):
         if x != y:
-            la, lb = a.output_logprobs[pos], b.output_logprobs[pos]
-            gap = max(_score(lb, y, seed, t, pos) - _score(lb, x, seed, t, pos),
-                      _score(la, x, seed, t, pos) - _score(la, y, seed, t, pos))
+            la = a.output_logprobs[pos]
+            gap = _score(la, x, seed, t, pos) - _score(la, y, seed, t, pos)
+            if b.output_logprobs:
+                lb = b.output_logprobs[pos]
+                gap = max(gap, _score(lb, y, seed, t, pos) - _score(lb, x, seed, t, pos))
             return pos, gap
     assert len(a.output_token_ids) == len(b.output_token_ids)
     return None

@@ -3,7 +3,7 @@
 Shares nothing with the code under test: the weight's scale-row map is rebuilt here part by
 part, the dequantization is float64 products, and the activation quantization follows the
 format's rule (``s = amax / 448`` in float32, 1 for an all-zero group; ``q = e4m3(x / s)``
-with the division in float32) with torch's float32 -> float8_e4m3fn cast as the reference
+with IEEE float32 divisions) with torch's float32 -> float8_e4m3fn cast as the reference
 for the rounding itself.
 """
 
@@ -75,10 +75,18 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for g in range(s.shape[1]):
         cols = slice(g * BLOCK, min(k, (g + 1) * BLOCK))
         amax = xf[:, cols].abs().amax(dim=1)  # [M], float32
-        sg = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))  # float32 division
+        sg = torch.where(amax > 0, _div32(amax, torch.full_like(amax, 448.0)),
+                         torch.ones_like(amax))
         s[:, g] = sg
-        q[:, cols] = (xf[:, cols] / sg[:, None]).clamp(-448.0, 448.0).to(E4M3)
+        q[:, cols] = _div32(xf[:, cols], sg[:, None]).clamp(-448.0, 448.0).to(E4M3)
     return q, s
+
+
+def _div32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The IEEE float32 quotient of float32 ``a / b``: the float64 quotient rounded once to
+    float32, which is exact rounding for a division. torch's own ``/`` on CUDA multiplies
+    by the reciprocal when the divisor is a scalar, which is off by an ulp at times."""
+    return (a.double() / b.double()).float()
 
 
 def weight_only(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
@@ -93,8 +101,13 @@ def weight_only(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
 def w8a8(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
          parts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``weight_only``, with the activations quantized per 1x128 group first."""
-    q, s = quantize_activations(x)
-    cols = torch.arange(x.shape[1], device=x.device) // BLOCK
+    return w8a8_quantized(*quantize_activations(x), data, scale, parts)
+
+
+def w8a8_quantized(q: torch.Tensor, s: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                   parts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``w8a8``, from activations quantized already (``q`` e4m3, ``s`` their scales)."""
+    cols = torch.arange(q.shape[1], device=q.device) // BLOCK
     x64 = q.double() * s.double()[:, cols]
     w64 = dequantize64(data, scale, parts)
     return x64 @ w64.T, x64.abs() @ w64.abs().T

@@ -22,6 +22,7 @@ from fp8_oracle import (
     make_weight,
     quantize_activations,
     w8a8,
+    w8a8_quantized,
     weight_only,
 )
 from kernel_oracle import needs_cuda
@@ -63,7 +64,17 @@ def activations(m: int, k: int, seed: int = 1) -> torch.Tensor:
 def check(method: str, x, data, scale, parts, out) -> float:
     oracle = weight_only if method == "weight_only" else w8a8
     ref, absref = oracle(x, data, scale, parts)
-    return assert_close(out, ref, absref, OUT_TOL, acc_tol(method, on_gpu=True))
+    try:
+        return assert_close(out, ref, absref, OUT_TOL, acc_tol(method, on_gpu=True))
+    except AssertionError as exc:
+        if method != "w8a8":
+            raise
+        # Which half is off: the quantizer (an error that vanishes against the kernel's
+        # own quantized activations) or the GEMM (one that stays).
+        ref, absref = w8a8_quantized(*triton_quantize(x), data, scale, parts)
+        err = (out.double() - ref).abs() / absref.clamp_min(1e-300)
+        raise AssertionError(f"{exc}; against the kernel's own quantized activations the "
+                             f"error is at most {float(err.max()):.3g} x sum |terms|") from None
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -99,8 +110,9 @@ def test_activation_quantization_bits_at_27b_shape():
     x = activations(4096, 17408)
     q, s = triton_quantize(x)
     q_ref, s_ref = quantize_activations(x)
-    assert torch.equal(s, s_ref)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s, s_ref), f"{int((s != s_ref).sum())} of {s.numel()} scales differ"
+    differ = q.view(torch.uint8) != q_ref.view(torch.uint8)
+    assert not differ.any(), f"{int(differ.sum())} of {q.numel()} e4m3 codes differ"
 
 
 @pytest.mark.parametrize("name,m", [("down_proj", 1), ("o_proj", 16), ("gate_up_proj", 1),
