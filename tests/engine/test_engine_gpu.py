@@ -52,11 +52,13 @@ def test_lookahead_matches_synchronous_steps_on_cuda(model_dir, kv_type):
         assert (engine.stats.num_lookahead_steps > 0) == lookahead
         assert engine.kv.pool.num_used_blocks == 0
         assert engine.runner.state_pool.num_used_slots == 0
-    # The two modes batch differently (a lookahead step holds decode rows only), so bf16
-    # rounding may flip a near-tie; a race (a stale token, row or noise index) does not
-    # land on one.
+    # The two modes batch differently (a lookahead step holds decode rows only, and so the
+    # prefill chunks land in other steps), so bf16 rounding may flip a near-tie: on the
+    # H200 a first sampled token differed at a gap of 0.16 nats, as the chaos run's bf16
+    # logprobs drift by up to 0.4 between batch shapes. A race (a stale token, row or
+    # noise index) picks a token outside the clean run's top 20 or far below its choice.
     assert sorted(outputs[True]) == [f"r{i}" for i in range(6)]
-    assert_equal_or_near_ties(outputs[False], outputs[True])
+    assert_equal_or_near_ties(outputs[False], outputs[True], tol=0.3)
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q4_0"])
