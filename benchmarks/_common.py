@@ -161,6 +161,7 @@ def write_outputs(out_dir: Path, stem: str, results: dict, markdown: str,
         try:
             png = out_dir / f"{stem}.png"
             figure_fn(png)
+            compact_png(png)
             paths.append(png)
         except Exception as exc:  # a plotting failure must not lose the numbers
             print(f"plot not written: {exc!r}")
@@ -170,6 +171,16 @@ def write_outputs(out_dir: Path, stem: str, results: dict, markdown: str,
         for p in paths:
             shutil.copy(p, Path(extra) / p.name)
     return paths
+
+
+def compact_png(path: Path) -> None:
+    """Rewrite ``path`` with a palette of at most 256 colours: a plot has a few dozen, and
+    the palette image is several times smaller (``docs/benchmarks/`` stays under 1 MB)."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        small = img.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT)
+    small.save(path, optimize=True)
 
 
 def table_read_fields(text: str) -> dict:
