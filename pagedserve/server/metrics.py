@@ -71,6 +71,13 @@ class _EngineCollector(Collector):
             ("prefix_checkpoints", "Recurrent-state checkpoints held by the prefix cache.",
              s.num_prefix_checkpoints),
         )
+        if s.spec_decode_num_drafts:
+            # vLLM's "mean acceptance length": tokens a sequence gains per verify step, the
+            # bonus token included (1 + k when every draft token is accepted).
+            gauges += (("spec_decode_mean_acceptance_length",
+                        "Tokens emitted per speculative verify of one sequence (1 + accepted "
+                        "draft tokens per draft), since start-up.",
+                        1.0 + s.spec_decode_num_accepted_tokens / s.spec_decode_num_drafts),)
         for name, doc, value in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             g.add_metric([self.model_name], value)

@@ -258,3 +258,9 @@ def test_spec_counters_reach_prometheus(spec_model) -> None:
     text = generate_latest(registry).decode()
     assert f'pagedserve:spec_decode_num_drafts_total{{model_name="m"}} {s.num_drafts}.0' in text
     assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"}' in text
+    # The forced drafter's acceptances, counted here from the per-length histogram.
+    emitted = sum((n + 1) * c for n, c in enumerate(s.num_by_accepted))
+    mean = emitted / s.num_drafts
+    line = next(x for x in text.splitlines()
+                if x.startswith("pagedserve:spec_decode_mean_acceptance_length{"))
+    assert abs(float(line.split()[-1]) - mean) < 1e-9 and 1.0 < mean < 3.0
