@@ -69,6 +69,20 @@ class HostStaging:
         return out
 
 
+def table_width(widest: int, max_blocks: int) -> int:
+    """The block-table width of a batch whose longest table has ``widest`` blocks: a
+    multiple of 16 columns (at most ``max_blocks``).
+
+    The decode kernels take the table's row stride as a plain integer, which Triton
+    specializes on divisibility by 16 (that lets the tiles read their table entries in
+    vectors). Widths that were sometimes multiples of 16 and sometimes not would compile a
+    second variant of each kernel in the middle of serving, after the warm-up; padded
+    widths give one variant, and the capped width the one the CUDA graphs capture. A
+    one-column table would also mean the contiguous layout to the kernels: padding rules
+    it out."""
+    return min(max_blocks, -(-max(widest, 2) // 16) * 16)
+
+
 def build_forward_batch(
     chunks: list[SeqChunk], kv: KVCacheManager, device: str | torch.device = "cpu",
     num_table_cols: int | None = None, staging: HostStaging | None = None,
@@ -103,10 +117,8 @@ def build_forward_batch(
         qsl.append(qsl[-1] + n)
         seq_lens.append(c.start_pos + n)
     handles = [c.kv_handle for c in chunks]
-    # A one-column table means the contiguous layout to the attention kernels (a separate
-    # compile of them): a paged batch of short sequences gets two columns.
-    width = max(max(len(kv.block_table(h)) for h in handles), min(2, kv.max_blocks_per_seq))
-    tables, _ = kv.batch_view(handles, num_table_cols or width)
+    tables, _ = kv.batch_view(handles, num_table_cols or table_width(
+        max(len(kv.block_table(h)) for h in handles), kv.max_blocks_per_seq))
     B, T = len(chunks), len(ids)
 
     # Two host->device copies for all the small vectors (each copy has a fixed cost):

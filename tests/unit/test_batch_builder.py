@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.engine.batch_builder import HostStaging, SeqChunk, build_forward_batch
+from pagedserve.engine.batch_builder import (
+    HostStaging,
+    SeqChunk,
+    build_forward_batch,
+    table_width,
+)
 from pagedserve.kv.block_pool import BlockPool
 from pagedserve.kv.kv_manager import KVCacheManager
 
@@ -38,8 +43,9 @@ def test_decode_then_prefill_rows_are_laid_out_in_order() -> None:
     want = [kv.block_ids(a)[9 // 4] * 4 + 1, kv.block_ids(b)[0] * 4 + 2]
     want += [kv.block_ids(c)[p // 4] * 4 + p % 4 for p in (5, 6, 7)]
     assert batch.slot_mapping.tolist() == want
-    assert batch.block_tables.shape == (3, 3)
-    assert batch.block_tables[0].tolist() == kv.block_ids(a)
+    # The widest table has 3 blocks; the width pads to 16 columns (``table_width``).
+    assert batch.block_tables.shape == (3, 16)
+    assert batch.block_tables[0, :3].tolist() == kv.block_ids(a)
 
 
 def test_staging_gives_the_same_batches_and_bypasses_when_too_small() -> None:
@@ -56,3 +62,14 @@ def test_staging_gives_the_same_batches_and_bypasses_when_too_small() -> None:
         for name in FIELDS:
             assert torch.equal(getattr(staged, name), getattr(plain, name)), name
         assert staged.block_tables.dtype == torch.int32
+
+
+def test_table_widths_are_multiples_of_16_or_the_cap() -> None:
+    """One specialization of the decode kernels' table stride for every batch: widths are
+    multiples of 16 (at least 2 columns, never the contiguous layout's one), or the cap."""
+    for max_blocks in (1, 2, 16, 17, 2050):
+        for widest in range(1, max_blocks + 1):
+            w = table_width(widest, max_blocks)
+            assert widest <= w <= max_blocks
+            assert w == max_blocks or (w % 16 == 0 and w - widest < 16)
+            assert w >= min(2, max_blocks)
