@@ -44,7 +44,9 @@ def race(probs: torch.Tensor, seed: int, index: torch.Tensor, stream: int) -> to
 
 
 def uniforms(seed: int, index: torch.Tensor, stream: int) -> torch.Tensor:
-    """float32 ``[N]`` in (0, 1): one uniform per output index of ``index`` int64 ``[N]``."""
+    """float32 ``[N]`` in (0, 1] (the top noise value rounds to 1 in float32, which the
+    acceptance test ``u * q <= p`` treats as it should): one uniform per output index of
+    ``index`` int64 ``[N]``."""
     lo, hi = _seed_halves(seed, stream, index)
     return torch.exp(-exponential_noise(lo, hi, index, 1)[:, 0])
 
