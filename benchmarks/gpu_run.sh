@@ -196,7 +196,9 @@ for spec in "$@"; do
     bench-chaos)   run_stage "$stage" "$limit" python3 benchmarks/bench_chaos.py \
                      ${CHAOS_ARGS:-} --out-dir "$OUT" ;;
     # Prefix caching on and off through the server (benchmarks/bench_prefix.py), 27B shape;
-    # $PREFIX_ARGS replaces the scaling knobs (default: about 240 s on one H200).
+    # $PREFIX_ARGS replaces the scaling knobs. Three servers start (caching on, off, and
+    # the checkpoint-budget sweep's one), each about 100 s: about 450 s in all, so run it
+    # alone with a limit of about 540 s.
     bench-prefix)  run_stage "$stage" "$limit" python3 benchmarks/bench_prefix.py \
                      --model preset:qwen3.5-27b --device cuda \
                      --server-args "--max-model-len 40960 --max-num-seqs 16 --cache-type-k q4_0 --cache-type-v q4_0" \
