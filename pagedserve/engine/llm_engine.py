@@ -93,7 +93,8 @@ class EngineConfig:
     seed: int = 0
     check_integrity: bool = False  # run the pools' invariant checks after every step
     progress: bool = True
-    enable_prefix_caching: bool = True
+    # None: on, except with speculative decoding (which does not support it yet).
+    enable_prefix_caching: bool | None = None
     prefix_checkpoint_memory: str | None = None
     prefix_checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
     # ``--speculative-config``: vLLM's JSON (or its dict), ``engine/speculative.py``.
@@ -149,8 +150,16 @@ class EngineConfig:
         if self.enable_prefix_caching and self.kv_layout == "paged":
             raise ValueError("speculative-config does not support prefix caching yet (the "
                              "MTP head's K/V row at a block's end depends on the next "
-                             "block's first token); pass --no-enable-prefix-caching")
+                             "block's first token); drop --enable-prefix-caching")
         return spec
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is asked for: ``enable_prefix_caching``, or by default on
+        unless speculative decoding is (``speculative`` refuses the two together)."""
+        if self.enable_prefix_caching is None:
+            return self.speculative_config is None
+        return self.enable_prefix_caching
 
 
 @dataclass
@@ -209,9 +218,10 @@ class LLMEngine:
         bytes_per_checkpoint = checkpoint_bytes(cfg.state_shapes(dtype), cfg.vocab_size)
         num_checkpoints = num_checkpoints_for(
             config.checkpoint_memory_bytes(), bytes_per_checkpoint, config.max_num_seqs)
-        caching = (config.enable_prefix_caching and config.kv_layout == "paged"
-                   and num_checkpoints > 0)
-        if config.enable_prefix_caching and not caching:
+        caching = config.prefix_caching and config.kv_layout == "paged" and num_checkpoints > 0
+        if config.enable_prefix_caching is None and config.speculative_config is not None:
+            log.info("prefix caching is off: speculative decoding does not support it yet")
+        elif config.prefix_caching and not caching:
             log.info("prefix caching is off: %s", "no state checkpoint fits its memory budget"
                      if config.kv_layout == "paged"
                      else f"the {config.kv_layout} K/V layout has no shareable blocks")

@@ -28,8 +28,9 @@ it needs those kernels to write intermediate states.
 Requests speculate only when each verify row's distribution is the plain sampler's: not
 with a grammar or penalties (their masks and counts follow the drafts), and not before
 ``min_tokens`` outputs; such requests decode one token a step in the same batches.
-Speculation needs synchronous scheduling and no prefix caching (the engine rejects both at
-start-up), and its passes run eagerly: no CUDA graph covers a verify step.
+Speculation needs synchronous scheduling and no prefix caching (both its defaults; the
+engine rejects either asked for at start-up), and its passes run eagerly: no CUDA graph
+covers a verify step.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ number of kept drafts occurs.
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from pathlib import Path
@@ -59,8 +60,10 @@ def make_engine(spec_model, k: int | None, drafter=None, **kw) -> LLMEngine:
     kw.setdefault("check_integrity", True)
     kw.setdefault("max_model_len", 128)
     spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
+    # Speculative engines take the default: prefix caching off without being told.
+    kw.setdefault("enable_prefix_caching", False if k is None else None)
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", progress=False,
-                                  enable_prefix_caching=False, speculative_config=spec, **kw),
+                                  speculative_config=spec, **kw),
                      loaded=loaded, drafter=drafter)
 
 
@@ -211,6 +214,22 @@ def test_bad_speculative_configs_are_rejected(spec, kw, message) -> None:
     kw.setdefault("enable_prefix_caching", False)
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=spec, **kw)
+
+
+def test_prefix_caching_is_off_by_default_with_speculation(spec_model) -> None:
+    """Speculation needs no --no-enable-prefix-caching: caching defaults off with it (and
+    on without it); asking for both is refused above."""
+    spec = '{"method": "mtp", "num_speculative_tokens": 2}'
+    assert not EngineConfig(speculative_config=spec).prefix_caching
+    assert EngineConfig().prefix_caching
+    assert not EngineConfig(enable_prefix_caching=False).prefix_caching
+    assert make_engine(spec_model, 2).prefix is None
+
+    from pagedserve.commands.engine_args import add_engine_arguments, engine_config
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--speculative-config", spec])
+    assert engine_config(args).prefix_caching is False
 
 
 def test_checkpoint_without_mtp_is_rejected_at_start_up(tmp_path) -> None:
