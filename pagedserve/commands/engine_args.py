@@ -11,7 +11,7 @@ from pagedserve.kv.type_names import KV_TYPES
 from pagedserve.quant.names import QUANTIZATIONS
 
 if TYPE_CHECKING:
-    from pagedserve.engine.llm_engine import EngineConfig
+    from pagedserve.engine.engine_config import EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int = 8) -> None:
@@ -70,7 +70,7 @@ def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
-    from pagedserve.engine.llm_engine import EngineConfig
+    from pagedserve.engine.engine_config import EngineConfig
 
     fields = dict(
         model=args.model, device=args.device, dtype=args.dtype,

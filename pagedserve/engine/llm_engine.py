@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 
-from pagedserve.config import CacheConfig
 from pagedserve.engine.batch_builder import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.drafter import Drafter, MTPDrafter
+from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.failures import FINISH_ERROR, describe, is_fatal
 from pagedserve.engine.lookahead import InflightStep, TokenReadback, lookahead_chunks
 from pagedserve.engine.prefix_cache import (
-    DEFAULT_CHECKPOINT_INTERVAL,
     PrefixCache,
     logits_with_cached_rows,
     num_checkpoints_for,
@@ -42,7 +41,6 @@ from pagedserve.engine.sampler import (
 )
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from pagedserve.engine.spec_step import SpeculativeDecoding
-from pagedserve.engine.speculative import SpeculativeConfig
 from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.warmup import warm_up
 from pagedserve.kv.checkpoint_pool import checkpoint_bytes
@@ -50,116 +48,8 @@ from pagedserve.kv.memory import GiB
 from pagedserve.kv.prefix_hash import salt_of
 from pagedserve.model.fp8_linear import describe_weights
 from pagedserve.model.loader import LoadedModel, load_model
-from pagedserve.plan import parse_checkpoint_memory
-from pagedserve.quant.names import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything needed to start an engine; checked once, before any weight is loaded.
-
-    ``model=None`` serves the embedded default model. ``max_model_len=None`` takes the
-    smaller of 4096 and the model's ``max_position_embeddings``. Errors name the CLI flag
-    of the field (``num_blocks`` -> ``num-blocks``). Prefix caching (``prefix_cache.py``)
-    is on by default with the paged layout; its state checkpoints take
-    ``prefix_checkpoint_memory`` (a size such as ``"4GiB"``, ``"0"`` for none; ``None``:
-    the default budget).
-    """
-
-    model: str | None = None
-    device: str = "cpu"
-    dtype: str | None = None
-    # "fp8": FP8 block weights from a bf16 checkpoint (an FP8 checkpoint is FP8 without it).
-    quantization: str | None = None
-    cache_type_k: str = "f16"
-    cache_type_v: str = "f16"
-    kv_layout: str = "paged"
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 8
-    # Step sizes; None takes the device's defaults (``scheduler.STEP_SIZES``).
-    max_num_batched_tokens: int | None = None
-    prefill_chunk: int | None = None
-    idle_prefill_chunk: int | None = None
-    num_blocks: int | None = None
-    gpu_memory_utilization: float = 0.90
-    cuda_graphs: bool = True
-    async_scheduling: bool | None = None  # None: on for CUDA, off for the CPU
-    # Compile and tune every kernel a request can reach before the engine is ready
-    # (``warmup.py``). None: on for CUDA; the CPU path runs torch ops, nothing compiles.
-    warm_up: bool | None = None
-    seed: int = 0
-    check_integrity: bool = False  # run the pools' invariant checks after every step
-    progress: bool = True
-    # None: on, except with speculative decoding (which does not support it yet).
-    enable_prefix_caching: bool | None = None
-    prefix_checkpoint_memory: str | None = None
-    prefix_checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
-    # ``--speculative-config``: vLLM's JSON (or its dict), ``engine/speculative.py``.
-    speculative_config: str | dict | None = None
-
-    def __post_init__(self) -> None:
-        for name, value, lowest in (
-                ("max-num-seqs", self.max_num_seqs, 1),
-                ("max-num-batched-tokens", self.max_num_batched_tokens, 1),
-                ("prefill-chunk", self.prefill_chunk, 1),
-                ("idle-prefill-chunk", self.idle_prefill_chunk, 1),
-                ("num-blocks", self.num_blocks, 1),
-                ("max-model-len", self.max_model_len, 2),
-                ("prefix-checkpoint-interval", self.prefix_checkpoint_interval, 1)):
-            if value is not None and (not isinstance(value, int) or value < lowest):
-                raise ValueError(f"{name} must be >= {lowest}, got {value!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu-memory-utilization must be in (0, 1], got "
-                             f"{self.gpu_memory_utilization}")
-        self.checkpoint_memory_bytes()  # raises on a bad size
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device {self.device!r} is not supported; accepted: cpu, cuda")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} was asked for, but CUDA is not available")
-        CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
-        self.speculative()  # raises on a bad config or an unsupported combination
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization {self.quantization!r} is not supported; "
-                             f"accepted: {QUANTIZATIONS}")
-        # The step sizes, checked now rather than after the weights load.
-        SchedulerConfig.for_device(
-            torch.device(self.device).type, max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len or 4096, prefill_chunk=self.prefill_chunk,
-            idle_prefill_chunk=self.idle_prefill_chunk,
-            max_num_batched_tokens=self.max_num_batched_tokens)
-
-    def cache_config(self) -> CacheConfig:
-        return CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
-
-    def checkpoint_memory_bytes(self) -> int | None:
-        return parse_checkpoint_memory(self.prefix_checkpoint_memory)
-
-    def speculative(self) -> SpeculativeConfig | None:
-        """The parsed ``speculative_config``; raises ``ValueError`` for a bad one and for
-        what speculative steps do not support yet (``engine/spec_step.py``)."""
-        if self.speculative_config is None:
-            return None
-        spec = SpeculativeConfig.parse(self.speculative_config)
-        if self.async_scheduling:
-            raise ValueError("speculative-config needs synchronous scheduling: speculative "
-                             "steps are read back before the next is scheduled; drop "
-                             "async scheduling (--no-async-scheduling)")
-        if self.enable_prefix_caching and self.kv_layout == "paged":
-            raise ValueError("speculative-config does not support prefix caching yet (the "
-                             "MTP head's K/V row at a block's end depends on the next "
-                             "block's first token); drop --enable-prefix-caching")
-        return spec
-
-    @property
-    def prefix_caching(self) -> bool:
-        """Whether prefix caching is asked for: ``enable_prefix_caching``, or by default on
-        unless speculative decoding is (``speculative`` refuses the two together)."""
-        if self.enable_prefix_caching is None:
-            return self.speculative_config is None
-        return self.enable_prefix_caching
 
 
 @dataclass
