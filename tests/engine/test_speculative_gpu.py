@@ -1,0 +1,81 @@
+"""CUDA: speculative decoding in bf16 gives plain decoding's greedy tokens, equal or first
+differing at a near-tie (``near_tie``: a verify step scores k + 1 rows per sequence, a
+decode step one, so their GEMMs round differently), takes every rollback branch with a
+forced drafter, and ends with every block and slot free. Skipped without CUDA (run with
+``gpu_run.sh tests-gpu-engine``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from near_tie import assert_equal_or_near_ties
+from test_engine import run_keeping_requests
+from test_speculative import NEW, PROMPTS, ForcedDrafter
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+
+from hybrid_checkpoints import build_hf_model  # noqa: E402
+from mtp_checkpoints import build_mtp, save_with_mtp  # noqa: E402
+
+from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from pagedserve.engine.request import SamplingParams  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+SHAPE = "d256-gqa3-untied"  # head_dim 256: the library's decode kernels, not fallbacks
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def spec_dir(tmp_path_factory) -> Path:
+    hf = build_hf_model(SHAPE)
+    return save_with_mtp(hf, build_mtp(hf), tmp_path_factory.mktemp("spec-gpu"))
+
+
+def _engine(path: Path, k: int | None, drafter=None) -> LLMEngine:
+    spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
+    return LLMEngine(EngineConfig(
+        model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=3, max_model_len=128,
+        check_integrity=True, progress=False, speculative_config=spec), drafter=drafter)
+
+
+def _run(engine: LLMEngine) -> dict:
+    return run_keeping_requests(engine, [(0, str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
+
+
+def _assert_pools_empty(engine: LLMEngine) -> None:
+    assert engine.kv.pool.num_used_blocks == 0
+    assert engine.runner.state_pool.num_used_slots == 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_greedy_matches_plain_decoding_on_cuda(spec_dir, k) -> None:
+    plain = _run(_engine(spec_dir, None))
+    engine = _engine(spec_dir, k)
+    got = _run(engine)
+    assert_equal_or_near_ties(plain, got)
+    s = engine.spec.stats
+    assert s.num_drafts > 0 and s.num_draft_tokens >= s.num_drafts
+    _assert_pools_empty(engine)
+
+
+def test_forced_drafts_take_every_rollback_branch_on_cuda(spec_dir) -> None:
+    """Drafts are the plain run's own tokens, corrupted at output indices 1 mod 5 and 2 mod
+    7, so that runs of every length 0..3 are kept and the state rolls back to each."""
+    plain = _run(_engine(spec_dir, None))
+    vocab = build_hf_model(SHAPE).config.vocab_size
+    drafter = ForcedDrafter({rid: list(r.output_token_ids) for rid, r in plain.items()},
+                            lambda i: i % 5 == 1 or i % 7 == 2, vocab)
+    engine = _engine(spec_dir, 3, drafter)
+    got = _run(engine)
+    assert_equal_or_near_ties(plain, got)
+    assert all(n > 0 for n in engine.spec.stats.num_by_accepted), \
+        engine.spec.stats.num_by_accepted
+    _assert_pools_empty(engine)
