@@ -7,6 +7,9 @@ near-tied logits, and FP8 rounding moves every logit. Skipped without CUDA.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from hybrid_checkpoints import prompt_ids
@@ -43,7 +46,8 @@ def _greedy(path, quantization: str | None) -> tuple[LLMEngine, dict[str, list[i
 
 
 def test_fp8_engine_runs_and_reports_agreement_with_bf16(checkpoints) -> None:
-    path = checkpoints("d256-gqa3-untied").path
+    shape = "d256-gqa3-untied"
+    path = checkpoints(shape).path
     fp8, got = _greedy(path, "fp8")
     assert any(isinstance(m, Fp8Linear) for m in fp8.loaded.model.modules())
     assert sorted(got) == ["0", "1", "2"] and all(len(t) == NEW for t in got.values())
@@ -51,5 +55,9 @@ def test_fp8_engine_runs_and_reports_agreement_with_bf16(checkpoints) -> None:
     same = sum(a == b for rid in ref for a, b in zip(ref[rid], got[rid]))
     first = [next((i for i, (a, b) in enumerate(zip(ref[r], got[r])) if a != b), NEW)
              for r in sorted(ref)]
-    print(f"\nFP8 vs bf16 greedy: {same}/{NEW * len(ref)} tokens equal by position; "
-          f"first difference at output index {first}")
+    line = (f"FP8 vs bf16 greedy on {shape}: {same}/{NEW * len(ref)} tokens equal by "
+            f"position; first difference at output index {first}")
+    print("\n" + line)
+    if os.environ.get("OUT"):  # gpu_run.sh brings $OUT back: the reported figure
+        with open(Path(os.environ["OUT"]) / "fp8_agreement.txt", "a") as f:
+            f.write(line + "\n")
