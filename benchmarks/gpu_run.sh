@@ -75,7 +75,7 @@ for spec in "$@"; do
                      tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
                      tests/engine/test_structured_gpu.py tests/engine/test_speculative_gpu.py \
                      tests/model/test_gpu.py tests/model/test_fp8_gpu.py ;;
-    # The engine's, the model's and the FP8 kernels' GPU tests alone (about 330 s): the
+    # The engine's, the model's and the FP8 kernels' GPU tests alone (about 400 s): the
     # part of tests-gpu that changes most often.
     tests-gpu-engine) run_stage "$stage" "$limit" $PYTEST -n 6 -vv --maxfail=100 \
                      tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
