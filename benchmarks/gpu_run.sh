@@ -11,7 +11,7 @@
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
 #         bench-structured bench-chaos bench-prefix probe-decode
-#         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8
+#         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8 bench-spec
 #         train-default-model (issue 38; carry .corpus as well as .whl).
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/tools/probe_decode.py with the
@@ -179,6 +179,9 @@ for spec in "$@"; do
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     # A grammar's cost per decode step at batch 8 on the 27B shape (needs xgrammar and
     # apache-tvm-ffi among the carried wheels).
+    # Speculative decoding's cost side (issue 39): verify and draft steps against a plain
+    # decode step at batch 1, 8 and 16 with 8K contexts, 27B shape (about 200 s).
+    bench-spec)    run_stage "$stage" "$limit" python3 benchmarks/bench_spec.py --out "$OUT" ;;
     bench-structured) run_stage "$stage" "$limit" python3 benchmarks/bench_structured.py \
                      --model preset:qwen3.5-27b --out "$OUT" ;;
     # $SERVE_CONCURRENCY (default 4,16) and $SERVE_PROMPTS requests per level (default 64).

@@ -1,0 +1,34 @@
+"""``benchmarks/bench_spec.py --quick`` runs end to end on the CPU and writes its report.
+
+The figures are meaningless here (the torch reference on the tiny model); what is checked
+is that every (batch, k) point was timed and that the predictions follow their formula:
+expected tokens ``sum_{i<=k} a^i``, over the step's cost in decode steps."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def test_quick_run_writes_every_point(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("bench_spec", None)
+    import bench_spec
+
+    assert bench_spec.main(["--quick", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "spec_quick.json").read_text())
+    assert [p["batch"] for p in res["points"]] == [1, 2]
+    for p in res["points"]:
+        assert sorted(p["k"]) == ["1", "2", "3", "4"] and p["decode_ms"] > 0
+        for k, r in p["k"].items():
+            step = (r["verify_ms"] + r["draft_ms"]) / p["decode_ms"]
+            assert math.isclose(r["cost_in_decode_steps"], step)
+            pred = r["predicted"]["0.7"]
+            tokens = (1 - 0.7 ** (int(k) + 1)) / (1 - 0.7)
+            assert math.isclose(pred["tokens_per_step"], tokens)
+            assert math.isclose(pred["speedup_no_replay"], tokens / step)
+            assert pred["speedup_with_replay"] < pred["speedup_no_replay"]
+    md = (tmp_path / "spec_quick.md").read_text()
+    assert "(verify + draft) / decode" in md and (tmp_path / "spec_quick.png").is_file()
