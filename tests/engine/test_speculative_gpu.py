@@ -66,9 +66,11 @@ def test_mtp_greedy_matches_plain_decoding_on_cuda(spec_dir, k) -> None:
     _assert_pools_empty(engine)
 
 
-def test_forced_drafts_take_every_rollback_branch_on_cuda(spec_dir) -> None:
+def test_forced_drafts_roll_back_and_keep_on_cuda(spec_dir) -> None:
     """Drafts are the plain run's own tokens, corrupted at output indices 1 mod 5 and 2 mod
-    7, so that runs of every length 0..3 are kept and the state rolls back to each."""
+    7, so that drafts are both rejected (the state rolls back) and kept. Every length of
+    kept run is asserted on the CPU, where float32 makes the two runs equal; here a
+    near-tie may end a request's agreement with the plain run early."""
     plain = _run(_engine(spec_dir, None))
     vocab = build_hf_model(SHAPE).config.vocab_size
     drafter = ForcedDrafter({rid: list(r.output_token_ids) for rid, r in plain.items()},
@@ -76,6 +78,6 @@ def test_forced_drafts_take_every_rollback_branch_on_cuda(spec_dir) -> None:
     engine = _engine(spec_dir, 3, drafter)
     got = _run(engine)
     assert_equal_or_near_ties(plain, got)
-    assert all(n > 0 for n in engine.spec.stats.num_by_accepted), \
-        engine.spec.stats.num_by_accepted
+    kept = engine.spec.stats.num_by_accepted
+    assert kept[0] > 0 and sum(kept[1:]) > 0, kept
     _assert_pools_empty(engine)
