@@ -5,15 +5,16 @@
         --minutes 8                                                         # on the H200
     python scripts/train_default_model.py --smoke --corpus C --out OUT      # CPU, < 60 s
 
-The model is transformers' ``Qwen3_5ForCausalLM`` (fla's kernels on CUDA when installed),
-plus ``default_model/mtp.py``'s MTP module trained jointly on token t+2 (loss weight
-``--mtp-weight``). Training follows a cosine schedule over its budget -- ``--minutes`` of
-wall clock or ``--epochs`` passes over the data, whichever runs out first -- evaluates on
-the corpus's held-out documents every ``--eval-every`` steps, and keeps the weights of the
-best validation loss. OUT receives a checkpoint transformers and pagedserve
-load as they are: ``config.json``, ``generation_config.json``, the tokenizer files (with
-the chat template), safetensors shards under 15 MB with ``model.safetensors.index.json``
-(the MTP tensors in a shard of their own, ``mtp.safetensors``), ``MODEL_CARD.md`` and
+The model is transformers' ``Qwen3_5ForCausalLM`` (fla's kernels on CUDA where they can
+train, ``gdn_ops``), plus ``default_model/mtp.py``'s MTP module trained jointly on token
+t+2 (loss weight ``--mtp-weight``). Training follows a cosine schedule over its budget --
+``--minutes`` of wall clock or ``--epochs`` passes over the data, whichever runs out first
+-- evaluates on the corpus's held-out documents every ``--eval-every`` steps, and keeps
+the weights of the best validation loss. OUT receives a checkpoint transformers and
+pagedserve load as they are: ``config.json``, ``generation_config.json``, the tokenizer
+files (with the chat template), safetensors shards under 15 MB with
+``model.safetensors.index.json`` (the MTP tensors in a shard of their own,
+``mtp.safetensors``), ``MODEL_CARD.md`` and
 ``train_log.json``.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import inspect
 import json
 import math
 import sys
@@ -91,6 +93,38 @@ def hf_config(shape: Shape, special: dict[str, int]) -> Qwen3_5TextConfig:
         bos_token_id=None, eos_token_id=special["eos"], pad_token_id=special["pad"],
         mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False,
     )
+
+
+def gdn_ops(device: torch.device) -> str:
+    """Which Gated DeltaNet ops train the model: ``"fla"`` where fla is installed and its
+    chunked op's backward runs on ``device``, else ``"torch"``, transformers' reference ops.
+
+    fla refuses the gated backward on Hopper with Triton older than 3.7.1, whose compiler
+    gets it wrong there (fla issue 640); a one-chunk probe finds out. For ``"torch"``,
+    transformers' Qwen3.5 module is pointed at its own torch implementation, which it
+    otherwise replaces by fla's when fla imports."""
+    if device.type != "cuda" or importlib.util.find_spec("fla") is None:
+        return "torch"
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16).requires_grad_()
+
+    try:
+        q, k, v = leaf(1, 64, 1, 128), leaf(1, 64, 1, 128), leaf(1, 64, 1, 128)
+        g = F.logsigmoid(leaf(1, 64, 1))
+        beta = torch.sigmoid(leaf(1, 64, 1))
+        out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        out.float().sum().backward()
+        return "fla"
+    except RuntimeError as exc:
+        print(f"fla's Gated DeltaNet cannot train here ({str(exc).splitlines()[0]}); "
+              "training with transformers' torch ops", flush=True)
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    modeling_qwen3_5.torch_chunk_gated_delta_rule = inspect.unwrap(
+        modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    return "torch"
 
 
 # ---- data ----------------------------------------------------------------------------
@@ -194,10 +228,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                "pad": tok_mod.token_id(tok, tok_mod.ENDOFTEXT)}
     config = hf_config(shape, special)
     lm = Qwen3_5ForCausalLM(config).to(device)
-    fla = importlib.util.find_spec("fla") is not None
-    if device.type == "cuda" and not fla:
-        print("warning: fla is not installed; Gated DeltaNet runs transformers' slow torch path",
-              flush=True)
+    ops = gdn_ops(device)
+    if device.type == "cuda" and ops == "torch":
+        print("warning: Gated DeltaNet trains on transformers' torch ops, much slower than "
+              "fla's", flush=True)
     mtp = MTP(config).to(device)
     params = list(lm.parameters()) + list(mtp.parameters())
     decay = [p for p in params if p.ndim >= 2]
@@ -261,7 +295,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "steps": step, "tokens_seen": tokens_seen, "seconds": round(time.time() - start, 1),
             "best": best, "history": history, "args": {k: str(v) for k, v in vars(args).items()},
             "device": torch.cuda.get_device_name(device) if amp else str(device),
-            "fla": fla}
+            "gdn_ops": ops}
     save(lm, mtp, tok, args.out, info)
     return info
 
