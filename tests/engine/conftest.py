@@ -1,4 +1,4 @@
-"""The embedded default model (a real HF-format hybrid checkpoint), loaded once, and
+"""The tiny random checkpoint (a real HF-format hybrid, ``model/random_checkpoint.py``), loaded once, and
 transformers' own greedy decoding on it as the oracle."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3_5ForCausalLM
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
-from pagedserve.model.default_model import default_model_path
+from pagedserve.model.random_checkpoint import random_model_path
 from pagedserve.model.loader import load_model
 
 
@@ -18,7 +18,7 @@ from pagedserve.model.loader import load_model
 def model_dir(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("PAGEDSERVE_CACHE", str(tmp_path_factory.mktemp("cache")))
-    path = default_model_path()
+    path = random_model_path()
     mp.undo()
     return path
 

@@ -14,7 +14,7 @@ from hybrid_checkpoints import SHAPES, hf_reference, prompt_ids
 
 from pagedserve.config import CacheConfig
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
-from pagedserve.model import default_model
+from pagedserve.model import random_checkpoint
 from pagedserve.model.loader import load_model
 
 pytestmark = [
@@ -98,7 +98,7 @@ def test_bf16_agreement_on_default_model(tmp_path) -> None:
     (on the CPU transformers' own bf16 run moves its logits by 0.08 from fp32; ours vs
     transformers, both bf16: 185/192 steps, max logit diff 0.2), so it is no measure of
     agreement. It must run on CUDA, with graphs, and stay close."""
-    default_model.write_checkpoint(tmp_path)
+    random_checkpoint.write_checkpoint(tmp_path)
     st = _agreement_on(tmp_path)
     _print_agreement("default", st)
     assert st["agree"] / st["total"] >= 0.9

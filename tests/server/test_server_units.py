@@ -18,7 +18,7 @@ from pagedserve.bench.stats import percentile, summarize
 from pagedserve.bench.workload import LengthDistribution, Workload
 from pagedserve.commands import bench
 from pagedserve.engine.request import SamplingParams
-from pagedserve.model.default_model import NAME as DEFAULT_MODEL_NAME
+from pagedserve.model.random_checkpoint import NAME as RANDOM_NAME
 from pagedserve.model.generation_defaults import GenerationDefaults
 from pagedserve.server.admission import Admission
 from pagedserve.server.errors import APIError, validation_error
@@ -208,7 +208,7 @@ def test_bench_forwards_only_changed_engine_flags():
 def loaded(serve_env):
     from pagedserve.model.loader import load_model
 
-    return load_model(Path(serve_env["PAGEDSERVE_CACHE"]) / DEFAULT_MODEL_NAME,
+    return load_model(Path(serve_env["PAGEDSERVE_CACHE"]) / RANDOM_NAME,
                       progress=False)
 
 

@@ -1,4 +1,4 @@
-"""The embedded default model: deterministic, atomic, a real checkpoint transformers can load."""
+"""The tiny random checkpoint: deterministic, atomic, a real checkpoint transformers can load."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from transformers import Qwen3_5ForCausalLM
 
 from pagedserve.config import CacheConfig
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
-from pagedserve.model import default_model
+from pagedserve.model import random_checkpoint
 from pagedserve.model.loader import load_model
 
 
@@ -24,36 +24,35 @@ def _digests(directory: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def default_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def random_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("pagedserve-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PAGEDSERVE_CACHE", str(root))
-        return default_model.default_model_path()
+        return random_checkpoint.random_model_path()
 
 
-def test_created_once_atomically_and_deterministically(default_dir, tmp_path, monkeypatch):
-    assert default_dir.name == default_model.NAME
+def test_created_once_atomically_and_deterministically(random_dir, tmp_path, monkeypatch):
+    assert random_dir.name == random_checkpoint.NAME
     # Nothing but the final directory is left in the cache root (no temporary leftovers).
-    assert [p.name for p in default_dir.parent.iterdir()] == [default_model.NAME]
-    files = _digests(default_dir)
+    assert [p.name for p in random_dir.parent.iterdir()] == [random_checkpoint.NAME]
+    files = _digests(random_dir)
     assert set(files) == {
         "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
         "tokenizer_config.json",
     }
     # A second use reuses it; a fresh cache gets byte-identical files.
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(default_dir.parent))
-    assert default_model.default_model_path() == default_dir
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(random_dir.parent))
+    assert random_checkpoint.random_model_path() == random_dir
     other = tmp_path / "other"
     other.mkdir()
-    default_model.write_checkpoint(other)
+    random_checkpoint.write_checkpoint(other)
     assert _digests(other) == files
 
 
-def test_loads_as_a_real_hybrid(default_dir, monkeypatch) -> None:
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(default_dir.parent))
-    lm = load_model(None, progress=False)
+def test_loads_as_a_real_hybrid(random_dir) -> None:
+    lm = load_model(random_dir, progress=False)
     cfg = lm.config
-    assert lm.path == default_dir
+    assert lm.path == random_dir
     assert cfg.num_full_attention_layers >= 2 and cfg.num_linear_attention_layers >= 2
     assert cfg.num_attention_heads > cfg.num_key_value_heads  # GQA
     assert lm.generation.eos_token_ids[:2] == (258, 256)
@@ -68,15 +67,15 @@ def test_loads_as_a_real_hybrid(default_dir, monkeypatch) -> None:
 @pytest.mark.parametrize(
     "text", ["", "plain ascii", "ünïcödé ✓ 新年快乐 🎉\x00\t\r\n", "<|im_end|>"]
 )
-def test_tokenizer_round_trips_utf8(default_dir, text: str) -> None:
-    lm_tok = load_model(default_dir, progress=False).tokenizer
+def test_tokenizer_round_trips_utf8(random_dir, text: str) -> None:
+    lm_tok = load_model(random_dir, progress=False).tokenizer
     assert lm_tok.decode(lm_tok.encode(text, add_special_tokens=False)) == text
 
 
 @torch.no_grad()
-def test_transformers_loads_it_and_agrees(default_dir) -> None:
+def test_transformers_loads_it_and_agrees(random_dir) -> None:
     hf, info = Qwen3_5ForCausalLM.from_pretrained(
-        default_dir, dtype=torch.float32, output_loading_info=True
+        random_dir, dtype=torch.float32, output_loading_info=True
     )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     hf.eval()
@@ -84,6 +83,6 @@ def test_transformers_loads_it_and_agrees(default_dir) -> None:
     prompt = list(b"Hello, pagedserve!")
     ids = torch.tensor([prompt])
     want = hf.generate(ids, max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
-    lm = load_model(default_dir, progress=False)
+    lm = load_model(random_dir, progress=False)
     runner = ModelRunner(lm.model, CacheConfig(), RunnerConfig(max_model_len=64, max_num_seqs=1))
     assert greedy(runner, prompt, 24, chunk=7).tokens == want

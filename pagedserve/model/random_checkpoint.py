@@ -1,11 +1,11 @@
-"""The embedded default model: a tiny Qwen3.5-architecture checkpoint made on first use.
+"""A tiny Qwen3.5-architecture checkpoint with seeded random weights, made on first use.
 
-``pagedserve generate`` without ``--model`` serves this. It is a real hybrid in real Hugging
-Face format -- ``config.json``, ``model.safetensors``, ``tokenizer.json`` and
-``tokenizer_config.json`` (byte-level; Qwen3.5's chat template, with its tool-call and
-thinking syntax), ``generation_config.json`` -- and it goes through the same loader as any
-checkpoint. Its weights are random (seeded), so its text
-is noise; it exists so that every code path runs with nothing downloaded.
+The tests' model: a real hybrid in real Hugging Face format -- ``config.json``,
+``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json`` (byte-level;
+Qwen3.5's chat template, with its tool-call and thinking syntax), ``generation_config.json``
+-- that goes through the same loader as any checkpoint. Its text is noise; it is small
+enough that every code path runs in the CPU test suite in seconds. It is what loads
+without ``--model``.
 
 Shape: 8 layers (3 Gated DeltaNet, then 1 full attention, twice), hidden 256, GQA 4:2 with
 head_dim 64, GDN 2 key / 4 value heads of 64, vocab 384 (259 tokens used).
@@ -76,8 +76,8 @@ def cache_root() -> Path:
     return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
 
 
-def default_model_path() -> Path:
-    """The default checkpoint's directory, created on first use."""
+def random_model_path() -> Path:
+    """The random checkpoint's directory, created on first use."""
     final = cache_root() / NAME
     if (final / "config.json").is_file():
         return final
