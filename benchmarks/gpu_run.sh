@@ -11,7 +11,7 @@
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
 #         bench-structured bench-chaos bench-prefix probe-decode
-#         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8 bench-spec
+#         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8 bench-spec bench-spec-e2e
 #         train-default-model (issue 38; carry .corpus as well as .whl).
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/tools/probe_decode.py with the
@@ -182,6 +182,11 @@ for spec in "$@"; do
     # Speculative decoding's cost side (issue 39): verify and draft steps against a plain
     # decode step at batch 1, 8 and 16 with 8K contexts, 27B shape (about 200 s).
     bench-spec)    run_stage "$stage" "$limit" python3 benchmarks/bench_spec.py --out "$OUT" ;;
+    # Its end-to-end side: LLMEngine tok/s at acceptance imposed at the verify decision,
+    # k = 1..4, a = 0.5 / 0.7 / 0.9, batch 1 and 8, against plain decoding (13 engines on
+    # one loaded model). $SPEC_E2E_ARGS: more bench_spec_e2e.py arguments.
+    bench-spec-e2e) run_stage "$stage" "$limit" python3 benchmarks/bench_spec_e2e.py \
+                     ${SPEC_E2E_ARGS:-} --out "$OUT" ;;
     bench-structured) run_stage "$stage" "$limit" python3 benchmarks/bench_structured.py \
                      --model preset:qwen3.5-27b --out "$OUT" ;;
     # $SERVE_CONCURRENCY (default 4,16) and $SERVE_PROMPTS requests per level (default 64).
