@@ -18,28 +18,16 @@ LICENSES = """\
 (`apt-get download`, nothing installed); every 20th document of each source is held out
 for validation. The weights are released under the project's license (Apache-2.0)."""
 
-SHIPPING = """\
-## Shipping it as the default model
-
-The checkpoint replaces the random embedded default with no special case in the loader:
-
-1. Copy this directory (every file but `train_log.json`, which may stay beside it) into
-   the repository as `pagedserve/model/default/` (or another package-data path), and add
-   that path to the package data in `pyproject.toml`.
-2. Make `pagedserve.model.default_model.default_model_path()` return that directory; the
-   seeded random writer (`write_checkpoint`) stays for the tests that need a random model.
-3. Add the checkpoint to the parity tests (greedy tokens of pagedserve equal transformers'
-   on the CPU), measure q8_0 / q4_0 K/V token agreement against f16 on it, and put a
-   `/v1/completions` sample of `bash scripts/serve.sh` in the README.
-
+RETRAINING = """\
 ## Retraining
 
     python scripts/default_model/corpus.py --out .corpus/corpus.jsonl.xz    # a CPU machine
-    bash benchmarks/gpu_run.sh train-default-model:540   # the H200; carry .whl and .corpus
+    bash benchmarks/gpu_run.sh train-default-model:570   # the GPU; carry .whl and .corpus
     cat default-model.tar.part-* | tar -x                # the files back: default-model/
+    python scripts/default_model/measure.py default-model  # pagedserve's figures, this card
 
 or directly `python scripts/train_default_model.py --corpus .corpus/corpus.jsonl.xz
---out OUT --minutes 8`."""
+--out OUT --minutes 8`. pagedserve ships the result as `pagedserve/model/default_checkpoint/`."""
 
 
 def _mb(n: int) -> str:
@@ -122,5 +110,32 @@ def render(info: dict[str, Any]) -> str:
     ]
     for s in info.get("samples", []):
         lines += ["```", s["prompt"] + " ‖" + s["greedy"], "```", ""]
-    lines += [SHIPPING, ""]
+    lines += _serving_lines(info.get("pagedserve"))
+    lines += [RETRAINING, ""]
     return "\n".join(lines)
+
+
+def _serving_lines(m: dict[str, Any] | None) -> list[str]:
+    """pagedserve's own figures on the checkpoint (``measure.py``), when measured."""
+    if not m:
+        return []
+    lines = [
+        "## In pagedserve (CPU, float32)",
+        "",
+        f"Measured by `scripts/default_model/measure.py` on {m['device']}.",
+        "",
+        "| measure | value |",
+        "|---|---|",
+    ]
+    for kv, r in m["kv_agreement"].items():
+        lines.append(f"| {kv} K/V against f16: tokens agreeing, teacher-forced / free-running "
+                     f"| {r['teacher_forced']:.1%} / {r['free_running']:.1%} |")
+    plain = m["speculative"]["plain_tok_s"]
+    lines.append(f"| greedy decode, batch 1, no speculation | {plain:.0f} tok/s |")
+    for k, r in m["speculative"]["mtp"].items():
+        lines.append(f"| MTP speculation, k = {k}: tokens per verify step, speed-up "
+                     f"| {r['mean_acceptance_length']:.2f}, {r['tok_s'] / plain:.2f}x |")
+    lines += ["", f"K/V agreement: {m['kv_tokens']} greedy tokens over "
+              f"{m['kv_prompts']} prompts; speculation: {m['spec_tokens']} tokens per "
+              "prompt, greedy, identical to the plain run.", ""]
+    return lines

@@ -1,0 +1,139 @@
+"""pagedserve's figures on a trained default-model checkpoint, for its model card.
+
+    python scripts/default_model/measure.py DIR [--write-card]
+
+On the CPU, float32:
+
+- **K/V agreement**: f16's greedy tokens for a few prompts, then q8_0 and q4_0 K/V runs,
+  teacher-forced on those tokens (each step's argmax against f16's: a per-token measure)
+  and free-running (positions equal; after a first difference the texts part ways);
+- **MTP speculation**: ``LLMEngine`` at batch 1, greedy, without speculation and with the
+  checkpoint's MTP head drafting k = 1..3 tokens: tok/s, tokens per verify step, and the
+  outputs, which must equal the plain run's.
+
+``--write-card`` stores the figures in ``train_log.json`` (key ``pagedserve``) and renders
+``MODEL_CARD.md`` again from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "model"))  # greedy_driver: a teacher-forcing loop
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import model_card  # noqa: E402
+from greedy_driver import greedy  # noqa: E402
+
+from pagedserve.config import CacheConfig  # noqa: E402
+from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from pagedserve.engine.request import SamplingParams  # noqa: E402
+from pagedserve.engine.runner import ModelRunner, RunnerConfig  # noqa: E402
+from pagedserve.model.loader import LoadedModel, load_model  # noqa: E402
+
+PROMPTS = (
+    "Once upon a time",
+    "It is a truth universally acknowledged, that a single man",
+    "And God said unto Moses,",
+    "The Python interpreter reads",
+    "Elizabeth looked at her sister and",
+    "To open a file for reading,",
+)
+
+
+def kv_agreement(lm: LoadedModel, new_tokens: int) -> dict[str, dict[str, float]]:
+    def runner(kv: str) -> ModelRunner:
+        return ModelRunner(lm.model, CacheConfig(cache_type_k=kv, cache_type_v=kv),
+                           RunnerConfig(max_model_len=512, max_num_seqs=1))
+
+    tok = lm.require_tokenizer()
+    out = {}
+    for kv in ("q8_0", "q4_0"):
+        forced_hits = free_hits = total = 0
+        for prompt in PROMPTS:
+            ids = tok(prompt).input_ids
+            f16 = greedy(runner("f16"), ids, new_tokens).tokens
+            forced = greedy(runner(kv), ids, new_tokens, forced=f16)
+            forced_hits += sum(int(r.argmax()) == t for r, t in zip(forced.step_logits, f16))
+            free = greedy(runner(kv), ids, new_tokens).tokens
+            free_hits += sum(a == b for a, b in zip(free, f16))
+            total += len(f16)
+        out[kv] = {"teacher_forced": forced_hits / total, "free_running": free_hits / total}
+        print(f"{kv}: {out[kv]}", flush=True)
+    return out
+
+
+def generate(engine: LLMEngine, prompts: list[str], n: int) -> tuple[list[list[int]], float]:
+    """Each prompt alone (batch 1), greedy, ``n`` tokens; the outputs and tok/s."""
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    outputs, seconds = [], 0.0
+    for i, prompt in enumerate(prompts):
+        t0 = time.perf_counter()
+        engine.add_request(str(i), prompt, params)
+        ids: list[int] = []
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                ids += o.new_token_ids
+        seconds += time.perf_counter() - t0
+        outputs.append(ids)
+    return outputs, sum(map(len, outputs)) / seconds
+
+
+def speculation(path: Path, lm: LoadedModel, n: int) -> dict[str, Any]:
+    base = dict(model=str(path), device="cpu", dtype="float32", max_model_len=512,
+                max_num_seqs=1, progress=False)
+    plain, plain_rate = generate(LLMEngine(EngineConfig(**base), loaded=lm), list(PROMPTS), n)
+    out: dict[str, Any] = {"plain_tok_s": plain_rate, "mtp": {}}
+    for k in (1, 2, 3):
+        engine = LLMEngine(EngineConfig(**base, speculative_config={
+            "method": "mtp", "num_speculative_tokens": k}), loaded=lm)
+        got, rate = generate(engine, list(PROMPTS), n)
+        assert engine.spec is not None
+        out["mtp"][str(k)] = {"tok_s": rate,
+                              "mean_acceptance_length": engine.spec.stats.mean_acceptance_length,
+                              "identical_to_plain": got == plain}
+        print(f"k={k}: {out['mtp'][str(k)]} (plain {plain_rate:.1f} tok/s)", flush=True)
+        if got != plain:
+            raise SystemExit(f"k={k}: speculative greedy output differs from plain decoding")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", type=Path)
+    ap.add_argument("--kv-tokens", type=int, default=64)
+    ap.add_argument("--spec-tokens", type=int, default=96)
+    ap.add_argument("--write-card", action="store_true")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    lm = load_model(args.checkpoint, device="cpu", dtype=torch.float32, progress=False,
+                    mtp=True)
+    figures = {
+        "device": f"CPU ({platform.processor() or platform.machine()}, "
+                  f"{torch.get_num_threads()} threads), torch {torch.__version__}",
+        "kv_agreement": kv_agreement(lm, args.kv_tokens),
+        "speculative": speculation(args.checkpoint, lm, args.spec_tokens),
+        "kv_tokens": args.kv_tokens, "kv_prompts": len(PROMPTS),
+        "spec_tokens": args.spec_tokens,
+    }
+    print(json.dumps(figures, indent=2))
+    if args.write_card:
+        log_path = args.checkpoint / "train_log.json"
+        info = json.loads(log_path.read_text())
+        info["pagedserve"] = figures
+        log_path.write_text(json.dumps(info, indent=2))
+        (args.checkpoint / "MODEL_CARD.md").write_text(model_card.render(info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
