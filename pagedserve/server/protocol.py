@@ -10,6 +10,12 @@ contract. Parameters pagedserve cannot honour (``logit_bias``, ``prompt_logprobs
 refused by name, never silently ignored. Tools and output constraints have their own
 module, ``agent_protocol.py``.
 
+The routers that balance vLLM and SGLang replicas (vllm-router, sglang-router) add their
+engines' switches to every body they forward, at their defaults: ``skip_special_tokens``,
+``no_stop_trim``, ``return_hidden_states``, and on chat ``separate_reasoning``,
+``stream_reasoning``, ``include_reasoning``. Those defaults are what pagedserve does, so
+each field is accepted at its default value and refused at any other.
+
 Ranges that differ from a plain "positive": ``top_k`` at or beyond the vocabulary means no
 top-k (as in vLLM), so any integer >= -1 is accepted; ``seed`` is any signed or unsigned
 64-bit integer (``[-2**63, 2**64)``), used modulo ``2**64``; ``temperature`` is in
@@ -91,6 +97,10 @@ class SamplingFields(RequestBody):
     prompt_logprobs: Any = None
     user: str | None = None
     metadata: dict[str, Any] | None = None
+    # Routers' engine switches, at the only values pagedserve implements (module doc).
+    skip_special_tokens: Literal[True] = True
+    no_stop_trim: Literal[False] = False
+    return_hidden_states: Literal[False] = False
 
     @model_validator(mode="after")
     def _refuse_unsupported_common(self) -> SamplingFields:
@@ -213,6 +223,9 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
     tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    separate_reasoning: Literal[True] = True
+    stream_reasoning: Literal[True] = True
+    include_reasoning: Literal[True] = True
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> ChatCompletionRequest:

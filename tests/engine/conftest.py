@@ -1,5 +1,5 @@
-"""The tiny random checkpoint (a real HF-format hybrid, ``model/random_checkpoint.py``), loaded once, and
-transformers' own greedy decoding on it as the oracle."""
+"""The tiny random checkpoint (a real HF-format hybrid, ``model/random_checkpoint.py``),
+loaded once, and transformers' own greedy decoding on it as the oracle."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from transformers import Qwen3_5ForCausalLM
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
-from pagedserve.model.random_checkpoint import random_model_path
 from pagedserve.model.loader import load_model
+from pagedserve.model.random_checkpoint import random_model_path
 
 
 @pytest.fixture(scope="session")

@@ -136,7 +136,32 @@ CASES = {
     "tokenize both inputs": ("/tokenize", {"prompt": "x", "messages": USER}, 400, None,
                              ["exactly one"]),
     "detokenize out of vocab": ("/detokenize", {"tokens": [-1]}, 400, "tokens", ["-1"]),
+    # Routers' engine switches are accepted at their defaults only.
+    "skip_special_tokens false": (CMPL, {"prompt": "x", "skip_special_tokens": False}, 400,
+                                  "skip_special_tokens", ["skip_special_tokens", "True"]),
+    "no_stop_trim true": (CMPL, {"prompt": "x", "no_stop_trim": True}, 400, "no_stop_trim",
+                          ["no_stop_trim"]),
+    "separate_reasoning false": (CHAT, {"messages": USER, "separate_reasoning": False}, 400,
+                                 "separate_reasoning", ["separate_reasoning"]),
+    "include_reasoning on completions": (CMPL, {"prompt": "x", "include_reasoning": True}, 400,
+                                         "include_reasoning", ["include_reasoning"]),
 }
+
+# What vllm-router and sglang-router add to every body they forward (their engines' own
+# switches, at their defaults).
+ROUTER_FIELDS = {"no_stop_trim": False, "skip_special_tokens": True,
+                 "return_hidden_states": False}
+ROUTER_CHAT_FIELDS = {**ROUTER_FIELDS, "separate_reasoning": True, "stream_reasoning": True,
+                      "include_reasoning": True}
+
+
+def test_router_fields_at_their_defaults_are_accepted(server):
+    cmpl = httpx.post(server.url + CMPL, json={"prompt": "x", "max_tokens": 2,
+                                               **ROUTER_FIELDS})
+    chat = httpx.post(server.url + CHAT, json={"messages": USER, "max_tokens": 2,
+                                               **ROUTER_CHAT_FIELDS})
+    assert cmpl.status_code == 200, cmpl.text
+    assert chat.status_code == 200, chat.text
 
 
 @pytest.mark.parametrize("case", list(CASES))

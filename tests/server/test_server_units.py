@@ -18,8 +18,8 @@ from pagedserve.bench.stats import percentile, summarize
 from pagedserve.bench.workload import LengthDistribution, Workload
 from pagedserve.commands import bench
 from pagedserve.engine.request import SamplingParams
-from pagedserve.model.random_checkpoint import NAME as RANDOM_NAME
 from pagedserve.model.generation_defaults import GenerationDefaults
+from pagedserve.model.random_checkpoint import NAME as RANDOM_NAME
 from pagedserve.server.admission import Admission
 from pagedserve.server.errors import APIError, validation_error
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
