@@ -21,7 +21,7 @@ step, whenever a draft is rejected (probability ``1 - a^k``; a lower bound on sp
 since a replay forwards only the kept rows). The end-to-end run with a drafter of set
 acceptance is not part of this script.
 
-``--quick`` runs the embedded tiny model with a random MTP head on the CPU (a smoke test;
+``--quick`` runs the tests' tiny random model with a random MTP head on the CPU (a smoke test;
 its numbers mean nothing). Writes ``spec.{md,json,png}`` (``spec_quick`` with
 ``--quick``) to ``--out`` (default ``docs/benchmarks``; copies to ``$OUT``).
 """
@@ -42,6 +42,7 @@ from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch  # noq
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.model.loader import LoadedModel, load_model  # noqa: E402
 from pagedserve.model.mtp import SUPPORTED_MTP_LAYERS  # noqa: E402
+from pagedserve.model.random_checkpoint import random_model_path  # noqa: E402
 from pagedserve.model.random_weights import random_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,8 +71,8 @@ def predictions(decode_ms: float, verify_ms: float, draft_ms: float, k: int) -> 
 
 
 def tiny_with_mtp() -> LoadedModel:
-    """The embedded default model's shape with seeded random weights and MTP head."""
-    base = load_model(None, "cpu", torch.float32, progress=False)
+    """The tests' tiny random checkpoint with a seeded random MTP head."""
+    base = load_model(random_model_path(), "cpu", torch.float32, progress=False)
     cfg = dataclasses.replace(base.config, mtp_num_hidden_layers=SUPPORTED_MTP_LAYERS)
     return dataclasses.replace(base, config=cfg,
                                model=random_model(cfg, torch.device("cpu"), torch.float32,
@@ -113,7 +114,7 @@ def run(args) -> dict:
     runner = engine.runner
     seqs = Sequences(engine, max(args.batches), args.context)
     hidden_size = loaded.config.hidden_size
-    results = {"meta": meta, "model": "embedded default + random MTP (CPU quick run)"
+    results = {"meta": meta, "model": "tiny random + random MTP (CPU quick run)"
                if args.quick else args.model, "context": args.context,
                "kv_type": args.kv_type, "points": []}
     for b in args.batches:
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="preset:qwen3.5-27b")
     ap.add_argument("--quick", action="store_true",
-                    help="the embedded tiny model on the CPU (a smoke test)")
+                    help="the tiny random model on the CPU (a smoke test)")
     ap.add_argument("--kv-type", default="q4_0")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--batches", default="1,8,16")

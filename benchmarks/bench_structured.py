@@ -20,7 +20,7 @@ applied in the sampler, reading the tokens back). Cases:
   required over a tool with an array parameter).
 
 The target (issue 36): ``json x8`` costs at most 10% more per step than
-``unconstrained (async)``. ``--quick`` runs the embedded tiny model on the CPU with a few
+``unconstrained (async)``. ``--quick`` runs the embedded default model on the CPU with a few
 steps (a smoke test; its numbers mean nothing).
 
 Writes ``structured.{md,json,png}`` to ``--out`` (default ``docs/benchmarks``; copies to
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="preset:qwen3.5-27b")
     ap.add_argument("--quick", action="store_true",
-                    help="the embedded tiny model on the CPU, few steps (a smoke test)")
+                    help="the embedded default model on the CPU, few steps (a smoke test)")
     ap.add_argument("--kv-type", default="q4_0")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)

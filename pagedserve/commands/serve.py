@@ -99,7 +99,7 @@ def url_of(sock: socket.socket) -> str:
 def served_names(args: argparse.Namespace) -> tuple[str, ...]:
     if args.served_model_name:
         return tuple(args.served_model_name)
-    from pagedserve.model.random_checkpoint import NAME as DEFAULT_MODEL_NAME
+    from pagedserve.model.default_model import NAME as DEFAULT_MODEL_NAME
 
     return (args.model or DEFAULT_MODEL_NAME,)
 

@@ -3,8 +3,8 @@
 Token ``b`` (0..255) is the byte ``b``, spelled with GPT-2's printable byte alphabet, so any
 UTF-8 text round-trips; three ChatML special tokens follow. The BPE model has no merges,
 so nothing here depends on training data and the files are the same on every machine. The
-chat template is Qwen3.5's layout (``chat_template.py``). The embedded default model and
-the tests' tiny checkpoints both use it.
+chat template is Qwen3.5's layout (``chat_template.py``). The tests' tiny checkpoints use
+it; the trained default model's BPE tokenizer is saved through ``save_tokenizer`` too.
 
     ids 0..255   the 256 bytes
     id  256      <|endoftext|>   (pad)

@@ -1,8 +1,8 @@
-"""The embedded model's chat template: Qwen3.5's layout, text only.
+"""The chat template of pagedserve's own checkpoints: Qwen3.5's layout, text only.
 
 It writes exactly what Qwen3.5's published template writes for text messages (images and
 videos aside), so that every path the real model takes -- tools in the system turn, calls
-in the assistant's turns, tool results, thinking -- runs on the embedded model too::
+in the assistant's turns, tool results, thinking -- runs on the default and test models too::
 
     <|im_start|>system
     # Tools ... <tools>{tool JSON per line}</tools> ... the call format ... [system text]

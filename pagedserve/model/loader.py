@@ -146,9 +146,9 @@ def load_model(
     if preset is not None:
         return load_preset(preset, device, dtype, quantization, mtp)
     if model is None:
-        from pagedserve.model.random_checkpoint import random_model_path
+        from pagedserve.model.default_model import default_model_path
 
-        path = random_model_path()
+        path = default_model_path()
     else:
         path = resolve_checkpoint(model, revision=revision)
     raw = _read_raw_config(path)

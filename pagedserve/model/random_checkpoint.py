@@ -4,8 +4,8 @@ The tests' model: a real hybrid in real Hugging Face format -- ``config.json``,
 ``model.safetensors``, ``tokenizer.json`` and ``tokenizer_config.json`` (byte-level;
 Qwen3.5's chat template, with its tool-call and thinking syntax), ``generation_config.json``
 -- that goes through the same loader as any checkpoint. Its text is noise; it is small
-enough that every code path runs in the CPU test suite in seconds. It is what loads
-without ``--model``.
+enough that every code path runs in the CPU test suite in seconds. (The model served
+without ``--model`` is the trained one in ``default_model.py``.)
 
 Shape: 8 layers (3 Gated DeltaNet, then 1 full attention, twice), hidden 256, GQA 4:2 with
 head_dim 64, GDN 2 key / 4 value heads of 64, vocab 384 (259 tokens used).

@@ -30,6 +30,13 @@ or directly `python scripts/train_default_model.py --corpus .corpus/corpus.jsonl
 --out OUT --minutes 8`. pagedserve ships the result as `pagedserve/model/default_checkpoint/`."""
 
 
+GDN_OPS = {
+    "fla": "fla's chunked kernels",
+    "torch": "transformers' torch reference ops (fla's gated backward refuses Hopper GPUs "
+             "with Triton older than 3.7.1, whose compiler gets it wrong there)",
+}
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
@@ -94,7 +101,10 @@ def render(info: dict[str, Any]) -> str:
         f"{info['seconds']:.0f} s on {info['device']}; AdamW, cosine schedule over the time or "
         "token budget (the first to run out), "
         "bf16 autocast on CUDA; loss = main + w * MTP (arguments in `train_log.json`).",
-        f"- Kept: the weights of the best validation loss, at step {best['step']}.",
+        f"- Gated DeltaNet ops: {GDN_OPS.get(info.get('gdn_ops', ''), 'not recorded')}.",
+        f"- Kept: the weights of the best validation loss, at step {best['step']} "
+        f"({best['tokens'] / max(1, data['tokens']['train']):.1f} epochs). Where that is "
+        "before the last step, the model overfits this small corpus after it.",
         "",
         "## Results (held-out documents)",
         "",

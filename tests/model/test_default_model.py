@@ -1,0 +1,113 @@
+"""The shipped default model (``model/default_model.py``): what loads without ``--model``,
+what transformers loads as it is, greedy tokens equal to transformers', quantized K/V that
+agrees with f16, and continuations made of English words.
+
+Agreement is per token with teacher forcing: f16's greedy tokens are fed to a runner with
+quantized K/V, and each step's argmax is compared with f16's. (Free-running agreement is
+printed too; after a first difference the two texts part ways, so it measures only the
+longest identical prefix.)
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from greedy_driver import greedy
+from transformers import AutoTokenizer, Qwen3_5ForCausalLM
+
+from pagedserve.config import CacheConfig
+from pagedserve.engine.runner import ModelRunner, RunnerConfig
+from pagedserve.model import default_model
+from pagedserve.model.loader import load_model
+
+PROMPTS = (
+    "Once upon a time",
+    "It is a truth universally acknowledged, that a single man",
+    "And God said unto Moses,",
+    "The Python interpreter reads",
+)
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(None, device="cpu", dtype=torch.float32, progress=False)
+
+
+def _runner(loaded, cache: CacheConfig | None = None) -> ModelRunner:
+    return ModelRunner(loaded.model, cache or CacheConfig(),
+                       RunnerConfig(max_model_len=256, max_num_seqs=1))
+
+
+def _prompt_ids(loaded, prompt: str) -> list[int]:
+    return loaded.require_tokenizer()(prompt).input_ids
+
+
+def test_it_is_what_loads_without_a_model(loaded) -> None:
+    assert loaded.path == default_model.DIRECTORY
+    files = {p.name for p in default_model.DIRECTORY.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "model.safetensors.index.json", "mtp.safetensors", "MODEL_CARD.md"} <= files
+    size = sum(p.stat().st_size for p in default_model.DIRECTORY.glob("*.safetensors"))
+    assert size <= 42_000_000
+
+
+@torch.no_grad()
+def test_greedy_equals_transformers(loaded) -> None:
+    hf, info = Qwen3_5ForCausalLM.from_pretrained(
+        default_model.DIRECTORY, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]
+    hf.eval()
+    hf.generation_config.eos_token_id = None  # exactly NEW_TOKENS tokens
+    for prompt in PROMPTS:
+        ids = _prompt_ids(loaded, prompt)
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
+                           do_sample=False)[0, len(ids):].tolist()
+        assert greedy(_runner(loaded), ids, NEW_TOKENS, chunk=5).tokens == want, prompt
+
+
+@torch.no_grad()
+def test_mtp_head_loads_with_it() -> None:
+    lm = load_model(None, device="cpu", dtype=torch.float32, progress=False, mtp=True)
+    assert lm.model.mtp is not None
+
+
+def test_continuations_read_as_words(loaded) -> None:
+    """Without a dictionary, a proxy for readable text: the greedy continuation of "Once
+    upon a time" has at least 16 words; at least 80% are letters with at most trailing
+    punctuation; none is longer than 20 letters; and at least half of them are distinct
+    (a random model gives byte soup, an undertrained one "the the the ...")."""
+    tok = AutoTokenizer.from_pretrained(default_model.DIRECTORY)
+    ids = _prompt_ids(loaded, PROMPTS[0])
+    text = tok.decode(greedy(_runner(loaded), ids, NEW_TOKENS).tokens,
+                      skip_special_tokens=True)
+    words = text.split()
+    assert len(words) >= 16, text
+    plain = [w for w in words if re.fullmatch(r"[A-Za-z][a-z']*[,.;:!?]?", w)]
+    assert len(plain) >= 0.8 * len(words), text
+    assert max(len(w) for w in words) <= 20, text
+    assert len({w.strip(",.;:!?").lower() for w in words}) >= 0.5 * len(words), text
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kv_type,floor", [("q8_0", 0.95), ("q4_0", 0.0)])
+def test_quantized_kv_agrees_with_f16(loaded, kv_type: str, floor: float,
+                                      record_property) -> None:
+    agree = total = free_agree = 0
+    for prompt in PROMPTS:
+        ids = _prompt_ids(loaded, prompt)
+        f16 = greedy(_runner(loaded), ids, NEW_TOKENS).tokens
+        runner = _runner(loaded, CacheConfig(cache_type_k=kv_type, cache_type_v=kv_type))
+        forced = greedy(runner, ids, NEW_TOKENS, forced=f16)
+        picks = [int(row.argmax()) for row in forced.step_logits]
+        agree += sum(a == b for a, b in zip(picks, f16))
+        total += len(f16)
+        free = greedy(_runner(loaded, CacheConfig(cache_type_k=kv_type,
+                                                  cache_type_v=kv_type)), ids, NEW_TOKENS)
+        free_agree += sum(a == b for a, b in zip(free.tokens, f16))
+    print(f"\ndefault model, {kv_type} K/V against f16: {agree}/{total} = {agree / total:.1%} "
+          f"per token (teacher-forced), {free_agree / total:.1%} free-running")
+    record_property(f"{kv_type}_agreement_with_f16", agree / total)
+    assert agree / total >= floor
