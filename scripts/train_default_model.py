@@ -2,7 +2,7 @@
 
     python scripts/default_model/corpus.py --out .corpus/corpus.jsonl.xz   # once, on a CPU
     python scripts/train_default_model.py --corpus .corpus/corpus.jsonl.xz --out OUT \
-        --minutes 8                                                         # on the H200
+        --minutes 5                                                         # on a GPU
     python scripts/train_default_model.py --smoke --corpus C --out OUT      # CPU, < 60 s
 
 The model is transformers' ``Qwen3_5ForCausalLM`` (fla's kernels on CUDA where they can

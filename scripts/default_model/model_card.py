@@ -22,12 +22,12 @@ RETRAINING = """\
 ## Retraining
 
     python scripts/default_model/corpus.py --out .corpus/corpus.jsonl.xz    # a CPU machine
-    bash benchmarks/gpu_run.sh train-default-model:570   # the GPU; carry .whl and .corpus
+    bash benchmarks/gpu_run.sh train-default-model:450   # the GPU; carry .whl and .corpus
     cat default-model.tar.part-* | tar -x                # the files back: default-model/
     python scripts/default_model/measure.py default-model  # pagedserve's figures, this card
 
 or directly `python scripts/train_default_model.py --corpus .corpus/corpus.jsonl.xz
---out OUT --minutes 8`. pagedserve ships the result as `pagedserve/model/default_checkpoint/`."""
+--out OUT --minutes 5`. pagedserve ships the result as `pagedserve/model/default_checkpoint/`."""
 
 
 GDN_OPS = {
