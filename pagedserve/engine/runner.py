@@ -308,8 +308,19 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step eagerly and return every row's final-normed hidden state
-        ``[T, H]`` (a verify step scores several rows per sequence)."""
+        ``[T, H]`` (a verify step scores several rows per sequence). With
+        ``batch.gdn_record`` set, the Gated DeltaNet layers record their inputs in it."""
         return self.model(batch, self.caches)
+
+    @torch.inference_mode()
+    def advance_linear_states(
+        self, batch: ForwardBatch, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        rows: list[int],
+    ) -> None:
+        """Advance the Gated DeltaNet states of ``batch``'s sequences over rows ``rows``
+        of an earlier step's ``GdnRecord.inputs`` (``Qwen3_5Model.advance_linear_states``)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.model.advance_linear_states(batch, self.caches, inputs, index)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,22 +8,26 @@ One step (synchronous: its tokens are read back before the next is scheduled)::
     propose         the drafter's d tokens per such request
     save states     each speculating sequence's state slot, to its spare
     forward         the whole batch, eagerly; logits of every verify row and of the last
-                    row of each chunk that completes
+                    row of each chunk that completes; the Gated DeltaNet layers record
+                    their inputs at the verify rows (``GdnRecord``)
     decide          plain rows: the sampler; verify rows: ``spec_verify`` (m <= d kept)
     observe         the drafter sees the rows kept (the MTP head writes its K/V rows)
-    roll back       where m < d: the slot back from its spare, then the m + 1 kept rows
-                    forwarded again over it (their K/V rows are rewritten with the same
-                    values); the reservation past the kept rows is dropped, which frees
-                    the blocks only rejected rows used
+    roll back       where m < d: the slot back from its spare, then each Gated DeltaNet
+                    layer's conv and delta rule advanced over the m + 1 kept rows' recorded
+                    inputs (their attention K/V rows, written by the verify pass, stand);
+                    the reservation past the kept rows is dropped, which frees the blocks
+                    only rejected rows used
     append          tokens one at a time: a stop (EOS, stop id or string, max_tokens,
                     max_model_len) inside the kept run ends it there
 
-Rollback by replay: the recurrent GDN state cannot be rewound, and the Gated DeltaNet ops
-return only the state after a chunk's last row. Replaying the kept rows from the saved
-state is exact with the ops as they are, on every device, at the cost of one more forward
-pass over ``m + 1`` rows for the sequences that rejected a draft. Keeping the state after
-each verified row (``k + 1`` spare slots written by the GDN kernels) would save that pass;
-it needs those kernels to write intermediate states.
+Rollback by re-advancing: the recurrent GDN state cannot be rewound, and the Gated
+DeltaNet ops return only the state after a chunk's last row. A kept row's inputs to each
+GDN layer do not depend on the rejected rows after it (every layer is causal), so the
+verify pass's own inputs at the kept rows, run through each layer's conv and delta rule
+from the saved state, leave the state where a forward pass of the kept rows would: the
+projections, attention and MLPs are not run again. Keeping the state after each verified
+row (``k + 1`` spare slots written by the GDN kernels) would save even that; it needs
+those kernels to write intermediate states.
 
 Requests speculate only when each verify row's distribution is the plain sampler's: not
 with a grammar or penalties (their masks and counts follow the drafts), and not before
@@ -49,6 +53,7 @@ from pagedserve.engine.sampler import SamplingTensors, filtered_logits, sample
 from pagedserve.engine.scheduler import ScheduledChunk
 from pagedserve.engine.spec_verify import verify_greedy, verify_sampled
 from pagedserve.engine.speculative import SpeculativeConfig
+from pagedserve.model.forward_batch import GdnRecord
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine, RequestOutput
@@ -128,8 +133,12 @@ class SpeculativeDecoding:
         if spec:
             e.runner.save_states([slots[i] for i in spec])
         batch = build_forward_batch(seq_chunks, e.kv, e.runner.device, staging=e._staging)
-        hidden = e.runner.forward_hidden(batch)  # [T, H]
         qsl = batch.query_start_loc_cpu
+        if spec:  # the verify rows' Gated DeltaNet inputs, for a rollback (_roll_back)
+            verify_rows = [r for i in spec for r in range(qsl[i], qsl[i + 1])]
+            batch.gdn_record = GdnRecord(
+                torch.tensor(verify_rows, dtype=torch.long, device=e.runner.device), [])
+        hidden = e.runner.forward_hidden(batch)  # [T, H]
         plain = [i for i, c in enumerate(chunks) if c.completes and not c.num_draft]
         rows = [qsl[i + 1] - 1 for i in plain]
         for i in spec:
@@ -145,7 +154,7 @@ class SpeculativeDecoding:
                                        drafts[i])
             offset += d + 1
         self._observe(chunks, slots, qsl, hidden, sampled, verified)
-        self._roll_back(e, chunks, slots, verified, seq_chunks)
+        self._roll_back(e, chunks, slots, verified, seq_chunks, spec, batch.gdn_record)
         return self._apply(e, chunks, sampled, verified)
 
     # ---- deciding ---------------------------------------------------------------------
@@ -223,18 +232,29 @@ class SpeculativeDecoding:
         self.drafter.observe(kept)
 
     def _roll_back(self, e: LLMEngine, chunks: list[ScheduledChunk], slots: list[int],
-                   verified: dict[int, _Verified], seq_chunks: list[SeqChunk]) -> None:
-        """Slots of sequences that rejected a draft back to their spare, then their kept
-        rows forwarded again: the state ends at the last kept token."""
+                   verified: dict[int, _Verified], seq_chunks: list[SeqChunk],
+                   spec: list[int], record: GdnRecord | None) -> None:
+        """Slots of sequences that rejected a draft back to their spare, then advanced
+        again over their kept rows from the verify step's recorded Gated DeltaNet inputs:
+        the state ends at the last kept token. The kept rows' attention K/V, written by
+        the verify pass, is already right."""
         redo = [i for i, v in verified.items() if len(v.tokens) - 1 < chunks[i].num_draft]
         if not redo:
             return
+        assert record is not None
         e.runner.restore_states([slots[i] for i in redo])
+        # Where each speculating chunk's rows start among the recorded rows.
+        first, offset = {}, 0
+        for i in spec:
+            first[i] = offset
+            offset += chunks[i].num_tokens
+        redo.sort(key=lambda i: len(verified[i].tokens) > 1)  # single rows first
         replay = [SeqChunk(seq_chunks[i].kv_handle, slots[i],
                            seq_chunks[i].token_ids[:len(verified[i].tokens)],
                            seq_chunks[i].start_pos) for i in redo]
-        replay.sort(key=lambda c: len(c.token_ids) > 1)  # single rows first
-        e.runner.forward_hidden(build_forward_batch(replay, e.kv, e.runner.device))
+        rows = [first[i] + j for i in redo for j in range(len(verified[i].tokens))]
+        e.runner.advance_linear_states(build_forward_batch(replay, e.kv, e.runner.device),
+                                       record.inputs, rows)
 
     def _apply(self, e: LLMEngine, chunks: list[ScheduledChunk], sampled: dict,
                verified: dict[int, _Verified]) -> list[RequestOutput]:

@@ -11,6 +11,18 @@ import torch
 
 
 @dataclass
+class GdnRecord:
+    """What the Gated DeltaNet layers of one step advance their states on, for some rows.
+
+    ``rows`` int64 ``[R]``: rows of the step to record. Each layer appends, in layer order,
+    copies of those rows of its projected inputs ``(mixed [R, conv_dim], b [R, Hv],
+    a [R, Hv])`` to ``inputs``; ``Qwen3_5Model.advance_linear_states`` replays them."""
+
+    rows: torch.Tensor
+    inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
 class ForwardBatch:
     """One step over B sequences holding T new tokens, decode sequences first.
 
@@ -26,6 +38,10 @@ class ForwardBatch:
 
     Host copies (plain lists, so planning never syncs the device):
         query_start_loc_cpu, seq_lens_cpu
+
+    Recording (speculative verify steps, ``engine/spec_step.py``):
+        gdn_record:       ``None``, or a ``GdnRecord``: the rows whose Gated DeltaNet
+                          inputs every such layer copies out, in layer order.
 
     Padding (prefill CUDA graphs, ``engine/prefill_graphs.py``):
         row_valid:        bool ``[T]`` or ``None`` (every row real). A graph's batch is one
@@ -46,6 +62,7 @@ class ForwardBatch:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     row_valid: torch.Tensor | None = None
+    gdn_record: GdnRecord | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -89,6 +89,23 @@ class GatedDeltaNet(nn.Module):
         """
         T = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split(self.split, dim=-1)
+        record = batch.gdn_record
+        if record is not None:
+            record.inputs.append((mixed[record.rows], b[record.rows], a[record.rows]))
+        o = self.advance(mixed, b, a, conv_state, recurrent_state, batch)  # [T, Hv, Dv]
+        o = self.norm(o, z.view(T, self.num_v_heads, self.head_v_dim))  # [T, Hv, Dv]
+        return self.out_proj(o.reshape(T, self.value_dim))
+
+    def advance(
+        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """The conv and the delta rule over the projected rows ``mixed`` ``[T, conv_dim]``,
+        ``b``, ``a`` ``[T, Hv]``: advances both states of ``batch``'s sequences in place
+        and returns the rule's output ``[T, Hv, Dv]``. Nothing here reads another row of
+        the model, so rows recorded from one step (``ForwardBatch.gdn_record``) can
+        advance a state again without the layers around it."""
+        T = mixed.shape[0]
         mixed = gdn.causal_conv1d_varlen(
             mixed, self.conv1d.weight[:, 0], conv_state, batch.query_start_loc,
             batch.query_start_loc_cpu, batch.state_slots, batch.num_decode_seqs,
@@ -104,10 +121,7 @@ class GatedDeltaNet(nn.Module):
             # state after a padded chunk is the state after its last real row.
             keep = batch.row_valid[:, None]  # [T, 1]
             g, beta = g * keep, beta * keep
-        o = gdn.gated_delta_rule_varlen(
+        return gdn.gated_delta_rule_varlen(
             q, k, v, g, beta, recurrent_state, batch.query_start_loc,
             batch.query_start_loc_cpu, batch.state_slots, batch.num_decode_seqs,
         )  # [T, Hv, Dv]
-
-        o = self.norm(o, z.view(T, self.num_v_heads, self.head_v_dim))  # [T, Hv, Dv]
-        return self.out_proj(o.reshape(T, self.value_dim))

@@ -128,6 +128,22 @@ class Qwen3_5Model(nn.Module):
             return self.norm(h)
         return self.norm.add_forward(h, residual)[1]
 
+    def advance_linear_states(
+        self, batch: ForwardBatch, caches: ModelCaches,
+        inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], rows: torch.Tensor,
+    ) -> None:
+        """Advance every Gated DeltaNet layer's states of ``batch``'s sequences over rows
+        ``rows`` (int64 ``[T]``, ``batch``'s rows in order) of ``inputs``, a step's
+        ``GdnRecord.inputs``. The states end where a forward pass of those rows would
+        leave them; attention K/V and every other layer are untouched."""
+        linear = [layer for layer in self.layers
+                  if isinstance(layer, DecoderLayer) and not layer.is_full_attention]
+        assert len(linear) == len(inputs), (len(linear), len(inputs))
+        for layer, (mixed, b, a) in zip(linear, inputs):
+            i = layer.cache_index
+            layer.linear_attn.advance(mixed[rows], b[rows], a[rows], caches.conv_state[i],
+                                      caches.recurrent_state[i], batch)
+
     def use_compiled_elementwise(self, ops: ElementwiseOps) -> None:
         """Route every module's elementwise math through ``ops`` (e.g. compiled twins)."""
         for module in self.modules():
