@@ -16,10 +16,10 @@ they hold), timed side by side in one run:
 Reported per (B, k): each step's ms, ``(draft + verify) / decode``, and the speed-up that
 these costs predict at per-token acceptance a = 0.5, 0.7, 0.9: expected tokens per step
 ``(1 - a^(k+1)) / (1 - a)`` over the step's cost in decode steps. Two predictions: without
-the rollback's replay (an upper bound), and with a replay pass, costed as one more verify
-step, whenever a draft is rejected (probability ``1 - a^k``; a lower bound on speed,
-since a replay forwards only the kept rows). The end-to-end run with a drafter of set
-acceptance is not part of this script.
+the rollback's cost (an upper bound), and with a rollback costed as one more verify step
+whenever a draft is rejected (probability ``1 - a^k``; a lower bound on speed, since a
+rollback runs only the Gated DeltaNet layers' conv and delta rule over the kept rows).
+``bench_spec_e2e.py`` measures the end-to-end side.
 
 ``--quick`` runs the tests' tiny random model with a random MTP head on the CPU (a smoke test;
 its numbers mean nothing). Writes ``spec.{md,json,png}`` (``spec_quick`` with
@@ -154,7 +154,7 @@ def markdown(res: dict) -> str:
         f"{res['context']}-token context. Decode: the CUDA graph of a plain step; verify "
         "and draft: eager, as speculative steps run (see the script's docstring). "
         "Speed-ups are predicted from these costs, not measured end to end: without the "
-        "rollback's replay (upper bound) / with a replay costed as one more verify step "
+        "rollback's cost (upper bound) / with a rollback costed as one more verify step "
         "after any rejection (lower bound).", "",
         "| B | k | decode ms | verify ms | draft ms | (verify + draft) / decode | "
         + " | ".join(f"a={a}" for a in ACCEPTANCE) + " |",

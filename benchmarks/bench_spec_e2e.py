@@ -5,13 +5,13 @@ Random weights accept almost no MTP draft, and a drafter replaying an earlier ru
 tokens does not keep them either: bf16 verify rows and decode rows round differently, the
 near-flat random logits tie, and the two runs part after a few dozen tokens. So the
 acceptance is imposed where it is decided. ``ImposedAcceptance`` replaces the engine's
-verify decision only: of a sequence's ``d`` drafts it keeps the first ``m``, each kept with
-probability ``a`` once the one before it was (seeded), and emits them with the target's own
-token at row ``m``. Everything else runs as in production -- the MTP drafts through the
-shared lm_head, the verify forward over ``d + 1`` rows per sequence, the slot save, the
-restore and the replay of kept rows after a rejection, the K/V unreserve -- so the cost
-per emitted token is the one a real drafter of acceptance ``a`` pays. The tokens
-themselves are not the model's greedy text.
+verify decision only: of a sequence's ``d`` drafts it keeps the first ``m``, each kept
+with probability ``a`` once the one before it was (seeded), and emits them with the
+target's own token at row ``m``. Everything else runs as in production -- the MTP drafts
+through the shared lm_head, the verify forward over ``d + 1`` rows per sequence, the slot
+save, the restore and the GDN re-advance over the kept rows after a rejection, the K/V
+unreserve -- so the cost per emitted token is the one a real drafter of acceptance ``a``
+pays. The tokens themselves are not the model's greedy text.
 
 For each batch size B: B prompts of ``--prompt-len`` random tokens, ``--output-len`` tokens
 each (``ignore_eos``), greedy. Plain: the engine's defaults (CUDA graphs, async
