@@ -17,6 +17,7 @@ the GPU's clocks over the seconds of a measurement does not land on one side onl
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
@@ -148,6 +149,33 @@ def copy_bandwidth_gbs(nbytes: int = 1 << 31) -> float:
     if device == "cuda":
         torch.cuda.empty_cache()
     return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def model_parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
+    """The arguments of the model-level benchmarks: ``--model`` (the 27B preset),
+    ``--quick`` (a CPU smoke run), ``--kv-type`` (q4_0) and ``--out`` (docs/benchmarks)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--model", default="preset:qwen3.5-27b")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--kv-type", default="q4_0")
+    ap.add_argument("--out", type=Path,
+                    default=Path(__file__).resolve().parents[1] / "docs" / "benchmarks")
+    return ap
+
+
+def meta_line(meta: dict) -> str:
+    """The header line every report carries: date, GPU, commit, torch and Triton."""
+    return (f"{meta['date']} · {meta['gpu']} · commit {meta['commit']} · "
+            f"torch {meta['torch']} · triton {meta['triton']}")
+
+
+def report(out_dir: Path, stem: str, results: dict, markdown: str,
+           figure_fn: Callable[[Path], None] | None) -> int:
+    """``write_outputs``, then the report and the paths on stdout; a script's exit status."""
+    paths = write_outputs(out_dir, stem, results, markdown, figure_fn)
+    print(markdown)
+    print("wrote", ", ".join(str(p) for p in paths))
+    return 0
 
 
 def write_outputs(out_dir: Path, stem: str, results: dict, markdown: str,

@@ -233,8 +233,7 @@ def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [
         "# Engine decode benchmark (Qwen3.5-27B shape, random bf16 weights)", "",
-        f"{m['date']} · {m['gpu']} · commit {m['commit']} · torch {m['torch']} · "
-        f"triton {m['triton']}", "",
+        _common.meta_line(m), "",
         "Measured through `LLMEngine.step()` (scheduler + batch build + CUDA-graph forward + "
         "sampling + reading the tokens back), with async scheduling (the CUDA default) except "
         "in the rows marked 'sync'. Contexts filled synthetically (see the script's "

@@ -28,7 +28,6 @@ its numbers mean nothing). Writes ``spec.{md,json,png}`` (``spec_quick`` with
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -45,7 +44,6 @@ from pagedserve.model.mtp import SUPPORTED_MTP_LAYERS  # noqa: E402
 from pagedserve.model.random_checkpoint import random_model_path  # noqa: E402
 from pagedserve.model.random_weights import random_model  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 ACCEPTANCE = (0.5, 0.7, 0.9)
 MAX_K = 4
 
@@ -148,8 +146,7 @@ def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [
         "# Speculative decoding: the cost side", "",
-        f"{m['date']} · {m['gpu']} · commit {m['commit']} · torch {m['torch']} · "
-        f"triton {m['triton']}", "",
+        _common.meta_line(m), "",
         f"Model {res['model']}, K/V {res['kv_type']}, every sequence at a "
         f"{res['context']}-token context. Decode: the CUDA graph of a plain step; verify "
         "and draft: eager, as speculative steps run (see the script's docstring). "
@@ -193,14 +190,9 @@ def figure(res: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="preset:qwen3.5-27b")
-    ap.add_argument("--quick", action="store_true",
-                    help="the tiny random model on the CPU (a smoke test)")
-    ap.add_argument("--kv-type", default="q4_0")
+    ap = _common.model_parser(__doc__, "the tiny random model on the CPU (a smoke test)")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--batches", default="1,8,16")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in str(args.batches).split(",") if b]
     if args.quick:
@@ -210,11 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res = run(args)
     stem = "spec_quick" if args.quick else "spec"
-    paths = _common.write_outputs(args.out, stem, res, markdown(res),
-                                  lambda p: figure(res, p))
-    print(markdown(res))
-    print("wrote", ", ".join(str(p) for p in paths))
-    return 0
+    return _common.report(args.out, stem, res, markdown(res), lambda p: figure(res, p))
 
 
 if __name__ == "__main__":

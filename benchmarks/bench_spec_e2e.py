@@ -23,7 +23,6 @@ tiny random model on the CPU: a smoke test whose figures mean nothing).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 import sys
@@ -37,13 +36,12 @@ import _common  # noqa: E402
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.request import SamplingParams  # noqa: E402
-from pagedserve.engine.spec_step import SpeculativeDecoding, _Verified  # noqa: E402
+from pagedserve.engine.spec_step import SpecStats, SpeculativeDecoding, _Verified  # noqa: E402
 from pagedserve.model.loader import LoadedModel, load_model  # noqa: E402
 from pagedserve.model.mtp import SUPPORTED_MTP_LAYERS  # noqa: E402
 from pagedserve.model.random_checkpoint import random_model_path  # noqa: E402
 from pagedserve.model.random_weights import random_model  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 ACCEPTANCE = (0.5, 0.7, 0.9)
 KS = (1, 2, 3, 4)
 
@@ -63,13 +61,7 @@ class ImposedAcceptance:
         while m < d and self.rng.random() < self.acceptance:
             m += 1
         tokens = [*draft.token_ids[:m], int(target[m].argmax())]
-        s = self.spec.stats
-        s.num_drafts += 1
-        s.num_draft_tokens += d
-        s.num_accepted_tokens += m
-        for j in range(m):
-            s.accepted_per_pos[j] += 1
-        s.num_by_accepted[m] += 1
+        self.spec.stats.record(d, m)
         return _Verified(tokens, [None] * len(tokens))
 
 
@@ -134,9 +126,8 @@ def run(args) -> dict:
             decode_rate(spec, prompts[:1], 4)
             point["k"][str(k)] = {}
             for a in ACCEPTANCE:
-                spec.spec.stats = dataclasses.replace(
-                    spec.spec.stats, num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
-                    accepted_per_pos=[0] * k, num_by_accepted=[0] * (k + 1))
+                spec.spec.stats = SpecStats(accepted_per_pos=[0] * k,
+                                            num_by_accepted=[0] * (k + 1))
                 ImposedAcceptance(spec.spec, a, seed=k * 100 + int(a * 10))
                 r = decode_rate(spec, prompts, args.output_len)
                 s = spec.spec.stats
@@ -156,12 +147,11 @@ def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [
         "# Speculative decoding end to end, at imposed acceptance", "",
-        f"{m['date']} · {m['gpu']} · commit {m['commit']} · torch {m['torch']} · "
-        f"triton {m['triton']}", "",
+        _common.meta_line(m), "",
         f"Model {res['model']}, K/V {res['kv_type']}, prompts of {res['prompt_len']} tokens, "
         f"{res['output_len']} greedy tokens each. Acceptance is imposed at the verify "
         "decision (each draft kept with probability a after the one before it); every "
-        "forward, draft, rollback and replay runs as in production, so these are the costs "
+        "forward, draft and rollback runs as in production, so these are the costs "
         "of a drafter of acceptance a, not the model's text (see the script's docstring). "
         "Plain decoding runs with the engine's defaults (CUDA graphs, async scheduling).", "",
         "| B | plain tok/s | k | " + " | ".join(
@@ -202,15 +192,10 @@ def figure(res: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="preset:qwen3.5-27b")
-    ap.add_argument("--quick", action="store_true",
-                    help="the tiny random model on the CPU (a smoke test)")
-    ap.add_argument("--kv-type", default="q4_0")
+    ap = _common.model_parser(__doc__, "the tiny random model on the CPU (a smoke test)")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in str(args.batches).split(",") if b]
     if args.quick:
@@ -221,11 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res = run(args)
     stem = "spec_e2e_quick" if args.quick else "spec_e2e"
-    paths = _common.write_outputs(args.out, stem, res, markdown(res),
-                                  lambda p: figure(res, p))
-    print(markdown(res))
-    print("wrote", ", ".join(str(p) for p in paths))
-    return 0
+    return _common.report(args.out, stem, res, markdown(res), lambda p: figure(res, p))
 
 
 if __name__ == "__main__":

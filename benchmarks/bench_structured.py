@@ -29,7 +29,6 @@ Writes ``structured.{md,json,png}`` to ``--out`` (default ``docs/benchmarks``; c
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 import statistics
@@ -48,7 +47,6 @@ from pagedserve.engine.structured import GrammarSpec  # noqa: E402
 from pagedserve.model.loader import LoadedModel, load_model  # noqa: E402
 from pagedserve.server.constraints import json_format, tool_call_format  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 BATCH = 8
 PROMPT_LEN = 64
 TARGET = 1.10
@@ -184,8 +182,7 @@ def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [
         "# Structured outputs: decode step cost at batch 8", "",
-        f"{m['date']} · {m['gpu']} · commit {m['commit']} · torch {m['torch']} · "
-        f"triton {m['triton']}", "",
+        _common.meta_line(m), "",
         f"Model {res['model']} (vocabulary {res['vocab_size']}), K/V {res['kv_type']}; "
         "p50 over timed `LLMEngine.step()` calls with 8 requests decoding; see the script's "
         "docstring for the cases.", "",
@@ -224,14 +221,10 @@ def figure(res: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="preset:qwen3.5-27b")
-    ap.add_argument("--quick", action="store_true",
-                    help="the embedded default model on the CPU, few steps (a smoke test)")
-    ap.add_argument("--kv-type", default="q4_0")
+    ap = _common.model_parser(
+        __doc__, "the embedded default model on the CPU, few steps (a smoke test)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
     args = ap.parse_args(argv)
     args.steps = args.steps or (4 if args.quick else 40)
     args.warmup = args.warmup or (1 if args.quick else 5)
@@ -241,11 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_structured needs a CUDA GPU (or --quick)", file=sys.stderr)
         return 2
     res = run(args)
-    paths = _common.write_outputs(args.out, "structured", res, markdown(res),
-                                  lambda p: figure(res, p))
-    print(markdown(res))
-    print("wrote", ", ".join(str(p) for p in paths))
-    return 0
+    return _common.report(args.out, "structured", res, markdown(res), lambda p: figure(res, p))
 
 
 if __name__ == "__main__":

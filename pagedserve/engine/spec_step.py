@@ -72,6 +72,15 @@ class SpecStats:
     # Verifies that kept exactly m drafts, by m (0..k): which rollback branch ran.
     num_by_accepted: list[int] = field(default_factory=list)
 
+    def record(self, num_draft: int, num_kept: int) -> None:
+        """One verify of ``num_draft`` drafts that kept the first ``num_kept``."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_kept
+        for j in range(num_kept):
+            self.accepted_per_pos[j] += 1
+        self.num_by_accepted[num_kept] += 1
+
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verify (kept drafts + the target's own), 0 before any."""
@@ -190,14 +199,7 @@ class SpeculativeDecoding:
                 q = torch.softmax(filtered_logits(draft.logits, _first_rows(st, d)), dim=-1)
             tokens = verify_sampled(p, q, draft.token_ids, req.sample_seed,
                                     len(req.output_token_ids), sample(target, st).token_ids)
-        m = len(tokens) - 1
-        s = self.stats
-        s.num_drafts += 1
-        s.num_draft_tokens += d
-        s.num_accepted_tokens += m
-        for j in range(m):
-            s.accepted_per_pos[j] += 1
-        s.num_by_accepted[m] += 1
+        self.stats.record(d, len(tokens) - 1)
         logprobs: list[TokenLogprob | None] = [None] * len(tokens)
         n = req.params.logprobs
         if n is not None:

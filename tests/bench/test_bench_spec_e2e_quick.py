@@ -46,8 +46,9 @@ def test_imposed_acceptance_keeps_a_geometric_run(monkeypatch):
     20,000 verifies of 3 drafts at a = 0.7 (critical value 16.27 for 3 degrees of freedom
     at p = 0.001)."""
     bench = _bench(monkeypatch)
-    stats = SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
-                            accepted_per_pos=[0] * 3, num_by_accepted=[0] * 4)
+    from pagedserve.engine.spec_step import SpecStats
+
+    stats = SpecStats(accepted_per_pos=[0] * 3, num_by_accepted=[0] * 4)
     spec = SimpleNamespace(stats=stats)
     imposed = bench.ImposedAcceptance(spec, 0.7, seed=1)
     target = torch.zeros(4, 10)
