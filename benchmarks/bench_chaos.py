@@ -60,7 +60,7 @@ Defaults: 500 requests, prompts up to 32K tokens (4% long, the rest around 256),
 output tokens, concurrency 96 against max-num-seqs 32, 64 solo reruns; the chaos phase is
 cut at 240 s (on an H200, 110 s left 141 of the 500 unsent or in flight) and the solo
 reruns at 45 s (``benchmarks/gpu_run.sh`` stage ``bench-chaos``).
-``--quick``: the embedded default model on the CPU, 40 requests of up to 96 tokens on an
+``--quick``: the tiny random model on the CPU, 40 requests of up to 96 tokens on an
 11-block pool with prefill chunks of 16 tokens (so that prompts grow into the pool chunk by
 chunk and preempt each other), in well under a minute (CI runs it:
 tests/server/test_bench_chaos_quick.py).
@@ -102,6 +102,7 @@ from _chaos_client import (  # noqa: E402
     wait_idle,
 )
 
+from pagedserve.model.random_checkpoint import random_model_path  # noqa: E402
 from pagedserve.server.info import cpu_name, source_commit  # noqa: E402
 from pagedserve.server.launcher import ServerProcess  # noqa: E402
 
@@ -229,7 +230,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny model on the CPU, seconds")
     p.add_argument("--model", default=None, help="default preset:qwen3.5-27b (--quick: the "
-                   "embedded default model)")
+                   "tiny random model)")
     p.add_argument("--device", default=None, help="default cuda (--quick: cpu)")
     p.add_argument("--kv-type", default="q4_0", help="K and V storage type (default q4_0)")
     p.add_argument("--num-requests", type=int, default=None, help="default 500 (quick 40)")
@@ -275,7 +276,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     q = args.quick
     defaults = {
-        "model": None if q else "preset:qwen3.5-27b", "device": "cpu" if q else "cuda",
+        "model": str(random_model_path()) if q else "preset:qwen3.5-27b",
+        "device": "cpu" if q else "cuda",
         "num_requests": 40 if q else 500, "concurrency": 12 if q else 96,
         "max_num_seqs": 4 if q else 32, "max_prompt_len": 96 if q else 32768,
         "short_len": 12 if q else 256, "long_fraction": 0.2 if q else 0.04,

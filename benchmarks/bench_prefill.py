@@ -399,7 +399,7 @@ def parse_configs(text: str) -> list[tuple[int, int, int] | None]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="op,ttft,hf")
-    ap.add_argument("--quick", action="store_true", help="CPU dry run on the embedded model")
+    ap.add_argument("--quick", action="store_true", help="CPU dry run on the tiny random model")
     ap.add_argument("--kv-type", default="q8_0")
     ap.add_argument("--lengths", default="512,8192,32768,131072")
     ap.add_argument("--configs", default="defaults,512/16384/16384",
@@ -435,8 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         res["op"] = run_op(args, device)
     if parts & {"ttft", "hf"}:
         from pagedserve.model.loader import load_model
+        from pagedserve.model.random_checkpoint import random_model_path
 
-        model = None if args.quick else "preset:qwen3.5-27b"
+        model = random_model_path() if args.quick else "preset:qwen3.5-27b"
         loaded = load_model(model, device, None if args.quick else "bfloat16", progress=False)
     if "ttft" in parts:
         res["ttft"] = run_ttft(args, device, loaded) | {"kv_type": args.kv_type}

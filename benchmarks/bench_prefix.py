@@ -3,7 +3,7 @@ and off side by side in one run. Writes ``OUT/prefix.{md,json,png}``.
 
     python benchmarks/bench_prefix.py --model preset:qwen3.5-27b --device cuda \\
         --cache-type-k q4_0 --cache-type-v q4_0 --max-model-len 40960 --scale 0.5
-    python benchmarks/bench_prefix.py --quick          # CPU, the embedded model
+    python benchmarks/bench_prefix.py --quick          # CPU, the tiny random model
 
 Workloads (token-id prompts of random tokens; every request streams, EOS ignored):
 
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 
+from pagedserve.model.random_checkpoint import random_model_path
 from pagedserve.server.info import source_commit
 from pagedserve.server.launcher import ServerProcess
 
@@ -368,7 +369,7 @@ def write_plot(path: Path, report: dict) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny CPU run with the embedded model")
+    p.add_argument("--quick", action="store_true", help="tiny CPU run with the tiny random model")
     p.add_argument("--model", default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--server-args", default="",
@@ -395,7 +396,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.set_defaults(concurrency="2", conversations=3, turns=3, user_tokens=24,
                        chat_output=4, agents=3, steps=6, system_tokens=64, task_tokens=8,
                        tool_tokens="8-20", agent_output=3, cold_probes=1, probe_history=48,
-                       sweep_checkpoints="2,8")
+                       sweep_checkpoints="2,8", model=str(random_model_path()))
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
     args.sweep_checkpoints = [int(c) for c in str(args.sweep_checkpoints).split(",") if c]

@@ -9,10 +9,12 @@ least the previous turn's whole prompt. Answers through the router equal a repli
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,9 +23,9 @@ import openai
 import pytest
 from server_harness import client, running
 
-ROUTER = shutil.which("vllm-router")
-pytestmark = pytest.mark.skipif(ROUTER is None, reason="needs vllm-router (pip install "
-                                "vllm-router; a test dependency)")
+# The router's executable, beside this interpreter (a venv's bin/) or on PATH.
+ROUTER = shutil.which("vllm-router", path=os.pathsep.join(
+    [str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
 SESSIONS = 6
 TURNS = 3
 
@@ -35,7 +37,7 @@ def _free_port() -> int:
 
 
 def _start_router(workers: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    assert ROUTER is not None
+    assert ROUTER is not None, "vllm-router is missing: it is a test dependency (pyproject)"
     port = _free_port()
     proc = subprocess.Popen(
         [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "consistent_hash",
