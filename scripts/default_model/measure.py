@@ -50,26 +50,28 @@ PROMPTS = (
 )
 
 
-def kv_agreement(lm: LoadedModel, new_tokens: int) -> dict[str, dict[str, float]]:
+def kv_agreement(lm: LoadedModel, kv_types: tuple[str, ...], prompts: tuple[str, ...],
+                 new_tokens: int) -> dict[str, dict[str, float]]:
+    """Per K/V type, the share of f16's greedy tokens it agrees with over ``prompts``:
+    teacher-forced on f16's tokens (each step's argmax) and free-running (positions)."""
     def runner(kv: str) -> ModelRunner:
         return ModelRunner(lm.model, CacheConfig(cache_type_k=kv, cache_type_v=kv),
                            RunnerConfig(max_model_len=512, max_num_seqs=1))
 
     tok = lm.require_tokenizer()
-    out = {}
-    for kv in ("q8_0", "q4_0"):
-        forced_hits = free_hits = total = 0
-        for prompt in PROMPTS:
-            ids = tok(prompt).input_ids
-            f16 = greedy(runner("f16"), ids, new_tokens).tokens
+    hits = {kv: [0, 0] for kv in kv_types}  # teacher-forced, free-running
+    total = 0
+    for prompt in prompts:
+        ids = tok(prompt).input_ids
+        f16 = greedy(runner("f16"), ids, new_tokens).tokens
+        total += len(f16)
+        for kv in kv_types:
             forced = greedy(runner(kv), ids, new_tokens, forced=f16)
-            forced_hits += sum(int(r.argmax()) == t for r, t in zip(forced.step_logits, f16))
+            hits[kv][0] += sum(int(r.argmax()) == t for r, t in zip(forced.step_logits, f16))
             free = greedy(runner(kv), ids, new_tokens).tokens
-            free_hits += sum(a == b for a, b in zip(free, f16))
-            total += len(f16)
-        out[kv] = {"teacher_forced": forced_hits / total, "free_running": free_hits / total}
-        print(f"{kv}: {out[kv]}", flush=True)
-    return out
+            hits[kv][1] += sum(a == b for a, b in zip(free, f16))
+    return {kv: {"teacher_forced": h[0] / total, "free_running": h[1] / total}
+            for kv, h in hits.items()}
 
 
 def generate(engine: LLMEngine, prompts: list[str], n: int) -> tuple[list[list[int]], float]:
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "device": f"CPU ({platform.processor() or platform.machine()}, "
                   f"{torch.get_num_threads()} threads), torch {torch.__version__}",
-        "kv_agreement": kv_agreement(lm, args.kv_tokens),
+        "kv_agreement": kv_agreement(lm, ("q8_0", "q4_0"), PROMPTS, args.kv_tokens),
         "speculative": speculation(args.checkpoint, lm, args.spec_tokens),
         "kv_tokens": args.kv_tokens, "kv_prompts": len(PROMPTS),
         "spec_tokens": args.spec_tokens,

@@ -2,15 +2,17 @@
 what transformers loads as it is, greedy tokens equal to transformers', quantized K/V that
 agrees with f16, and continuations made of English words.
 
-Agreement is per token with teacher forcing: f16's greedy tokens are fed to a runner with
-quantized K/V, and each step's argmax is compared with f16's. (Free-running agreement is
-printed too; after a first difference the two texts part ways, so it measures only the
-longest identical prefix.)
+Agreement is the model card's measure (``scripts/default_model/measure.py``): per token with
+teacher forcing, f16's greedy tokens fed to a runner with quantized K/V and each step's
+argmax compared with f16's. (Free-running agreement is printed too; after a first
+difference the two texts part ways, so it measures only the longest identical prefix.)
 """
 
 from __future__ import annotations
 
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +23,9 @@ from pagedserve.config import CacheConfig
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
 from pagedserve.model import default_model
 from pagedserve.model.loader import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "default_model"))
+import measure  # noqa: E402
 
 PROMPTS = (
     "Once upon a time",
@@ -95,19 +100,9 @@ def test_continuations_read_as_words(loaded) -> None:
 @pytest.mark.parametrize("kv_type,floor", [("q8_0", 0.95), ("q4_0", 0.0)])
 def test_quantized_kv_agrees_with_f16(loaded, kv_type: str, floor: float,
                                       record_property) -> None:
-    agree = total = free_agree = 0
-    for prompt in PROMPTS:
-        ids = _prompt_ids(loaded, prompt)
-        f16 = greedy(_runner(loaded), ids, NEW_TOKENS).tokens
-        runner = _runner(loaded, CacheConfig(cache_type_k=kv_type, cache_type_v=kv_type))
-        forced = greedy(runner, ids, NEW_TOKENS, forced=f16)
-        picks = [int(row.argmax()) for row in forced.step_logits]
-        agree += sum(a == b for a, b in zip(picks, f16))
-        total += len(f16)
-        free = greedy(_runner(loaded, CacheConfig(cache_type_k=kv_type,
-                                                  cache_type_v=kv_type)), ids, NEW_TOKENS)
-        free_agree += sum(a == b for a, b in zip(free.tokens, f16))
-    print(f"\ndefault model, {kv_type} K/V against f16: {agree}/{total} = {agree / total:.1%} "
-          f"per token (teacher-forced), {free_agree / total:.1%} free-running")
-    record_property(f"{kv_type}_agreement_with_f16", agree / total)
-    assert agree / total >= floor
+    """The model card's measure (``scripts/default_model/measure.py``), asserted."""
+    got = measure.kv_agreement(loaded, (kv_type,), PROMPTS, NEW_TOKENS)[kv_type]
+    print(f"\ndefault model, {kv_type} K/V against f16: {got['teacher_forced']:.1%} per "
+          f"token (teacher-forced), {got['free_running']:.1%} free-running")
+    record_property(f"{kv_type}_agreement_with_f16", got["teacher_forced"])
+    assert got["teacher_forced"] >= floor
