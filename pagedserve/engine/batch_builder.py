@@ -45,8 +45,9 @@ class HostStaging:
         self.device = torch.device(device)
         pin = self.device.type == "cuda"
         self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks
-        self._longs = torch.empty(3 * max_tokens + max_seqs, dtype=torch.long, pin_memory=pin)
-        self._ints = torch.empty(3 * max_seqs + 1, dtype=torch.int32, pin_memory=pin)
+        longs, ints = packed_lengths(max_tokens, max_seqs)
+        self._longs = torch.empty(longs, dtype=torch.long, pin_memory=pin)
+        self._ints = torch.empty(ints, dtype=torch.int32, pin_memory=pin)
         self._tables = torch.empty(max_seqs * max_blocks, dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None
 
@@ -67,6 +68,46 @@ class HostStaging:
         if self._copied is not None:
             self._copied.record()
         return out
+
+
+# Each section of the packed vectors below starts on a 16-byte boundary. Triton specializes
+# a pointer argument on 16-byte alignment: a section whose offset depended on the batch's
+# token or sequence count would compile a second variant of its kernels (kv_write, the
+# decode and prefill attention, the GDN kernels) in the middle of serving, after the
+# warm-up.
+_ALIGN_BYTES = 16
+
+
+def _aligned(n: int, itemsize: int) -> int:
+    """``n`` elements of ``itemsize`` bytes, rounded up to whole 16-byte units."""
+    per = _ALIGN_BYTES // itemsize
+    return -(-n // per) * per
+
+
+def _section_offsets(lengths: list[int], itemsize: int) -> list[int]:
+    """Start of each section when every one begins on a 16-byte boundary; the last entry
+    is the packed length."""
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + _aligned(n, itemsize))
+    return offsets
+
+
+def packed_lengths(num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    """Elements of the packed int64 and int32 vectors of a batch (``build_forward_batch``)."""
+    return (_section_offsets([num_tokens] * 3 + [num_seqs], 8)[-1],
+            _section_offsets([num_seqs + 1, num_seqs, num_seqs], 4)[-1])
+
+
+def _pack(sections: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+    """Concatenate 1-D ``sections`` with zero padding so that each starts on a 16-byte
+    boundary; returns the vector and the start of each section."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    offsets = _section_offsets([t.numel() for t in sections], itemsize)
+    packed = torch.zeros(offsets[-1], dtype=dtype)
+    for t, start in zip(sections, offsets):
+        packed[start:start + t.numel()] = t
+    return packed, offsets
 
 
 def table_width(widest: int, max_blocks: int) -> int:
@@ -121,25 +162,31 @@ def build_forward_batch(
         max(len(kv.block_table(h)) for h in handles), kv.max_blocks_per_seq))
     B, T = len(chunks), len(ids)
 
-    # Two host->device copies for all the small vectors (each copy has a fixed cost):
-    #   int64 [3T + B]:     input_ids [T] | positions [T] | slot_mapping [T] | logits_indices [B]
-    #   int32 [3B + 1]:     query_start_loc [B + 1] | seq_lens [B] | state_slots [B]
-    longs = torch.cat([torch.tensor(ids + positions + slots, dtype=torch.long),
-                       *prefill_slots, torch.tensor(qsl[1:], dtype=torch.long) - 1])
-    ints = torch.tensor(qsl + seq_lens + [c.state_slot for c in chunks], dtype=torch.int32)
+    # Two host->device copies for all the small vectors (each copy has a fixed cost), each
+    # section starting on a 16-byte boundary (| . | marks the zero padding):
+    #   int64: input_ids [T] | . | positions [T] | . | slot_mapping [T] | . | logits_indices [B] | .
+    #   int32: query_start_loc [B + 1] | . | seq_lens [B] | . | state_slots [B] | .
+    longs, lo = _pack([torch.tensor(ids, dtype=torch.long),
+                       torch.tensor(positions, dtype=torch.long),
+                       torch.cat([torch.tensor(slots, dtype=torch.long), *prefill_slots]),
+                       torch.tensor(qsl[1:], dtype=torch.long) - 1], torch.long)
+    ints, io = _pack([torch.tensor(qsl, dtype=torch.int32),
+                      torch.tensor(seq_lens, dtype=torch.int32),
+                      torch.tensor([c.state_slot for c in chunks], dtype=torch.int32)],
+                     torch.int32)
     if staging is not None and staging.fits(T, B, tables.shape[1]):
         longs, ints, tables = staging.to_device(longs, ints, tables)
     else:
         longs, ints, tables = (t.contiguous().to(device, non_blocking=True)
                                for t in (longs, ints, tables))
     return ForwardBatch(
-        input_ids=longs[:T],
-        positions=longs[T:2 * T],
-        slot_mapping=longs[2 * T:3 * T],
-        logits_indices=longs[3 * T:],
-        query_start_loc=ints[:B + 1],
-        seq_lens=ints[B + 1:2 * B + 1],
-        state_slots=ints[2 * B + 1:],
+        input_ids=longs[lo[0]:lo[0] + T],
+        positions=longs[lo[1]:lo[1] + T],
+        slot_mapping=longs[lo[2]:lo[2] + T],
+        logits_indices=longs[lo[3]:lo[3] + B],
+        query_start_loc=ints[io[0]:io[0] + B + 1],
+        seq_lens=ints[io[1]:io[1] + B],
+        state_slots=ints[io[2]:io[2] + B],
         block_tables=tables,
         num_decode_seqs=num_decode,
         query_start_loc_cpu=qsl,

@@ -107,9 +107,19 @@ class ElementwiseOps:
 EAGER = ElementwiseOps()
 
 
+# Each op recompiles once per dtype combination and per weight kind it meets (a weight
+# passed as an ``nn.Parameter`` and one passed as a plain tensor are guarded apart). A
+# process that builds several engines (tests, benchmarks with more than one model) meets
+# more than dynamo's default of 8, and with ``fullgraph=True`` the ninth is a hard failure
+# that leaves the CUDA graphs uncaptured; the raised limit keeps that from happening.
+RECOMPILE_LIMIT = 64
+
+
 @functools.cache
 def compiled_ops() -> ElementwiseOps:
     """The compiled twins. Compilation itself happens lazily, at each one's first call."""
+    dynamo = torch._dynamo.config
+    dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
     return ElementwiseOps(**{
         f.name: torch.compile(getattr(EAGER, f.name), dynamic=True, fullgraph=True)
         for f in fields(ElementwiseOps)
@@ -120,18 +130,24 @@ def check_compiled(ops: ElementwiseOps, device: torch.device, dtype: torch.dtype
     """Compile and run every op once on small inputs; ``False`` (logged) if any fails."""
     t, h, d = 3, 64, 64
     x = torch.randn(t, h, device=device, dtype=dtype)
-    w = torch.randn(h, device=device, dtype=dtype)
+    # A parameter, as the model passes its weights: the variant compiled here is the one
+    # the model runs.
+    def weight(n: int) -> torch.nn.Parameter:
+        return torch.nn.Parameter(torch.randn(n, device=device, dtype=dtype),
+                                  requires_grad=False)
+
+    w, wd, wg = weight(h), weight(d), weight(4)
     q = torch.randn(t, 2, d, device=device, dtype=dtype)
     cos = torch.randn(t, 16, device=device, dtype=dtype)
     g = torch.randn(t, 4, device=device, dtype=dtype)
     try:
         ops.rms_norm(x, w, 1e-6)
         ops.add_rms_norm(x, x, w, 1e-6)
-        ops.qk_norm_rope(q, q, w[:d], w[:d], cos, cos, 1e-6)
+        ops.qk_norm_rope(q, q, wd, wd, cos, cos, 1e-6)
         ops.sigmoid_gate(x, x)
         ops.silu_mul(x)
-        ops.gdn_gates(g, g, g[0], g[0])
-        ops.gated_rms_norm(q, q, w[:d], 1e-6)
+        ops.gdn_gates(g, g, wg, wg)
+        ops.gated_rms_norm(q, q, wd, 1e-6)
     except Exception as exc:  # noqa: BLE001 - any failure means: use the eager forms
         log.warning("compiling the elementwise ops failed, running them eagerly: %s", exc)
         return False

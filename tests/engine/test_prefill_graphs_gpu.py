@@ -81,11 +81,11 @@ def test_no_compile_after_warm_up(model_dir):
         cache_type_k="q4_0", cache_type_v="q8_0", progress=False))
     assert "warm_up" in engine.startup_seconds  # on CUDA the engine warms up as it starts
     compiled: list[str] = []
-    # Each compile is named with its specialization (signature and constants), so that a
-    # failure says which argument the warm-up did not cover.
+    # Each compile is named with its specialization (each argument's type with its
+    # alignment or divisibility mark, launch options, constants), so that a failure says
+    # which argument the warm-up did not cover.
     triton.knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(
-        f"{kw['fn'].name}: {kw['compile'].get('signature')} {kw['compile'].get('constants')}"
-        if "fn" in kw and "compile" in kw else "?")
+        f"{kw.get('repr', '?')} {kw['compile'].get('constants')}" if "compile" in kw else "?")
     try:
         # Lengths, batch mixes and prefixes the warm-up did not use.
         for i, prompt in enumerate(prompts(9, [3, 77, 150, 11, 250])):

@@ -95,7 +95,8 @@ def test_mtp_greedy_equals_plain_decoding_and_transformers(spec_model, k) -> Non
 
 class ForcedDrafter:
     """Proposes ``continuation[request][i]`` for output index ``i``, plus one (mod the
-    vocabulary) wherever ``corrupt(i)``; records the number of drafts of every proposal."""
+    vocabulary) wherever ``corrupt(i)``. Requests it has no continuation for (the engine's
+    own warm-up on CUDA) get token 0 at every index."""
 
     def __init__(self, continuation: dict[str, list[int]], corrupt, vocab: int) -> None:
         self.continuation, self.corrupt, self.vocab = continuation, corrupt, vocab
@@ -106,8 +107,8 @@ class ForcedDrafter:
     def propose(self, wants: list[DraftRequest]) -> list[Draft]:
         drafts = []
         for w in wants:
-            ref = self.continuation[w.request.request_id]
             first = len(w.request.output_token_ids)
+            ref = self.continuation.get(w.request.request_id, [0] * (first + w.num_drafts))
             ids = [(ref[i] + 1) % self.vocab if self.corrupt(i) else ref[i]
                    for i in range(first, first + w.num_drafts)]
             drafts.append(Draft(ids))

@@ -73,3 +73,24 @@ def test_table_widths_are_multiples_of_16_or_the_cap() -> None:
             assert widest <= w <= max_blocks
             assert w == max_blocks or (w % 16 == 0 and w - widest < 16)
             assert w >= min(2, max_blocks)
+
+
+def test_every_vector_starts_on_a_16_byte_boundary() -> None:
+    """Triton specializes pointers on 16-byte alignment: a section whose start moved with
+    the batch's token or sequence count would compile a kernel variant mid-serving."""
+    kv, handles = _manager_with([10, 3, 8, 5])
+    staging = HostStaging("cpu", max_tokens=16, max_seqs=4, max_blocks=16)
+    for num_decode in range(5):
+        for chunk_len in range(0, 6):
+            chunks = [SeqChunk(h, i, (1,), 2) for i, h in enumerate(handles[:num_decode])]
+            if chunk_len and num_decode < 4:
+                chunks.append(SeqChunk(handles[3], 3, tuple(range(chunk_len)), 0))
+            if not chunks:
+                continue
+            for stage in (None, staging):
+                batch = build_forward_batch(chunks, kv, staging=stage)
+                for name in FIELDS:
+                    assert getattr(batch, name).data_ptr() % 16 == 0, (name, len(chunks))
+                assert batch.seq_lens.tolist() == [c.start_pos + len(c.token_ids)
+                                                   for c in chunks]
+                assert batch.state_slots.tolist() == [c.state_slot for c in chunks]
