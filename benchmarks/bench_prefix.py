@@ -392,6 +392,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="checkpoint budgets (counts) of the agent-loop sweep; '' for none")
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--name", default=None, help="file stem (default prefix, quick: prefix_quick)")
+    p.add_argument("--server-logs", default=None,
+                   help="write the servers' logs to DIR/<name>-servers.log (never the tree)")
     if p.parse_args(argv).quick:  # smaller defaults; explicit flags still win
         p.set_defaults(concurrency="2", conversations=3, turns=3, user_tokens=24,
                        chat_output=4, agents=3, steps=6, system_tokens=64, task_tokens=8,
@@ -413,6 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         on = run_server(args, flags, Path(tmp), caching=True)
         off = run_server(args, flags, Path(tmp), caching=False)
         sweep = budget_sweep(args, flags, Path(tmp), on["server"]["prefix_checkpoint_bytes"])
+        if args.server_logs:  # every server's log, one after another, for the run's record
+            logs = sorted(Path(tmp).glob("serve-*.log"))
+            Path(args.server_logs).mkdir(parents=True, exist_ok=True)
+            Path(args.server_logs, f"{args.name}-servers.log").write_text("".join(
+                f"===== {p.name}\n{p.read_text(errors='replace')}" for p in logs))
     # The caching-on run is the sweep's point at the default budget.
     sweep.append({"checkpoints": on["server"]["prefix_checkpoints"],
                   "hit_rate": on["agent"]["hit_rate"], "seconds": on["agent"]["seconds"],

@@ -215,7 +215,7 @@ for spec in "$@"; do
                      --model preset:qwen3.5-27b --device cuda \
                      --server-args "--max-model-len 40960 --max-num-seqs 16 --cache-type-k q4_0 --cache-type-v q4_0" \
                      ${PREFIX_ARGS:---scale 0.25 --conversations 16 --turns 6 --steps 10 --sweep-checkpoints 8} \
-                     --out "$OUT" ;;
+                     --out "$OUT" --server-logs "$OUT" ;;
     # The default model (issue 38): scripts/train_default_model.py on the carried corpus
     # (.corpus/corpus.jsonl.xz, built on a CPU machine by scripts/default_model/corpus.py).
     # The checkpoint comes back as $OUT/default-model.tar.part-aa, -ab, ... (15 MB each;

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.engine import compile_watch
 from pagedserve.engine.batch_builder import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.engine.drafter import Drafter, MTPDrafter
@@ -82,6 +83,7 @@ class LLMEngine:
         """``drafter`` replaces the MTP head as the speculative drafter (tests)."""
         self.config = config
         started = time.perf_counter()
+        compile_watch.disarm()  # loading and graph capture compile; the warm-up arms it
         spec = config.speculative()
         mtp = spec is not None and drafter is None
         self.loaded = loaded or load_model(config.model, config.device, config.dtype,
@@ -231,7 +233,9 @@ class LLMEngine:
     def warm_up(self) -> float:
         """Run one of each kind of step (``warmup.py``) so that no request waits for a
         compile; returns and logs the seconds it took. Call it on an idle engine."""
+        compile_watch.disarm()
         seconds = warm_up(self)
+        compile_watch.arm()
         self.startup_seconds["warm_up"] = seconds
         self.stats = EngineStats()
         self.reset_prefix_cache()

@@ -10,6 +10,7 @@ import triton
 from near_tie import assert_equal_or_near_ties
 from test_engine import prompts, run_keeping_requests
 
+from pagedserve.engine import compile_watch
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
 from pagedserve.engine.request import SamplingParams
 
@@ -84,8 +85,11 @@ def test_no_compile_after_warm_up(model_dir):
     # Each compile is named with its specialization (each argument's type with its
     # alignment or divisibility mark, launch options, constants), so that a failure says
     # which argument the warm-up did not cover.
+    watched = compile_watch.compiles_after_warm_up()
+    previous = triton.knobs.runtime.jit_post_compile_hook  # the engine's compile watch
     triton.knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(
-        f"{kw.get('repr', '?')} {kw['compile'].get('constants')}" if "compile" in kw else "?")
+        f"{kw.get('repr', '?')} {kw['compile'].get('constants')}" if "compile" in kw else "?"
+    ) or (previous(*a, **kw) if previous else None)
     try:
         # Lengths, batch mixes and prefixes the warm-up did not use.
         for i, prompt in enumerate(prompts(9, [3, 77, 150, 11, 250])):
@@ -94,5 +98,6 @@ def test_no_compile_after_warm_up(model_dir):
         while engine.has_unfinished_requests():
             engine.step()
     finally:
-        triton.knobs.runtime.jit_post_compile_hook = None
+        triton.knobs.runtime.jit_post_compile_hook = previous
     assert compiled == [], "\n".join(compiled)
+    assert compile_watch.compiles_after_warm_up() == watched  # dynamo's traces too

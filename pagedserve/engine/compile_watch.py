@@ -1,0 +1,93 @@
+"""Compiles after the warm-up: each one is a request that waited, so each one is logged.
+
+The warm-up (``warmup.py``) runs one of each kind of step so that no request waits for
+Triton to compile a kernel, for an autotuner to time its configurations, or for dynamo to
+trace a compiled op. A compile after it means a specialization the warm-up did not reach:
+a pointer argument's 16-byte alignment, an integer's divisibility by 16, a new autotune
+key, a new dtype. The watch names each one in a warning (the kernel with its
+specialization, or the traced function), which is what a fix needs, and counts them.
+
+Two process-wide hooks carry it: Triton's ``jit_post_compile_hook`` (each first launch
+of a specialization in this process, compiled or read from Triton's disk cache; an
+earlier hook keeps running after it) and dynamo's compile-start callback. They report
+only while armed: from the end of a warm-up until the next warm-up starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_installed = False
+_armed = False
+_count = 0
+
+
+def arm() -> None:
+    """Report compiles from now on (installs the hooks on first use)."""
+    global _armed
+    _install()
+    _armed = True
+
+
+def disarm() -> None:
+    """Stop reporting (a warm-up's own compiles are expected)."""
+    global _armed
+    _armed = False
+
+
+def compiles_after_warm_up() -> int:
+    """Compiles reported since the process started."""
+    return _count
+
+
+def _report(what: str) -> None:
+    global _count
+    if not _armed:
+        return
+    with _lock:
+        _count += 1
+    log.warning("compile after warm-up (a request waited for it): %s", what)
+
+
+def _install() -> None:
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+    _install_triton()
+    _install_dynamo()
+
+
+def _install_triton() -> None:
+    try:
+        import triton
+    except ImportError:  # no Triton: nothing of ours compiles through it
+        return
+    runtime = triton.knobs.runtime
+    previous: Callable[..., Any] | None = runtime.jit_post_compile_hook
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        fn = kwargs.get("fn")
+        _report(f"Triton kernel {getattr(fn, 'name', '?')}: {kwargs.get('repr', '?')}")
+        return previous(*args, **kwargs) if previous is not None else None
+
+    runtime.jit_post_compile_hook = hook
+
+
+def _install_dynamo() -> None:
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # a torch without the callback API: Triton's hook still reports
+        return
+
+    def on_start(*args: Any, **kwargs: Any) -> None:
+        _report("torch.compile traces a function (a new guard set: shape, dtype or type)")
+
+    callback_handler.register_start_callback(on_start)

@@ -1,0 +1,28 @@
+"""``compile_watch``: compiles after a warm-up are named in a warning and counted."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedserve.engine import compile_watch
+
+
+def test_armed_watch_reports_a_new_guard_set(caplog) -> None:
+    f = torch.compile(lambda x: x * 2 + 1)
+    compile_watch.disarm()
+    f(torch.ones(3))  # a warm-up's own compile: not reported
+    before = compile_watch.compiles_after_warm_up()
+    compile_watch.arm()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedserve.engine.compile_watch"):
+            f(torch.ones(3))  # the same guards: no compile
+            assert compile_watch.compiles_after_warm_up() == before
+            f(torch.ones(3, dtype=torch.float64))  # a new dtype: dynamo traces again
+    finally:
+        compile_watch.disarm()
+    assert compile_watch.compiles_after_warm_up() == before + 1
+    assert "compile after warm-up" in caplog.text
+    f(torch.ones(3, dtype=torch.int64))  # disarmed again
+    assert compile_watch.compiles_after_warm_up() == before + 1
