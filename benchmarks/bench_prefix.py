@@ -211,10 +211,10 @@ def serve(flags: list[str], log: Path) -> ServerProcess:
     return server
 
 
-def run_server(args: argparse.Namespace, flags: list[str], tmp: Path, caching: bool) -> dict:
+def run_server(args: argparse.Namespace, flags: list[str], logs: Path, caching: bool) -> dict:
     name = "on" if caching else "off"
     server = serve(flags + ["--enable-prefix-caching" if caching else
-                            "--no-enable-prefix-caching"], tmp / f"serve-{name}.log")
+                            "--no-enable-prefix-caching"], logs / f"serve-{name}.log")
     try:
         url = server.url or ""
         info = httpx.get(url + "/server_info", timeout=30).json()
@@ -235,12 +235,12 @@ def run_server(args: argparse.Namespace, flags: list[str], tmp: Path, caching: b
         server.stop()
 
 
-def budget_sweep(args: argparse.Namespace, flags: list[str], tmp: Path,
+def budget_sweep(args: argparse.Namespace, flags: list[str], logs: Path,
                  per_checkpoint: int) -> list[dict]:
     points = []
     for count in args.sweep_checkpoints:
         server = serve(flags + ["--prefix-checkpoint-memory", str(count * per_checkpoint)],
-                       tmp / f"serve-sweep-{count}.log")
+                       logs / f"serve-sweep-{count}.log")
         try:
             url = server.url or ""
             info = httpx.get(url + "/server_info", timeout=30).json()
@@ -393,7 +393,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="docs/benchmarks")
     p.add_argument("--name", default=None, help="file stem (default prefix, quick: prefix_quick)")
     p.add_argument("--server-logs", default=None,
-                   help="write the servers' logs to DIR/<name>-servers.log (never the tree)")
+                   help="keep the servers' logs in DIR as serve-*.log (never the tree)")
     if p.parse_args(argv).quick:  # smaller defaults; explicit flags still win
         p.set_defaults(concurrency="2", conversations=3, turns=3, user_tokens=24,
                        chat_output=4, agents=3, steps=6, system_tokens=64, task_tokens=8,
@@ -412,14 +412,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         flags += ["--model", args.model]
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as tmp:
-        on = run_server(args, flags, Path(tmp), caching=True)
-        off = run_server(args, flags, Path(tmp), caching=False)
-        sweep = budget_sweep(args, flags, Path(tmp), on["server"]["prefix_checkpoint_bytes"])
-        if args.server_logs:  # every server's log, one after another, for the run's record
-            logs = sorted(Path(tmp).glob("serve-*.log"))
-            Path(args.server_logs).mkdir(parents=True, exist_ok=True)
-            Path(args.server_logs, f"{args.name}-servers.log").write_text("".join(
-                f"===== {p.name}\n{p.read_text(errors='replace')}" for p in logs))
+        # The servers' logs go to --server-logs as they are written (a run cut short
+        # keeps them), else to the temporary directory.
+        logs = Path(args.server_logs or tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        on = run_server(args, flags, logs, caching=True)
+        off = run_server(args, flags, logs, caching=False)
+        sweep = budget_sweep(args, flags, logs, on["server"]["prefix_checkpoint_bytes"])
     # The caching-on run is the sweep's point at the default budget.
     sweep.append({"checkpoints": on["server"]["prefix_checkpoints"],
                   "hit_rate": on["agent"]["hit_rate"], "seconds": on["agent"]["seconds"],

@@ -63,8 +63,7 @@ def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
                         "--speculative-config)")
     p.add_argument("--prefix-checkpoint-memory", default=None,
                    help="memory for recurrent-state checkpoints, e.g. 4GiB, 0 for none "
-                        "(default: 2 x max-num-seqs + 8 checkpoints within 4-8 GiB, at most "
-                        "max(64, 8 x max-num-seqs))")
+                        "(default: at most 4 GiB and max(64, 8 x max-num-seqs) checkpoints)")
     p.add_argument("--prefix-checkpoint-interval", type=int, default=None,
                    help="tokens between state checkpoints inside a long prompt (default "
                         "2048)")

@@ -52,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. 131072,8192x7")
     p.add_argument("--prefix-checkpoint-memory", default=None,
                    help="prefix-cache state checkpoint budget, e.g. 4GiB, 0 for none "
-                        "(default: the engine's, 2 x max-num-seqs + 8 checkpoints "
-                        "within 4-8 GiB, at most max(64, 8 x max-num-seqs))")
+                        "(default: the engine's, at most 4 GiB and max(64, 8 x "
+                        "max-num-seqs) checkpoints)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

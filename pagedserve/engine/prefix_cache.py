@@ -70,15 +70,10 @@ from pagedserve.kv.state_pool import StatePool
 # at most doubles a cached prefix's memory and bounds what a reader of a longer shared
 # prefix recomputes (docs/ARCHITECTURE.md, "Prefix caching").
 DEFAULT_CHECKPOINT_INTERVAL = 2048
-# The default checkpoint budget holds two checkpoints per running sequence and a few
-# more: a conversation's next turn resumes at its last request's end (plain continuation)
-# or at its prompt's end (a chat template that rewrites the answer, as Qwen3.5's drops
-# earlier turns' thinking), so both stay wanted while the client writes its next turn.
-# In bytes it is at least 4 GiB (27 checkpoints of the 27B shape) and at most 8 GiB (6%
-# of an H200, 55 of them), and in count at most max(64, 8 * max_num_seqs) (small models).
-DEFAULT_CHECKPOINTS_PER_SEQ = 2
-DEFAULT_CHECKPOINTS_SPARE = 8
-DEFAULT_CHECKPOINT_MEMORY = (4 * GiB, 8 * GiB)
+# The default checkpoint budget: at most 4 GiB (3% of an H200; 27 checkpoints of the 27B
+# shape, more than one per running sequence at the default max-num-seqs) and at most
+# max(64, 8 * max_num_seqs) checkpoints (small models).
+DEFAULT_CHECKPOINT_MEMORY = 4 * GiB
 
 
 def num_checkpoints_for(memory_bytes: int | None, bytes_per_checkpoint: int,
@@ -88,10 +83,7 @@ def num_checkpoints_for(memory_bytes: int | None, bytes_per_checkpoint: int,
         return max(64, 8 * max_num_seqs)
     if memory_bytes is not None:
         return memory_bytes // bytes_per_checkpoint
-    least, most = DEFAULT_CHECKPOINT_MEMORY
-    wanted = DEFAULT_CHECKPOINTS_PER_SEQ * max_num_seqs + DEFAULT_CHECKPOINTS_SPARE
-    memory = min(max(least, wanted * bytes_per_checkpoint), most)
-    return min(max(64, 8 * max_num_seqs), memory // bytes_per_checkpoint)
+    return min(max(64, 8 * max_num_seqs), DEFAULT_CHECKPOINT_MEMORY // bytes_per_checkpoint)
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,9 @@ import triton.language as tl
 from pagedserve.kernels.fp8_tiles import dot_f32, load_weight_tile, scale_rows_of
 from pagedserve.quant import fp8
 
-# Launch rule constants: set for the H200 by reasoning, awaiting measurement
-# (benchmarks/bench_fp8.py, docs/kernel-decisions.md "FP8 linear layers").
+# Launch rule constants: a decode step's FP8 linears run at 69% of their weight-read floor
+# with them on an H100; other launches are untried (benchmarks/bench_fp8.py --gemv-sweep,
+# docs/kernel-decisions.md "FP8 linear layers").
 BLOCK_N = 64  # weight rows per program
 MAX_BLOCK_M = 64  # rows of x per program; more rows take more m tiles (and no split)
 PROGRAMS_PER_SM = 4  # split-K target: resident programs that keep the loads in flight

@@ -24,9 +24,8 @@ from pagedserve.quant import fp8
 
 METHODS = ("weight_only", "w8a8")
 # From this many rows on, ``method=None`` quantizes the activations and runs the FP8
-# tensor-core GEMM; below, the weight-only kernel. Set by reasoning (decode batches of up
-# to 16 rows read weights; the FP8 MMA pays off once a weight tile serves many rows), and
-# awaiting measurement on the H200 (benchmarks/bench_fp8.py --parts crossover).
+# tensor-core GEMM; below, the weight-only kernel. The two cross between 32 and 64 rows
+# for the MLP projections on an H100 (docs/kernel-decisions.md, "FP8 linear layers").
 W8A8_MIN_ROWS = 64
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
