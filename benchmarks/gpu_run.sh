@@ -19,15 +19,15 @@
 # once per '|'-separated list.
 # Needs: wheels in .whl/ (fla-core, xgrammar + apache-tvm-ffi, and the server's
 # fastapi/uvicorn/pydantic stack, which the GPU image lacks), PAGEDSERVE_COMMIT set by the
-# caller (the tree travels without .git). Benchmark stages draw their plots with matplotlib:
-# carry its wheels in .whl-plot/ too (kept apart so that test-only calls fit the 64 MiB
-# the device takes with the 40 MB default checkpoint in the tree).
+# caller (the tree travels without .git). The device takes at most 64 MiB with the 40 MB
+# default checkpoint in the tree: .whl/ holds only what the image lacks (matplotlib is
+# there; the openai/anthropic clients are not needed), about 12 MB.
 # Optional: .triton-cache.tar from an earlier call's $OUT (carry it with .whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl/*.whl $(ls .whl-plot/*.whl 2>/dev/null) >/dev/null || { echo "wheel install failed"; exit 1; }
+  .whl/*.whl >/dev/null || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 # Triton's cache (compiled kernels and autotune results, fla's included) can travel between
