@@ -135,11 +135,14 @@ def load_model(
     quantization: str | None = None,
     mtp: bool = False,
     tp: TensorParallel = SINGLE,
+    tokenizer: bool = True,
 ) -> LoadedModel:
     """Load ``model`` (directory, cached hub id, or ``None`` for the embedded default).
 
     ``tp``: load this rank's shard of a tensor-parallel group (``parallel/sharding.py``),
     reading only its slices of each tensor; the head counts are checked first.
+    ``tokenizer=False`` skips the tokenizer (a tensor-parallel worker needs none, and
+    importing transformers would double its start-up).
 
     ``mtp=True`` loads the MTP draft head (``mtp.*``) too, as ``model.mtp``; a checkpoint
     without it is rejected before any weight is read (``check_mtp``). A checkpoint
@@ -180,14 +183,12 @@ def load_model(
     decoder.to(device)  # the buffers (RoPE frequencies); parameters are already there
     decoder.eval()
 
-    tokenizer = load_tokenizer(path)
+    tok = load_tokenizer(path) if tokenizer else None
     generation = GenerationDefaults.from_checkpoint(path)
-    tok_eos = () if tokenizer is None or tokenizer.eos_token_id is None else (
-        tokenizer.eos_token_id,
-    )
+    tok_eos = () if tok is None or tok.eos_token_id is None else (tok.eos_token_id,)
     eos = merge_ids(generation.eos_token_ids, cfg.eos_token_ids, tok_eos)
     generation = dataclasses.replace(generation, eos_token_ids=eos)
-    return LoadedModel(path, cfg, decoder, tokenizer, generation, weights_bytes, device, dtype,
+    return LoadedModel(path, cfg, decoder, tok, generation, weights_bytes, device, dtype,
                        None if quant is None else "fp8")
 
 

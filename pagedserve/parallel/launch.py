@@ -45,6 +45,7 @@ class WorkerGroup:
                  tp: TensorParallel) -> None:
         self.processes, self.conns, self.tp = processes, conns, tp
         self._closed = False
+        self._threads: int | None = None  # rank 0's torch threads before ``share_cpu``
         self._finalizer = weakref.finalize(self, _stop, processes, conns)
 
     @classmethod
@@ -124,7 +125,10 @@ class WorkerGroup:
             while not conn.poll(0.05):
                 if not self.processes[rank - 1].is_alive() or time.monotonic() > deadline:
                     raise WorkerFailedError(self._why(rank, wait=1.0))
-            reply = conn.recv()
+            try:
+                reply = conn.recv()
+            except EOFError:  # it exited without a word (killed, or failed to start)
+                raise WorkerFailedError(self._why(rank, wait=STOP_TIMEOUT)) from None
             if not isinstance(reply, kind):
                 raise WorkerFailedError(self._describe(rank, reply))
             replies.append(reply)
@@ -148,6 +152,13 @@ class WorkerGroup:
             return f"tensor-parallel worker rank {rank} failed:\n{reply.error}"
         return f"tensor-parallel worker rank {rank} sent {reply!r} out of turn"
 
+    def share_cpu(self, threads: int) -> None:
+        """Give rank 0 ``threads`` torch threads while the group runs: ranks sharing a
+        CPU wait for each other at every collective, and idle OpenMP threads that spin
+        take the cores the other ranks need."""
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+
     # ---- shutdown -------------------------------------------------------------------------
     def close(self) -> None:
         """Stop every worker (waiting for it, then killing it) and leave the group."""
@@ -156,6 +167,8 @@ class WorkerGroup:
         self._closed = True
         self._finalizer()
         leave_group()
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
 
 
 def _stop(processes: list[BaseProcess], conns: list[Connection]) -> None:

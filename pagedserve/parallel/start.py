@@ -43,11 +43,13 @@ def start_tensor_parallel(config: EngineConfig, runner_config: RunnerConfig,
     started = time.perf_counter()
     size = config.tensor_parallel_size
     device_type = torch.device(config.device).type
+    threads = cpu_threads_per_rank(size) if device_type == "cpu" else None
     spec = WorkerSpec(config.model, device_type, config.dtype, config.cache_config(),
-                      runner_config,
-                      cpu_threads_per_rank(size) if device_type == "cpu" else None)
+                      runner_config, threads)
     workers = WorkerGroup.start(size, spec)
     try:
+        if threads is not None:
+            workers.share_cpu(threads)
         device = torch.device("cuda:0" if device_type == "cuda" else "cpu")
         with workers.watch():
             loaded = load_model(config.model, device, config.dtype, progress=config.progress,

@@ -101,7 +101,8 @@ def worker_main(rank: int, size: int, port: int, spec: WorkerSpec, conn: Connect
     try:
         conn.send(cmd.Hello(rank))
         tp = join_group(rank, size, port, device)
-        loaded = load_model(spec.model, device, spec.dtype, progress=False, tp=tp)
+        loaded = load_model(spec.model, device, spec.dtype, progress=False, tp=tp,
+                            tokenizer=False)
         runner = ModelRunner(loaded.model, spec.cache_config, spec.runner_config)
         conn.send(cmd.Ready(rank))
         Worker(rank, runner, conn).serve()
