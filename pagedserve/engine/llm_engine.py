@@ -129,6 +129,7 @@ class LLMEngine:
             num_blocks=config.num_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
             cuda_graphs=config.cuda_graphs, prefill_graph_tokens=sched_config.prefill_chunk,
             num_checkpoints=num_checkpoints, state_snapshots=spec is not None)
+        self.runner: ModelRunner
         if tp_size > 1:
             self.loaded, self.runner = start_tensor_parallel(config, runner_config,
                                                              self.startup_seconds)

@@ -106,7 +106,8 @@ class Qwen3_5Model(nn.Module):
         self.tp = tp
         vocab = cfg.vocab_size if tp.size == 1 else vocab_rows(cfg, tp.size)
         if tp.size == 1:
-            self.embed_tokens: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens: nn.Embedding | VocabParallelEmbedding = nn.Embedding(
+                cfg.vocab_size, cfg.hidden_size)
             self.embed_tokens.weight.requires_grad_(False)
         else:
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, vocab, cfg.hidden_size, tp)

@@ -57,7 +57,8 @@ class WorkerGroup:
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
                               timeout=COLLECTIVE_TIMEOUT)
         ctx = mp.get_context("spawn")
-        processes, conns = [], []
+        processes: list[BaseProcess] = []
+        conns: list[Connection] = []
         for rank in range(1, size):
             parent_end, child_end = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"pagedserve-tp{rank}",
