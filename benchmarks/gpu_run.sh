@@ -12,6 +12,7 @@
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
 #         bench-structured bench-chaos bench-prefix probe-decode
 #         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8 bench-spec bench-spec-e2e
+#         bench-tp (2 GPUs)
 #         train-default-model (issue 38; carry .corpus as well as .whl).
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
 # to the summary printed last. probe-decode runs benchmarks/tools/probe_decode.py with the
@@ -189,6 +190,10 @@ for spec in "$@"; do
     # one loaded model). $SPEC_E2E_ARGS: more bench_spec_e2e.py arguments.
     bench-spec-e2e) run_stage "$stage" "$limit" python3 benchmarks/bench_spec_e2e.py \
                      ${SPEC_E2E_ARGS:-} --out "$OUT" ;;
+    # Tensor parallelism (issue 40): TP=2 against TP=1 on the 27B shape, batch-1 decode
+    # step, 8 ragged users, collectives per step. Needs 2 GPUs (nvidia-h100-x2 or larger).
+    bench-tp)      run_stage "$stage" "$limit" python3 benchmarks/bench_tp.py ${TP_ARGS:-} \
+                     --out "$OUT" ;;
     bench-structured) run_stage "$stage" "$limit" python3 benchmarks/bench_structured.py \
                      --model preset:qwen3.5-27b --out "$OUT" ;;
     # $SERVE_CONCURRENCY (default 4,16) and $SERVE_PROMPTS requests per level (default 64).

@@ -145,13 +145,14 @@ class ModelConfig:
         """Channels of the causal depthwise conv: q, k and v of the GDN layer together."""
         return 2 * self.linear_key_dim + self.linear_value_dim
 
-    def state_shapes(self, conv_dtype: torch.dtype) -> StateShapes:
-        """The per-slot shapes of the GDN layers' conv and recurrent states."""
+    def state_shapes(self, conv_dtype: torch.dtype, tp_size: int = 1) -> StateShapes:
+        """The per-slot shapes of the GDN layers' conv and recurrent states (of one rank's
+        heads: ``1 / tp_size`` of the channels and value heads under tensor parallelism)."""
         return StateShapes(
             num_layers=self.num_linear_attention_layers,
-            conv=(self.conv_dim, self.linear_conv_kernel_dim - 1),
+            conv=(self.conv_dim // tp_size, self.linear_conv_kernel_dim - 1),
             recurrent=(
-                self.linear_num_value_heads,
+                self.linear_num_value_heads // tp_size,
                 self.linear_key_head_dim,
                 self.linear_value_head_dim,
             ),

@@ -50,6 +50,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
                    help='speculative decoding, vLLM\'s JSON: {"method": "mtp", '
                         '"num_speculative_tokens": K} with K in 1..4 (drafts with the '
                         'checkpoint\'s MTP head; prefix caching is then off)')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split every layer's heads over N devices, one process each "
+                        "(NCCL on cuda, gloo on cpu; docs/tensor-parallel.md)")
     p.add_argument("--engine-seed", type=int, default=0,
                    help="seed for requests that bring none")
     add_prefix_arguments(p)
@@ -86,6 +89,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_checkpoint_memory=args.prefix_checkpoint_memory,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if args.prefix_checkpoint_interval is not None:
         fields["prefix_checkpoint_interval"] = args.prefix_checkpoint_interval

@@ -128,11 +128,13 @@ class AsyncEngine:
         self._wake.set()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort everything in flight and stop the loop."""
+        """Abort everything in flight, stop the loop, then the engine's workers (if any)."""
         self.abort_all()
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     # ---- engine side (the background thread) ------------------------------------------
     def _loop(self) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from pagedserve.kv.handles import Handle
 from pagedserve.kv.kv_manager import KVCacheManager
-from pagedserve.model.forward_batch import ForwardBatch
+from pagedserve.model.forward_batch import ForwardBatch, HostBatch
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,6 @@ def build_forward_batch(
     handles = [c.kv_handle for c in chunks]
     tables, _ = kv.batch_view(handles, num_table_cols or table_width(
         max(len(kv.block_table(h)) for h in handles), kv.max_blocks_per_seq))
-    B, T = len(chunks), len(ids)
 
     # Two host->device copies for all the small vectors (each copy has a fixed cost), each
     # section starting on a 16-byte boundary (| . | marks the zero padding):
@@ -174,11 +173,21 @@ def build_forward_batch(
                       torch.tensor(seq_lens, dtype=torch.int32),
                       torch.tensor([c.state_slot for c in chunks], dtype=torch.int32)],
                      torch.int32)
-    if staging is not None and staging.fits(T, B, tables.shape[1]):
-        longs, ints, tables = staging.to_device(longs, ints, tables)
+    host = HostBatch(longs, ints, tables, lo, io, num_decode, qsl, seq_lens)
+    return upload(host, device, staging)
+
+
+def upload(host: HostBatch, device: str | torch.device,
+           staging: HostStaging | None = None) -> ForwardBatch:
+    """``host``'s two packed vectors and block table, copied to ``device`` (through
+    ``staging`` when it fits), as the ``ForwardBatch`` they describe."""
+    B, T = len(host.seq_lens), host.query_start_loc[-1]
+    lo, io = host.long_offsets, host.int_offsets
+    if staging is not None and staging.fits(T, B, host.tables.shape[1]):
+        longs, ints, tables = staging.to_device(host.longs, host.ints, host.tables)
     else:
         longs, ints, tables = (t.contiguous().to(device, non_blocking=True)
-                               for t in (longs, ints, tables))
+                               for t in (host.longs, host.ints, host.tables))
     return ForwardBatch(
         input_ids=longs[lo[0]:lo[0] + T],
         positions=longs[lo[1]:lo[1] + T],
@@ -188,7 +197,8 @@ def build_forward_batch(
         seq_lens=ints[io[1]:io[1] + B],
         state_slots=ints[io[2]:io[2] + B],
         block_tables=tables,
-        num_decode_seqs=num_decode,
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
+        num_decode_seqs=host.num_decode_seqs,
+        query_start_loc_cpu=host.query_start_loc,
+        seq_lens_cpu=host.seq_lens,
+        host=host,
     )

@@ -27,7 +27,8 @@ class EngineConfig:
     of the field (``num_blocks`` -> ``num-blocks``). Prefix caching (``prefix_cache.py``)
     is on by default with the paged layout; its state checkpoints take
     ``prefix_checkpoint_memory`` (a size such as ``"4GiB"``, ``"0"`` for none; ``None``:
-    the default budget).
+    the default budget). Tensor parallelism leaves prefix caching, async scheduling,
+    speculative decoding and FP8 weights off (``_check_tensor_parallel``).
     """
 
     model: str | None = None
@@ -61,6 +62,9 @@ class EngineConfig:
     prefix_checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
     # ``--speculative-config``: vLLM's JSON (or its dict), ``engine/speculative.py``.
     speculative_config: str | dict | None = None
+    # ``--tensor-parallel-size``: one process per device, each holding 1/N of every layer's
+    # heads (``parallel/``, ``docs/tensor-parallel.md``).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name, value, lowest in (
@@ -86,12 +90,39 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization {self.quantization!r} is not supported; "
                              f"accepted: {QUANTIZATIONS}")
+        self._check_tensor_parallel()
         # The step sizes, checked now rather than after the weights load.
         SchedulerConfig.for_device(
             torch.device(self.device).type, max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len or 4096, prefill_chunk=self.prefill_chunk,
             idle_prefill_chunk=self.idle_prefill_chunk,
             max_num_batched_tokens=self.max_num_batched_tokens)
+
+    def _check_tensor_parallel(self) -> None:
+        """What ``--tensor-parallel-size`` needs and what it does not cover yet (the head
+        counts are checked against the model's config before its weights load)."""
+        n = self.tensor_parallel_size
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"tensor-parallel-size must be >= 1, got {n!r}")
+        if n == 1:
+            return
+        flag = f"--tensor-parallel-size {n}"
+        if self.device.startswith("cuda"):
+            if self.device != "cuda":
+                raise ValueError(f"{flag} runs rank r on cuda:r; pass --device cuda, not "
+                                 f"{self.device!r}")
+            if torch.cuda.device_count() < n:
+                raise ValueError(f"{flag} needs {n} GPUs, but {torch.cuda.device_count()} "
+                                 f"are visible")
+        unsupported = (
+            ("--speculative-config", self.speculative_config is not None),
+            ("--quantization", self.quantization is not None),
+            ("--enable-prefix-caching", bool(self.enable_prefix_caching)),
+            ("--async-scheduling", bool(self.async_scheduling)),
+        )
+        for other, given in unsupported:
+            if given:
+                raise ValueError(f"{flag} does not support {other} yet")
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.cache_type_k, self.cache_type_v, self.block_size, self.kv_layout)
@@ -120,5 +151,5 @@ class EngineConfig:
         """Whether prefix caching is asked for: ``enable_prefix_caching``, or by default on
         unless speculative decoding is (``speculative`` refuses the two together)."""
         if self.enable_prefix_caching is None:
-            return self.speculative_config is None
+            return self.speculative_config is None and self.tensor_parallel_size == 1
         return self.enable_prefix_caching

@@ -49,6 +49,7 @@ from pagedserve.kv.memory import GiB
 from pagedserve.kv.prefix_hash import salt_of
 from pagedserve.model.fp8_linear import describe_weights
 from pagedserve.model.loader import LoadedModel, load_model
+from pagedserve.parallel.start import start_tensor_parallel, tensor_parallel_model
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +87,23 @@ class LLMEngine:
         compile_watch.disarm()  # loading and graph capture compile; the warm-up arms it
         spec = config.speculative()
         mtp = spec is not None and drafter is None
-        self.loaded = loaded or load_model(config.model, config.device, config.dtype,
-                                           progress=config.progress,
-                                           quantization=config.quantization, mtp=mtp)
-        if mtp and self.loaded.model.mtp is None:
-            raise ValueError("speculative method 'mtp' needs the model loaded with its MTP "
-                             "head (load_model(..., mtp=True))")
+        tp_size = config.tensor_parallel_size
+        if tp_size > 1:
+            if loaded is not None:
+                raise ValueError("a tensor-parallel engine loads its own weight shards on "
+                                 "each rank; pass no LoadedModel")
+            cfg, dtype = tensor_parallel_model(config)  # checked; no weight read yet
+        else:
+            self.loaded = loaded or load_model(config.model, config.device, config.dtype,
+                                               progress=config.progress,
+                                               quantization=config.quantization, mtp=mtp)
+            if mtp and self.loaded.model.mtp is None:
+                raise ValueError("speculative method 'mtp' needs the model loaded with its "
+                                 "MTP head (load_model(..., mtp=True))")
+            cfg = self.loaded.config
+            dtype = next(self.loaded.model.parameters()).dtype
         # Seconds per start-up phase (``warm_up`` adds its own).
         self.startup_seconds = {"weights": time.perf_counter() - started}
-        cfg = self.loaded.config
         max_len = config.max_model_len or min(4096, cfg.max_position_embeddings)
         if max_len > cfg.max_position_embeddings:
             raise ValueError(f"max-model-len {max_len} exceeds the model's "
@@ -106,7 +115,6 @@ class LLMEngine:
             prefill_chunk=config.prefill_chunk, idle_prefill_chunk=config.idle_prefill_chunk,
             max_num_batched_tokens=config.max_num_batched_tokens)
         budget = sched_config.max_num_batched_tokens
-        dtype = next(self.loaded.model.parameters()).dtype
         bytes_per_checkpoint = checkpoint_bytes(cfg.state_shapes(dtype), cfg.vocab_size)
         num_checkpoints = num_checkpoints_for(
             config.checkpoint_memory_bytes(), bytes_per_checkpoint, config.max_num_seqs)
@@ -118,17 +126,19 @@ class LLMEngine:
                      if config.kv_layout == "paged"
                      else f"the {config.kv_layout} K/V layout has no shareable blocks")
         num_checkpoints = num_checkpoints if caching else 0
-        self.runner = ModelRunner(
-            self.loaded.model, config.cache_config(),
-            RunnerConfig(max_model_len=max_len, max_num_seqs=config.max_num_seqs,
-                         num_blocks=config.num_blocks,
-                         gpu_memory_utilization=config.gpu_memory_utilization,
-                         cuda_graphs=config.cuda_graphs,
-                         prefill_graph_tokens=sched_config.prefill_chunk,
-                         num_checkpoints=num_checkpoints, state_snapshots=spec is not None),
-        )
+        runner_config = RunnerConfig(
+            max_model_len=max_len, max_num_seqs=config.max_num_seqs,
+            num_blocks=config.num_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
+            cuda_graphs=config.cuda_graphs, prefill_graph_tokens=sched_config.prefill_chunk,
+            num_checkpoints=num_checkpoints, state_snapshots=spec is not None)
+        self.runner: ModelRunner
+        if tp_size > 1:
+            self.loaded, self.runner = start_tensor_parallel(config, runner_config,
+                                                             self.startup_seconds)
+        else:
+            self.runner = ModelRunner(self.loaded.model, config.cache_config(), runner_config)
         self.startup_seconds["kv_cache_and_graphs"] = (
-            time.perf_counter() - started - self.startup_seconds["weights"])
+            time.perf_counter() - started - sum(self.startup_seconds.values()))
         log.info("weights loaded in %.1f s; K/V cache, compiles and CUDA graphs in %.1f s",
                  *self.startup_seconds.values())
         log.info("weights: %s", describe_weights(self.loaded.model))
@@ -159,9 +169,11 @@ class LLMEngine:
         self._staging = HostStaging(self.runner.device, budget, config.max_num_seqs,
                                     self.runner.max_blocks_per_seq) if cuda else None
         # Async scheduling (lookahead.py): on CUDA by default; on the CPU every op is
-        # synchronous, so it would only cost the extra row after a late stop.
-        self.async_scheduling = (cuda and spec is None) if config.async_scheduling is None \
-            else config.async_scheduling
+        # synchronous, so it would only cost the extra row after a late stop. Off under
+        # tensor parallelism: workers build each step from its host form, which a
+        # lookahead step's ids (still on rank 0's device) are not in.
+        self.async_scheduling = (cuda and spec is None and tp_size == 1) \
+            if config.async_scheduling is None else config.async_scheduling
         self._inflight: InflightStep | None = None
         self._readback = TokenReadback(config.max_num_seqs) if cuda else None
         self.tokenizer = self.loaded.tokenizer
@@ -175,6 +187,11 @@ class LLMEngine:
         self._failed: list[RequestOutput] = []  # failed outside post-processing
         if cuda if config.warm_up is None else config.warm_up:
             self.warm_up()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (a single-device engine holds nothing
+        that outlives it)."""
+        self.runner.close()
 
     @property
     def structured(self) -> StructuredOutputs:
@@ -340,6 +357,7 @@ class LLMEngine:
                                         staging=self._staging)
             if input_ids is not None:
                 batch.input_ids = input_ids  # [B] int64, already on the device
+                batch.host = None  # its host form holds placeholder ids now
             logits = self.runner.execute(batch)
         if self.prefix is not None and logits is not None:  # queued after the forward pass:
             for i, c in enumerate(chunks[:len(seq_chunks)]):  # its states and logits rows

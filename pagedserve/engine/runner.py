@@ -37,10 +37,11 @@ from pagedserve.kv.checkpoint_pool import CheckpointPool
 from pagedserve.kv.formats import KVBlockStorage
 from pagedserve.kv.kv_manager import BlockCopy, KVCacheManager
 from pagedserve.kv.memory import KVFootprint
-from pagedserve.kv.state_pool import StatePool
+from pagedserve.kv.state_pool import StatePool, StateShapes
 from pagedserve.model import elementwise
 from pagedserve.model.forward_batch import ForwardBatch
 from pagedserve.model.qwen3_5 import ModelCaches, Qwen3_5Model
+from pagedserve.parallel.sharding import num_local_kv_heads
 
 log = logging.getLogger(__name__)
 
@@ -143,15 +144,18 @@ class ModelRunner:
                 f"max_position_embeddings {cfg.max_position_embeddings}"
             )
         self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # Under tensor parallelism (``model.tp``) this rank's storage holds its own heads.
+        self.tp = model.tp
+        self.num_heads = cfg.num_attention_heads // self.tp.size
+        self.num_kv_heads = num_local_kv_heads(cfg, self.tp.size)
 
         contiguous = cache_config.kv_layout == "contiguous"
         self.block_size = config.max_model_len if contiguous else cache_config.block_size
         self.max_blocks_per_seq = 1 if contiguous else -(-config.max_model_len // self.block_size)
-        self.state_pool = StatePool(
-            cfg.state_shapes(self.dtype), config.max_num_seqs, self.device
-        )
+        self.state_pool = self._new_state_pool(
+            cfg.state_shapes(self.dtype, self.tp.size), config.max_num_seqs)
         self.checkpoint_pool = CheckpointPool(
-            cfg.state_shapes(self.dtype), config.num_checkpoints, self.device,
+            cfg.state_shapes(self.dtype, self.tp.size), config.num_checkpoints, self.device,
             vocab_size=cfg.vocab_size)
         # Spare copies of the state slots, indexed by slot: [L_lin, S + 1, ...] each.
         self._snapshots = ((torch.empty_like(self.state_pool.conv_state),
@@ -163,14 +167,14 @@ class ModelRunner:
         self.kv_caches = [
             KVBlockStorage.allocate_pair(
                 cache_config.cache_type_k, cache_config.cache_type_v, self.num_blocks,
-                self.block_size, cfg.num_key_value_heads, cfg.head_dim, self.device,
+                self.block_size, self.num_kv_heads, cfg.head_dim, self.device,
             )
             for _ in range(self.num_kv_layers)
         ]
         workspace = None
         if self.device.type == "cuda":
             workspace = DecodeWorkspace(
-                config.max_num_seqs, cfg.num_attention_heads, cfg.num_key_value_heads,
+                config.max_num_seqs, self.num_heads, self.num_kv_heads,
                 cfg.head_dim, self.device,
                 occupancy=default_occupancy(cache_config.cache_type_k, cache_config.cache_type_v),
             )
@@ -225,7 +229,7 @@ class ModelRunner:
     def _kv_footprint(self, block_size: int) -> KVFootprint:
         cfg = self.model_config
         return KVFootprint(
-            max(self.num_kv_layers, 1), cfg.num_key_value_heads, cfg.head_dim,
+            max(self.num_kv_layers, 1), self.num_kv_heads, cfg.head_dim,
             self.cache_config.cache_type_k, self.cache_config.cache_type_v, block_size,
         )
 
@@ -240,14 +244,25 @@ class ModelRunner:
         budget = int(total * self.config.gpu_memory_utilization) - used
         budget -= DEFAULT_ACTIVATION_RESERVE
         per_block = self._kv_footprint(self.block_size).bytes_per_block
-        if budget < per_block * self.max_blocks_per_seq:
+        # Every rank's pool must hold the same block ids: the smallest rank's size wins.
+        blocks = self.tp.min_over_ranks(min(enough, max(budget, 0) // per_block), self.device)
+        if blocks < self.max_blocks_per_seq:
             raise ValueError(
                 f"not enough GPU memory for one sequence of max_model_len "
                 f"{self.config.max_model_len}: {budget / 2**30:.2f} GiB left for K/V after "
                 f"weights, state and a {DEFAULT_ACTIVATION_RESERVE >> 30} GiB activation "
                 f"reserve at gpu_memory_utilization {self.config.gpu_memory_utilization}"
+                + (" on some tensor-parallel rank" if self.tp.size > 1 else "")
             )
-        return min(enough, budget // per_block)
+        return blocks
+
+    def _new_state_pool(self, shapes: StateShapes, num_slots: int) -> StatePool:
+        """The state slots (the tensor-parallel runner mirrors their zeroing to its workers)."""
+        return StatePool(shapes, num_slots, self.device)
+
+    def close(self) -> None:
+        """Release what outlives the runner's tensors: nothing here; the tensor-parallel
+        runner stops its workers."""
 
     def create_kv_manager(self) -> KVCacheManager:
         """A sequence manager whose block ids and table width match this runner's storage."""

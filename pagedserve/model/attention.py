@@ -22,18 +22,26 @@ from pagedserve.kv.formats import KVBlockStorage
 from pagedserve.model.elementwise import EAGER, ElementwiseOps
 from pagedserve.model.forward_batch import ForwardBatch
 from pagedserve.model.layers import RMSNorm
+from pagedserve.parallel.group import SINGLE, TensorParallel
+from pagedserve.parallel.sharding import num_local_kv_heads
 
 
 class GatedAttention(nn.Module):
-    """One full-attention layer (GQA, ``Hq % Hkv == 0``)."""
+    """One full-attention layer (GQA, ``Hq % Hkv == 0``).
+
+    Under tensor parallelism (``tp``) it holds its rank's ``Hq / N`` query heads and the
+    K/V heads they read (``parallel/sharding.py``); ``o_proj`` is row-parallel, so its
+    partial outputs are summed over the ranks.
+    """
 
     PACKED = {"qkv_proj.weight": ("q_proj.weight", "k_proj.weight", "v_proj.weight")}
     ew: ElementwiseOps = EAGER
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = tp
+        self.num_heads = cfg.num_attention_heads // tp.size
+        self.num_kv_heads = num_local_kv_heads(cfg, tp.size)
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         q_rows = 2 * self.num_heads * self.head_dim  # query and gate
@@ -69,7 +77,7 @@ class GatedAttention(nn.Module):
         o = self._attend(q, cache_k, cache_v, batch, workspace)  # [T, Hq, D]
 
         o = self.ew.sigmoid_gate(o, gate)  # [T, Hq, D]; gate is a strided view, read in place
-        return self.o_proj(o.reshape(T, -1))
+        return self.tp.all_reduce(self.o_proj(o.reshape(T, -1)))
 
     def _attend(
         self, q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,

@@ -23,6 +23,26 @@ class GdnRecord:
 
 
 @dataclass
+class HostBatch:
+    """A step's batch as the batch builder packs it on the host, before its two
+    host->device copies: what a tensor-parallel worker receives to build the same
+    ``ForwardBatch`` on its own device (``engine/batch_builder.py`` has the layout).
+
+    ``longs`` int64 and ``ints`` int32 are the packed vectors, ``tables`` int32
+    ``[B, max_blocks]``; ``long_offsets`` / ``int_offsets`` start each section.
+    """
+
+    longs: torch.Tensor
+    ints: torch.Tensor
+    tables: torch.Tensor
+    long_offsets: list[int]
+    int_offsets: list[int]
+    num_decode_seqs: int
+    query_start_loc: list[int]
+    seq_lens: list[int]
+
+
+@dataclass
 class ForwardBatch:
     """One step over B sequences holding T new tokens, decode sequences first.
 
@@ -42,6 +62,10 @@ class ForwardBatch:
     Recording (speculative verify steps, ``engine/spec_step.py``):
         gdn_record:       ``None``, or a ``GdnRecord``: the rows whose Gated DeltaNet
                           inputs every such layer copies out, in layer order.
+
+    Host form (tensor parallelism, ``parallel/runner.py``):
+        host:             the ``HostBatch`` the device tensors were copied from, or ``None``
+                          (a batch built otherwise, or whose tensors were replaced since).
 
     Padding (prefill CUDA graphs, ``engine/prefill_graphs.py``):
         row_valid:        bool ``[T]`` or ``None`` (every row real). A graph's batch is one
@@ -63,6 +87,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     row_valid: torch.Tensor | None = None
     gdn_record: GdnRecord | None = None
+    host: HostBatch | None = None
 
     @property
     def num_seqs(self) -> int:

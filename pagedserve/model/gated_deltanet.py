@@ -24,6 +24,7 @@ from pagedserve.config import ModelConfig
 from pagedserve.kernels import gdn
 from pagedserve.model.elementwise import EAGER, ElementwiseOps
 from pagedserve.model.forward_batch import ForwardBatch
+from pagedserve.parallel.group import SINGLE, TensorParallel
 
 
 class GatedRMSNorm(nn.Module):
@@ -42,7 +43,12 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """One linear-attention layer. Its state lives in the state pool, not in the module."""
+    """One linear-attention layer. Its state lives in the state pool, not in the module.
+
+    Under tensor parallelism (``tp``) it holds its rank's ``Hk / N`` key and ``Hv / N``
+    value heads (their projection rows, conv channels and gates; ``parallel/sharding.py``),
+    and its state slots hold only those heads; ``out_proj`` is row-parallel.
+    """
 
     PACKED = {
         "in_proj.weight": (
@@ -51,15 +57,16 @@ class GatedDeltaNet(nn.Module):
     }
     ew: ElementwiseOps = EAGER
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.num_k_heads = cfg.linear_num_key_heads
-        self.num_v_heads = cfg.linear_num_value_heads
+        self.tp = tp
+        self.num_k_heads = cfg.linear_num_key_heads // tp.size
+        self.num_v_heads = cfg.linear_num_value_heads // tp.size
         self.head_k_dim = cfg.linear_key_head_dim
         self.head_v_dim = cfg.linear_value_head_dim
-        self.key_dim = cfg.linear_key_dim
-        self.value_dim = cfg.linear_value_dim
-        conv_dim = cfg.conv_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
         self.split = (conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads)
         self.in_proj = nn.Linear(cfg.hidden_size, sum(self.split), bias=False)
         # Depthwise taps [conv_dim, 1, K], the checkpoint's own layout.
@@ -94,7 +101,7 @@ class GatedDeltaNet(nn.Module):
             record.inputs.append((mixed[record.rows], b[record.rows], a[record.rows]))
         o = self.advance(mixed, b, a, conv_state, recurrent_state, batch)  # [T, Hv, Dv]
         o = self.norm(o, z.view(T, self.num_v_heads, self.head_v_dim))  # [T, Hv, Dv]
-        return self.out_proj(o.reshape(T, self.value_dim))
+        return self.tp.all_reduce(self.out_proj(o.reshape(T, self.value_dim)))
 
     def advance(
         self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedserve.model.elementwise import EAGER, ElementwiseOps
+from pagedserve.parallel.group import SINGLE, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -66,17 +67,22 @@ class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one GEMM.
 
     ``gate_up_proj.weight`` is ``[2 * I, H]``: the checkpoint's ``gate_proj`` rows, then
-    ``up_proj`` rows (see ``PACKED``).
+    ``up_proj`` rows (see ``PACKED``). Under tensor parallelism each rank holds ``I / N``
+    rows of each and the matching columns of the row-parallel ``down_proj``.
     """
 
     PACKED = {"gate_up_proj.weight": ("gate_proj.weight", "up_proj.weight")}
     ew: ElementwiseOps = EAGER
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp
+        intermediate_size //= tp.size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, H]`` -> ``[T, H]``."""
-        return self.down_proj(self.ew.silu_mul(self.gate_up_proj(x)))  # [T, 2I] -> [T, I]
+        h = self.ew.silu_mul(self.gate_up_proj(x))  # [T, 2I] -> [T, I]
+        return self.tp.all_reduce(self.down_proj(h))

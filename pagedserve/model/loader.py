@@ -26,6 +26,9 @@ from pagedserve.model.qwen3_5 import Qwen3_5Model
 from pagedserve.model.random_weights import random_model
 from pagedserve.model.resolve import resolve_checkpoint
 from pagedserve.model.weights import load_weights
+from pagedserve.parallel.group import SINGLE, TensorParallel
+from pagedserve.parallel.sharding import FLAG, check_tensor_parallel
+from pagedserve.parallel.weights import load_sharded_weights
 from pagedserve.quant.config import parse_quantization
 
 # Model dtypes each device's kernels are built and tested for.
@@ -131,8 +134,15 @@ def load_model(
     revision: str | None = None,
     quantization: str | None = None,
     mtp: bool = False,
+    tp: TensorParallel = SINGLE,
+    tokenizer: bool = True,
 ) -> LoadedModel:
     """Load ``model`` (directory, cached hub id, or ``None`` for the embedded default).
+
+    ``tp``: load this rank's shard of a tensor-parallel group (``parallel/sharding.py``),
+    reading only its slices of each tensor; the head counts are checked first.
+    ``tokenizer=False`` skips the tokenizer (a tensor-parallel worker needs none, and
+    importing transformers would double its start-up).
 
     ``mtp=True`` loads the MTP draft head (``mtp.*``) too, as ``model.mtp``; a checkpoint
     without it is rejected before any weight is read (``check_mtp``). A checkpoint
@@ -144,25 +154,24 @@ def load_model(
     dtype = parse_dtype(dtype, device)
     preset = presets.preset_name(str(model)) if model is not None else None
     if preset is not None:
-        return load_preset(preset, device, dtype, quantization, mtp)
-    if model is None:
-        from pagedserve.model.default_model import default_model_path
-
-        path = default_model_path()
-    else:
-        path = resolve_checkpoint(model, revision=revision)
-    raw = _read_raw_config(path)
-    cfg = ModelConfig.from_hf_dict(raw)
+        return load_preset(preset, device, dtype, quantization, mtp, tp)
+    path, raw, cfg = read_model_config(model, revision)
     check_supported(cfg, raw, device, dtype)
     quant = parse_quantization(raw, quantization)
+    check_parallel_support(cfg, tp.size, quant is not None, mtp, str(path))
     if mtp:
         check_mtp(cfg, path)
 
     with torch.device("meta"):
-        decoder = Qwen3_5Model(cfg)
+        decoder = Qwen3_5Model(cfg, tp)
         if mtp:
             decoder.mtp = MTPHead(cfg)
-    if quant is None:
+    if tp.size > 1:
+        with torch.device("meta"):
+            whole = Qwen3_5Model(cfg)
+        weights_bytes = load_sharded_weights(decoder, whole, path, cfg, tp, device, dtype,
+                                             progress)
+    elif quant is None:
         weights_bytes = load_weights(
             decoder, path, cfg.weight_prefix, cfg.tie_word_embeddings, device, dtype, progress
         )
@@ -174,15 +183,45 @@ def load_model(
     decoder.to(device)  # the buffers (RoPE frequencies); parameters are already there
     decoder.eval()
 
-    tokenizer = load_tokenizer(path)
+    tok = load_tokenizer(path) if tokenizer else None
     generation = GenerationDefaults.from_checkpoint(path)
-    tok_eos = () if tokenizer is None or tokenizer.eos_token_id is None else (
-        tokenizer.eos_token_id,
-    )
+    tok_eos = () if tok is None or tok.eos_token_id is None else (tok.eos_token_id,)
     eos = merge_ids(generation.eos_token_ids, cfg.eos_token_ids, tok_eos)
     generation = dataclasses.replace(generation, eos_token_ids=eos)
-    return LoadedModel(path, cfg, decoder, tokenizer, generation, weights_bytes, device, dtype,
+    return LoadedModel(path, cfg, decoder, tok, generation, weights_bytes, device, dtype,
                        None if quant is None else "fp8")
+
+
+def read_model_config(model: str | Path | None,
+                      revision: str | None = None) -> tuple[Path, dict[str, Any], ModelConfig]:
+    """``model``'s checkpoint directory (``None``: the embedded default), raw config.json
+    and ``ModelConfig``, without reading a weight. Presets: their config file's directory."""
+    preset = presets.preset_name(str(model)) if model is not None else None
+    if preset is not None:
+        path = presets.config_path(preset)
+        with open(path) as f:
+            raw = json.load(f)
+        return path.parent, raw, ModelConfig.from_hf_dict(raw)
+    if model is None:
+        from pagedserve.model.default_model import default_model_path
+
+        path = default_model_path()
+    else:
+        path = resolve_checkpoint(model, revision=revision)
+    raw = _read_raw_config(path)
+    return path, raw, ModelConfig.from_hf_dict(raw)
+
+
+def check_parallel_support(cfg: ModelConfig, size: int, fp8: bool, mtp: bool,
+                           model: str) -> None:
+    """Reject, before any weight is read, what a tensor-parallel load does not cover."""
+    check_tensor_parallel(cfg, size, model)
+    if size > 1 and fp8:
+        raise ValueError(f"{FLAG} {size} does not support FP8 weights yet ({model} is FP8 or "
+                         f"--quantization fp8 was given)")
+    if size > 1 and mtp:
+        raise ValueError(f"{FLAG} {size} does not support the MTP head "
+                         f"(--speculative-config) yet")
 
 
 def check_mtp(cfg: ModelConfig, path: Path) -> None:
@@ -199,7 +238,8 @@ def check_mtp(cfg: ModelConfig, path: Path) -> None:
 
 
 def load_preset(name: str, device: torch.device, dtype: torch.dtype,
-                quantization: str | None = None, mtp: bool = False) -> LoadedModel:
+                quantization: str | None = None, mtp: bool = False,
+                tp: TensorParallel = SINGLE) -> LoadedModel:
     """A preset shape with seeded random weights built on ``device``; no tokenizer, so
     prompts must be token ids. For benchmarks of real shapes without their checkpoints.
     ``quantization="fp8"`` quantizes the random linear weights as ``--quantization fp8``
@@ -212,7 +252,8 @@ def load_preset(name: str, device: torch.device, dtype: torch.dtype,
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=SUPPORTED_MTP_LAYERS)
     check_supported(cfg, raw, device, dtype)
     quant = parse_quantization(raw, quantization)
-    decoder = random_model(cfg, device, dtype, mtp=mtp)
+    check_parallel_support(cfg, tp.size, quant is not None, mtp, f"preset:{name}")
+    decoder = random_model(cfg, device, dtype, mtp=mtp, tp=tp)
     if quant is not None:
         quantize_linears(decoder, cfg.weight_prefix, quant)
     return LoadedModel(path.parent, cfg, decoder, None, GenerationDefaults(),

@@ -26,6 +26,9 @@ from pagedserve.model.elementwise import ElementwiseOps
 from pagedserve.model.forward_batch import ForwardBatch
 from pagedserve.model.gated_deltanet import GatedDeltaNet
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from pagedserve.parallel.group import SINGLE, TensorParallel
+from pagedserve.parallel.sharding import vocab_rows
+from pagedserve.parallel.vocab import VocabParallelEmbedding
 
 
 @dataclass
@@ -54,16 +57,16 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, cache_index: int,
-                 layer_type: str | None = None) -> None:
+                 layer_type: str | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         # ``layer_type`` overrides ``cfg.layer_types`` (the MTP module's layer sits past them).
         self.is_full_attention = (layer_type or cfg.layer_types[layer_idx]) == FULL_ATTENTION
         self.cache_index = cache_index
         if self.is_full_attention:
-            self.self_attn = GatedAttention(cfg)
+            self.self_attn = GatedAttention(cfg, tp)
         else:
-            self.linear_attn = GatedDeltaNet(cfg)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+            self.linear_attn = GatedDeltaNet(cfg, tp)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -90,18 +93,29 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    """Embeddings, the hybrid layer stack, the final norm and the LM head."""
+    """Embeddings, the hybrid layer stack, the final norm and the LM head.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``tp``: this rank's place in a tensor-parallel group. Each layer then holds its rank's
+    heads, the embedding and LM head a vocabulary shard (``parallel/vocab.py``), and the
+    logits are gathered over the ranks, so every rank returns the whole vocabulary's.
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.tp = tp
+        vocab = cfg.vocab_size if tp.size == 1 else vocab_rows(cfg, tp.size)
+        if tp.size == 1:
+            self.embed_tokens: nn.Embedding | VocabParallelEmbedding = nn.Embedding(
+                cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens.weight.requires_grad_(False)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, vocab, cfg.hidden_size, tp)
         counts = {True: 0, False: 0}
         layers = []
         for i, layer_type in enumerate(cfg.layer_types):
             full = layer_type == FULL_ATTENTION
-            layers.append(DecoderLayer(cfg, i, counts[full]))
+            layers.append(DecoderLayer(cfg, i, counts[full], tp=tp))
             counts[full] += 1
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -109,7 +123,7 @@ class Qwen3_5Model(nn.Module):
         # Tied checkpoints have no lm_head tensor: the embedding matrix is the head.
         self.lm_head = (
             None if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            else nn.Linear(cfg.hidden_size, vocab, bias=False)
         )
         # The MTP draft head (``model/mtp.py``), when the loader was asked for it: its
         # parameters are named ``mtp.*`` as in the checkpoint.
@@ -153,5 +167,9 @@ class Qwen3_5Model(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[N, H]`` -> float32 logits ``[N, vocab]``."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()  # an nn.Linear, or its FP8 form
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()  # an nn.Linear, or its FP8 form
+        if self.tp.size == 1:
+            return logits
+        return self.tp.gather_columns(logits)[:, :self.config.vocab_size]

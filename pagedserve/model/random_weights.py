@@ -14,6 +14,8 @@ from torch import nn
 from pagedserve.config import ModelConfig
 from pagedserve.model.mtp import MTPHead
 from pagedserve.model.qwen3_5 import Qwen3_5Model
+from pagedserve.parallel.group import SINGLE, TensorParallel
+from pagedserve.parallel.sharding import param_shard, slice_full
 
 
 def set_param(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -24,15 +26,17 @@ def set_param(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 @torch.no_grad()
 def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 seed: int = 0, mtp: bool = False) -> Qwen3_5Model:
+                 seed: int = 0, mtp: bool = False, tp: TensorParallel = SINGLE) -> Qwen3_5Model:
     """pagedserve's decoder of shape ``cfg`` with seeded random weights on ``device``
-    (``mtp``: with an MTP draft head, ``model/mtp.py``)."""
+    (``mtp``: with an MTP draft head, ``model/mtp.py``). ``tp``: this rank's shard of
+    the same weights (every rank draws each whole parameter in turn and keeps its slice)."""
     with torch.device("meta"):
-        model = Qwen3_5Model(cfg)
+        model = Qwen3_5Model(cfg, tp)
+        whole = Qwen3_5Model(cfg) if tp.size > 1 else model
         if mtp:
             model.mtp = MTPHead(cfg)
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in list(model.named_parameters()):
+    for name, p in list(whole.named_parameters()):
         t = torch.empty(p.shape, dtype=dtype, device=device)
         if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
             t.fill_(1.0)
@@ -45,5 +49,6 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
             t.uniform_(-0.5, 0.5, generator=gen)  # Conv1d default: 1/sqrt(fan_in = K)
         else:
             t.normal_(0.0, 0.02, generator=gen)
-        set_param(model, name, t)
+        shard = param_shard(name, cfg, tp)
+        set_param(model, name, t if shard is None else slice_full(t, shard))
     return model.to(device).eval()

@@ -55,6 +55,20 @@ SHAPES: dict[str, dict] = {
 }
 
 
+# Shapes that tensor parallelism splits over 2 ranks (``test_tensor_parallel.py``): the
+# ones above split only where every head count is even. Here one K/V head (replicated on
+# both ranks), 4 GDN value heads over 2 key heads, head_dim 256, an untied head.
+TP_SHAPES: dict[str, dict] = {
+    "d256-gqa4-kv1-untied": dict(
+        hidden_size=96, intermediate_size=192, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32,
+        layer_types=[LIN, FULL, LIN, FULL], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0,
+                         "partial_rotary_factor": 0.25},
+    ),
+}
+
 # Shapes for FP8 block weights: hidden 200, intermediate 136, 64-row K/V projections and a
 # 224-row GDN conv projection, so that blocks are partial on both axes and fused parts end
 # inside a 128-row block.
@@ -81,7 +95,7 @@ FP8_SHAPES: dict[str, dict] = {
 
 
 def hf_config(shape: str) -> Qwen3_5TextConfig:
-    kw = dict({**SHAPES, **FP8_SHAPES}[shape])
+    kw = dict({**SHAPES, **TP_SHAPES, **FP8_SHAPES}[shape])
     return Qwen3_5TextConfig(
         vocab_size=VOCAB, num_hidden_layers=len(kw["layer_types"]), rms_norm_eps=1e-6,
         max_position_embeddings=4096, linear_conv_kernel_dim=4, pad_token_id=256, **kw,

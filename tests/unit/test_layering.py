@@ -63,6 +63,11 @@ def test_layer_rule_sees_imports() -> None:
                     "pagedserve.kernels", "pagedserve.plan")),
         ("kernels", (), ("pagedserve.config", "pagedserve.model", "pagedserve.engine",
                          "pagedserve.server")),
+        # Tensor parallelism's group and sharding rules sit under the model (which uses
+        # them); only its launcher and runner know the engine.
+        ("parallel", ("pagedserve.parallel", "pagedserve.model", "pagedserve.engine",
+                      "pagedserve.config", "pagedserve.kv", "pagedserve.quant"),
+         ("pagedserve.server", "pagedserve.commands")),
         # The FP8 weight format is a leaf, like the K/V formats.
         ("quant", (), ("pagedserve.config", "pagedserve.model", "pagedserve.engine",
                        "pagedserve.kernels", "pagedserve.kv", "pagedserve.plan")),
