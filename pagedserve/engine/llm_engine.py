@@ -141,8 +141,8 @@ class LLMEngine:
                                       self.runner.checkpoint_pool, salt,
                                       config.prefix_checkpoint_interval,
                                       speculative=spec is not None)
-            log.info("prefix caching on: %d state checkpoints of %.1f MiB (state and a "
-                     "logits row; %.2f GiB), one "
+            log.info("prefix caching on: %d state checkpoints of %.1f MiB (state, a logits "
+                     "row and, with speculation, a hidden row; %.2f GiB), one "
                      "every %d prompt tokens and at each prompt's and request's end",
                      num_checkpoints, bytes_per_checkpoint / 2**20,
                      num_checkpoints * bytes_per_checkpoint / GiB,

@@ -48,7 +48,7 @@ Checkpoints are saved:
 
 With speculative decoding the cache serves the drafter too (``engine/spec_step.py``):
 
-* block names cover the token after each block (``HashChain`` with a lookahead of one),
+* block names cover the token after each block (``HashChain``'s ``num_next_tokens`` of one),
   since the MTP head's K/V row at a block's end holds that token: a shared block's
   drafter rows are then exact for every request that matches it. A resume point ``p``
   hangs from the ``(p - 1) // block_size`` blocks its tokens name, and the block of row
@@ -151,7 +151,7 @@ class PrefixCache:
         self.block_size = kv.block_size
         self.checkpoint_interval = checkpoint_interval
         self.speculative = speculative
-        self.lookahead = int(speculative)
+        self.num_next_tokens = int(speculative)
         self.half_life = max(16, 2 * checkpoints.num_checkpoints)
         checkpoints.value = self._value
         self.stats = PrefixCacheStats()
@@ -160,7 +160,7 @@ class PrefixCache:
     def chain(self, req: Request, num_tokens: int) -> HashChain:
         """``req``'s block names, extended to cover ``num_tokens`` tokens."""
         if req.prefix_chain is None:
-            req.prefix_chain = HashChain(self.salt, self.block_size, self.lookahead)
+            req.prefix_chain = HashChain(self.salt, self.block_size, self.num_next_tokens)
         req.prefix_chain.extend(num_tokens, req.token_slice)
         return req.prefix_chain
 
@@ -270,7 +270,7 @@ class PrefixCache:
         """Name ``req``'s committed full blocks, so that other requests can find them."""
         handle = req.live_kv_handle
         n = self.kv.num_tokens(handle)
-        chain = self.chain(req, min(n + self.lookahead, req.num_tokens))
+        chain = self.chain(req, min(n + self.num_next_tokens, req.num_tokens))
         self.kv.name_full_blocks(handle, chain.parents[1:])
 
     def on_release(self, req: Request, save_state: bool) -> bool:

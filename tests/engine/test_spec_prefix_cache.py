@@ -166,12 +166,12 @@ def test_multi_turn_resumes_from_the_finished_turn(model) -> None:
     greedy = model[2]
     engine = make_engine(model)
     prompt = prompt_ids(3, 21)
+    resume = 0  # the first turn finds nothing
     for turn in range(3):
         req = run(engine, (f"t{turn}", prompt, 9))[f"t{turn}"]
         assert req.output_token_ids == greedy(prompt, 9), turn
-        if turn:
-            assert req.num_cached_tokens == previous
-        previous = len(prompt) + len(req.output_token_ids) - 1
+        assert req.num_cached_tokens == resume, turn
+        resume = len(prompt) + len(req.output_token_ids) - 1
         prompt = prompt + req.output_token_ids + prompt_ids(10 + turn, 6)
     assert_empty(engine)
 

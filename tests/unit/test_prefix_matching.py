@@ -44,10 +44,10 @@ def test_chain_depends_on_every_earlier_token_and_the_salt():
     assert position_key(5, [1]) != block_hash(5, [1])  # the two name spaces differ
 
 
-def test_a_lookahead_chain_names_each_block_with_the_token_after_it():
+def test_a_chain_can_name_each_block_with_the_token_after_it():
     tokens = list(range(10))
     sl = lambda a, b: tokens[a:b]  # noqa: E731
-    c = HashChain(7, 4, lookahead=1)
+    c = HashChain(7, 4, num_next_tokens=1)
     c.extend(8, sl)
     assert c.num_blocks == 1  # block 1 waits for token 8
     h1 = block_hash(7, [0, 1, 2, 3, 4])
@@ -59,11 +59,11 @@ def test_a_lookahead_chain_names_each_block_with_the_token_after_it():
     # tokens, since block 1's name needs token 8.
     assert c.key_at(8, sl) == position_key(h1, [4, 5, 6, 7])
     assert c.key_at(9, sl) == position_key(c.block_name(1), [8])
-    other = HashChain(7, 4, lookahead=1)
+    other = HashChain(7, 4, num_next_tokens=1)
     other.extend(9, lambda a, b: (tokens[:8] + [99])[a:b])
     assert other.block_name(0) == h1 and other.block_name(1) != c.block_name(1)
-    with pytest.raises(ValueError, match="lookahead"):
-        HashChain(7, 4, lookahead=2)
+    with pytest.raises(ValueError, match="num_next_tokens"):
+        HashChain(7, 4, num_next_tokens=2)
 
 
 def test_checkpoints_keep_a_hidden_row_when_asked():
