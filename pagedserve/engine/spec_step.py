@@ -168,7 +168,7 @@ class SpeculativeDecoding:
                                        c.start_pos))
         if spec:
             e.runner.save_states([slots[i] for i in spec])
-        hidden, qsl, record = self._forward(e, seq_chunks, chunks, spec)
+        hidden, qsl, record = self._forward(e, seq_chunks, spec)
         plain = [i for i, c in enumerate(chunks) if c.completes and not c.num_draft]
         saving = [i for i in forwarded if e.prefix is not None and not chunks[i].num_draft
                   and e.prefix.wants_checkpoint(chunks[i].request, chunks[i].start_pos,
@@ -197,8 +197,8 @@ class SpeculativeDecoding:
         self._roll_back(e, chunks, slots, verified, seq_chunks, spec, record)
         return self._apply(e, chunks, qsl, hidden, sampled, verified)
 
-    def _forward(self, e: LLMEngine, seq_chunks: list[SeqChunk], chunks: list[ScheduledChunk],
-                 spec: list[int]) -> tuple[torch.Tensor, list[int], GdnRecord | None]:
+    def _forward(self, e: LLMEngine, seq_chunks: list[SeqChunk], spec: list[int],
+                 ) -> tuple[torch.Tensor, list[int], GdnRecord | None]:
         """The forward pass of ``seq_chunks``: every row's final hidden state ``[T, H]``,
         the rows' ``query_start_loc``, and the verify rows' recorded Gated DeltaNet inputs
         (for ``_roll_back``). A step of only zero-token chunks forwards nothing."""
