@@ -49,7 +49,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding, vLLM\'s JSON: {"method": "mtp", '
                         '"num_speculative_tokens": K} with K in 1..4 (drafts with the '
-                        'checkpoint\'s MTP head; prefix caching is then off)')
+                        'checkpoint\'s MTP head; needs synchronous scheduling, so async '
+                        'scheduling is then off)')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split every layer's heads over N devices, one process each "
                         "(NCCL on cuda, gloo on cpu; docs/tensor-parallel.md)")
@@ -62,8 +63,7 @@ def add_prefix_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None,
                    help="reuse the K/V blocks and recurrent state of earlier requests' "
-                        "prefixes (default on; off with the contiguous layout and with "
-                        "--speculative-config)")
+                        "prefixes (default on; off with the contiguous layout)")
     p.add_argument("--prefix-checkpoint-memory", default=None,
                    help="memory for recurrent-state checkpoints, e.g. 4GiB, 0 for none "
                         "(default: at most 4 GiB and max(64, 8 x max-num-seqs) checkpoints)")

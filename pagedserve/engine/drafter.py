@@ -16,6 +16,12 @@ chunks included), so that invariant holds below each sequence's computed tokens:
     MTP rows       0 .. c-1 = (h_i, x_{i+1}): exact, written by observe
                    c .. c+d-2   drafting scratch (propose), rewritten by the next observe
 
+Under prefix caching a shared block's MTP rows are exact for every request that matches
+it, since block names cover the token after each block (``prefix_cache.py``); after a hit
+at ``p`` the first ``observe`` of the request starts at row ``p - 1`` (fed the
+checkpoint's hidden state), rewriting the one row a copied tail block may hold for
+another next token.
+
 ``observe`` also keeps, per request, the head's output at row ``c - 1`` (its ``tail``):
 draft 1 comes from its logits, and drafts 2..d chain one-row passes, each feeding the
 head its own previous output as the hidden state (as vLLM's MTP proposer does).

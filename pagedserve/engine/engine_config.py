@@ -56,7 +56,7 @@ class EngineConfig:
     seed: int = 0
     check_integrity: bool = False  # run the pools' invariant checks after every step
     progress: bool = True
-    # None: on, except with speculative decoding (which does not support it yet).
+    # None: on (with the paged layout).
     enable_prefix_caching: bool | None = None
     prefix_checkpoint_memory: str | None = None
     prefix_checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
@@ -132,24 +132,20 @@ class EngineConfig:
 
     def speculative(self) -> SpeculativeConfig | None:
         """The parsed ``speculative_config``; raises ``ValueError`` for a bad one and for
-        what speculative steps do not support yet (``engine/spec_step.py``)."""
+        what speculative steps do not support (``engine/spec_step.py``)."""
         if self.speculative_config is None:
             return None
         spec = SpeculativeConfig.parse(self.speculative_config)
         if self.async_scheduling:
-            raise ValueError("speculative-config needs synchronous scheduling: speculative "
-                             "steps are read back before the next is scheduled; drop "
-                             "async scheduling (--no-async-scheduling)")
-        if self.enable_prefix_caching and self.kv_layout == "paged":
-            raise ValueError("speculative-config does not support prefix caching yet (the "
-                             "MTP head's K/V row at a block's end depends on the next "
-                             "block's first token); drop --enable-prefix-caching")
+            raise ValueError("speculative-config needs synchronous scheduling: the next "
+                             "step's positions depend on how many drafts a verify step "
+                             "keeps, known only once its tokens are read back; drop async "
+                             "scheduling (--no-async-scheduling)")
         return spec
 
     @property
     def prefix_caching(self) -> bool:
-        """Whether prefix caching is asked for: ``enable_prefix_caching``, or by default on
-        unless speculative decoding is (``speculative`` refuses the two together)."""
+        """Whether prefix caching is asked for: ``enable_prefix_caching``, by default on."""
         if self.enable_prefix_caching is None:
-            return self.speculative_config is None and self.tensor_parallel_size == 1
+            return self.tensor_parallel_size == 1
         return self.enable_prefix_caching

@@ -115,13 +115,14 @@ class LLMEngine:
             prefill_chunk=config.prefill_chunk, idle_prefill_chunk=config.idle_prefill_chunk,
             max_num_batched_tokens=config.max_num_batched_tokens)
         budget = sched_config.max_num_batched_tokens
-        bytes_per_checkpoint = checkpoint_bytes(cfg.state_shapes(dtype), cfg.vocab_size)
+        # With speculation a checkpoint keeps its last token's hidden state for the drafter.
+        hidden_bytes = cfg.hidden_size * dtype.itemsize if spec is not None else 0
+        bytes_per_checkpoint = checkpoint_bytes(cfg.state_shapes(dtype), cfg.vocab_size,
+                                                hidden_bytes)
         num_checkpoints = num_checkpoints_for(
             config.checkpoint_memory_bytes(), bytes_per_checkpoint, config.max_num_seqs)
         caching = config.prefix_caching and config.kv_layout == "paged" and num_checkpoints > 0
-        if config.enable_prefix_caching is None and config.speculative_config is not None:
-            log.info("prefix caching is off: speculative decoding does not support it yet")
-        elif config.prefix_caching and not caching:
+        if config.prefix_caching and not caching:
             log.info("prefix caching is off: %s", "no state checkpoint fits its memory budget"
                      if config.kv_layout == "paged"
                      else f"the {config.kv_layout} K/V layout has no shareable blocks")
@@ -130,7 +131,8 @@ class LLMEngine:
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             num_blocks=config.num_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
             cuda_graphs=config.cuda_graphs, prefill_graph_tokens=sched_config.prefill_chunk,
-            num_checkpoints=num_checkpoints, state_snapshots=spec is not None)
+            num_checkpoints=num_checkpoints, state_snapshots=spec is not None,
+            checkpoint_hidden=spec is not None)
         self.runner: ModelRunner
         if tp_size > 1:
             self.loaded, self.runner = start_tensor_parallel(config, runner_config,
@@ -149,9 +151,10 @@ class LLMEngine:
                            config.block_size)
             self.prefix = PrefixCache(self.kv, self.runner.state_pool,
                                       self.runner.checkpoint_pool, salt,
-                                      config.prefix_checkpoint_interval)
-            log.info("prefix caching on: %d state checkpoints of %.1f MiB (state and a "
-                     "logits row; %.2f GiB), one "
+                                      config.prefix_checkpoint_interval,
+                                      speculative=spec is not None)
+            log.info("prefix caching on: %d state checkpoints of %.1f MiB (state, a logits "
+                     "row and, with speculation, a hidden row; %.2f GiB), one "
                      "every %d prompt tokens and at each prompt's and request's end",
                      num_checkpoints, bytes_per_checkpoint / 2**20,
                      num_checkpoints * bytes_per_checkpoint / GiB,
@@ -471,7 +474,10 @@ class LLMEngine:
         return outputs
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None,
-                      now: float) -> RequestOutput:
+                      now: float, state_exact: bool = True) -> RequestOutput:
+        """Append ``token`` to ``req``, check its stops, and finish it on one.
+        ``state_exact``: its state slot holds exactly its computed tokens (a speculative
+        step's stop on a kept draft leaves it past them), so a finish may checkpoint it."""
         req.output_token_ids.append(token)
         if logprob is not None:
             req.output_logprobs.append(logprob)
@@ -492,7 +498,7 @@ class LLMEngine:
             # A step launched ahead has moved its state past its computed tokens.
             in_flight = self._inflight is not None and any(
                 c.request is req for c in self._inflight.chunks)
-            self.scheduler.finish(req, status, save_state=not in_flight)
+            self.scheduler.finish(req, status, save_state=state_exact and not in_flight)
             req.finished_time = now
         if req.is_finished:
             self.requests.pop(req.request_id, None)

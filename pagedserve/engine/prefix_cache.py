@@ -46,6 +46,19 @@ Checkpoints are saved:
   a whole prompt sent again after its end checkpoint was evicted, so that every later
   one resumes there.
 
+With speculative decoding the cache serves the drafter too (``engine/spec_step.py``):
+
+* block names cover the token after each block (``HashChain``'s ``num_next_tokens`` of one),
+  since the MTP head's K/V row at a block's end holds that token: a shared block's
+  drafter rows are then exact for every request that matches it. A resume point ``p``
+  hangs from the ``(p - 1) // block_size`` blocks its tokens name, and the block of row
+  ``p - 1`` is always the copied tail;
+* each checkpoint keeps the target's hidden state of its last token
+  (``CheckpointPool.hidden_row``), and only such checkpoints are resumed from: the request
+  gets it as ``resume_hidden``, and the drafter's first rows after the hit start at
+  ``p - 1``, rewriting that row (its next token may differ from the one the copied tail
+  held) in the request's private tail copy.
+
 A checkpoint is worth the tokens it saves recomputing, halved for every ``half_life``
 saves and hits since it was last used, and nothing once its K/V blocks are gone; the
 least valuable is evicted when the checkpoint pool is full.
@@ -121,10 +134,13 @@ class PrefixCache:
         checkpoints: the checkpoint pool (capacity 0 disables reuse: nothing can resume).
         salt: the hash chain's root (``prefix_hash.salt_of`` over model and K/V types).
         checkpoint_interval: tokens between checkpoints inside a long prompt.
+        speculative: serve a drafter too (the module docstring): block names cover the
+            next token, and only checkpoints with a hidden row are resumed from.
     """
 
     def __init__(self, kv: KVCacheManager, states: StatePool, checkpoints: CheckpointPool,
-                 salt: int, checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL) -> None:
+                 salt: int, checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
+                 speculative: bool = False) -> None:
         if checkpoint_interval <= 0:
             raise ValueError(f"prefix-checkpoint-interval must be > 0, got "
                              f"{checkpoint_interval}")
@@ -134,6 +150,8 @@ class PrefixCache:
         self.salt = salt
         self.block_size = kv.block_size
         self.checkpoint_interval = checkpoint_interval
+        self.speculative = speculative
+        self.num_next_tokens = int(speculative)
         self.half_life = max(16, 2 * checkpoints.num_checkpoints)
         checkpoints.value = self._value
         self.stats = PrefixCacheStats()
@@ -142,7 +160,7 @@ class PrefixCache:
     def chain(self, req: Request, num_tokens: int) -> HashChain:
         """``req``'s block names, extended to cover ``num_tokens`` tokens."""
         if req.prefix_chain is None:
-            req.prefix_chain = HashChain(self.salt, self.block_size)
+            req.prefix_chain = HashChain(self.salt, self.block_size, self.num_next_tokens)
         req.prefix_chain.extend(num_tokens, req.token_slice)
         return req.prefix_chain
 
@@ -163,10 +181,11 @@ class PrefixCache:
             for entry in self.checkpoints.under(chain.parents[i]):
                 p = entry.num_tokens
                 if (not i * bs <= p <= limit or (best and p <= best[0].num_tokens)
-                        or (p == limit and not entry.has_logits)):
+                        or (p == limit and not entry.has_logits)
+                        or (self.speculative and not entry.has_hidden)):
                     continue
                 tail = self._tail(entry, blocks, i)
-                if (p % bs == 0 or tail is not None) and entry.key == chain.key_at(
+                if (p == i * bs or tail is not None) and entry.key == chain.key_at(
                         p, req.token_slice):
                     best = (entry, tail)
             if best is not None:
@@ -177,7 +196,7 @@ class PrefixCache:
 
     def _tail(self, entry: Checkpoint, blocks: list[int], i: int) -> int | None:
         """The block holding ``entry``'s rows past full block ``i``, if any is known."""
-        if entry.num_tokens % self.block_size == 0:
+        if entry.num_tokens == i * self.block_size:
             return None
         if i < len(blocks):
             return blocks[i]  # a full cached block with the same leading tokens
@@ -192,10 +211,14 @@ class PrefixCache:
 
     def restore(self, req: Request, hit: PrefixHit, state_slot: int) -> None:
         """Copy ``hit``'s state into ``req``'s slot ``state_slot``; when ``hit`` covers all
-        of ``req``'s tokens, also a copy of its logits row into ``req.cached_logits``."""
+        of ``req``'s tokens, also a copy of its logits row into ``req.cached_logits``;
+        when it keeps a hidden row, a copy into ``req.resume_hidden``."""
         self.checkpoints.restore(hit.checkpoint, self.states, state_slot)
         if hit.num_tokens == req.num_tokens:
             req.cached_logits = self.checkpoints.logits_row(hit.checkpoint)
+        if hit.checkpoint.has_hidden:
+            req.resume_hidden = self.checkpoints.hidden_row(hit.checkpoint)
+            req.last_hidden = (hit.num_tokens, req.resume_hidden)
 
     def count(self, num_queried: int, num_hit: int) -> None:
         """An admission looked up ``num_queried`` tokens and resumed after ``num_hit``."""
@@ -225,38 +248,45 @@ class PrefixCache:
             end == req.num_prompt_tokens or end == req.checkpoint_branch
             or end % self.checkpoint_interval == 0)
 
-    def save(self, req: Request, end: int, logits: torch.Tensor | None = None) -> None:
+    def save(self, req: Request, end: int, logits: torch.Tensor | None = None,
+             hidden: torch.Tensor | None = None) -> None:
         """Save ``req``'s state slot, which holds the state after ``end`` tokens, with
-        ``logits`` (``[vocab]`` float32), those of token ``end - 1``, if given."""
+        ``logits`` (``[vocab]`` float32), those of token ``end - 1``, and ``hidden``
+        (``[H]``), that token's final hidden state, if given."""
         if self.checkpoints.num_checkpoints == 0:
             return
         chain = self.chain(req, end)
         handle = req.live_kv_handle
+        num_full = chain.blocks_at(end)
         tail = None
-        if end % self.block_size:
+        if end > num_full * self.block_size:
             block = self.kv.block_at(handle, end - 1)
             tail = (block, self.kv.pool.epoch(block))
-        self.checkpoints.save(chain.key_at(end, req.token_slice), end,
-                              chain.parents[end // self.block_size], tail, self.states,
-                              self.states.slot(req.live_state_handle), logits)
+        self.checkpoints.save(chain.key_at(end, req.token_slice), end, chain.parents[num_full],
+                              tail, self.states, self.states.slot(req.live_state_handle),
+                              logits, hidden)
 
     def on_commit(self, req: Request) -> None:
         """Name ``req``'s committed full blocks, so that other requests can find them."""
         handle = req.live_kv_handle
         n = self.kv.num_tokens(handle)
-        chain = self.chain(req, n)
+        chain = self.chain(req, min(n + self.num_next_tokens, req.num_tokens))
         self.kv.name_full_blocks(handle, chain.parents[1:])
 
     def on_release(self, req: Request, save_state: bool) -> bool:
         """``req`` leaves (finished, preempted or aborted) with ``num_computed_tokens``
-        tokens computed; with ``save_state`` its slot holds their state. Returns whether a
-        partial last block must stay cached (a checkpoint ends inside it)."""
+        tokens computed; with ``save_state`` its slot holds their state. Returns whether
+        the block of its last token must stay cached although no name may cover it (a
+        checkpoint's tail ends inside it)."""
         self.on_commit(req)
         n = req.num_computed_tokens
         if not save_state or n == 0:
             return False
-        self.save(req, n)
-        return n % self.block_size != 0
+        hidden = None
+        if req.last_hidden is not None and req.last_hidden[0] == n:
+            hidden = req.last_hidden[1]
+        self.save(req, n, hidden=hidden)
+        return n > self.chain(req, n).blocks_at(n) * self.block_size
 
     def _value(self, c: Checkpoint, now: int) -> float:
         if c.parent != self.salt and self.kv.pool.lookup(c.parent) is None:

@@ -160,6 +160,11 @@ class Request:
     # Admitted with every token cached: the stored logits of its last token, from which
     # its next token is sampled in the step that admits it (then None).
     cached_logits: torch.Tensor | None = None
+    # Speculative decoding: ``(n, h)``, the target's final hidden state ``h`` ``[H]`` of
+    # token ``n - 1`` once ``n`` tokens are computed (what a checkpoint at ``n`` keeps);
+    # and after a prefix hit, the checkpoint's such row until the drafter has taken it.
+    last_hidden: tuple[int, torch.Tensor] | None = None
+    resume_hidden: torch.Tensor | None = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -71,6 +71,8 @@ class RunnerConfig:
             (``CheckpointPool``; 0: none), allocated before the K/V pool is sized.
         state_snapshots: keep one spare copy of every state slot, for speculative
             decoding's rollback (``save_states`` / ``restore_states``).
+        checkpoint_hidden: each checkpoint keeps a hidden-state row too (speculative
+            decoding's drafter, ``engine/prefix_cache.py``).
     """
 
     max_model_len: int = 4096
@@ -83,6 +85,7 @@ class RunnerConfig:
     prefill_graph_tokens: int = 512
     num_checkpoints: int = 0
     state_snapshots: bool = False
+    checkpoint_hidden: bool = False
 
     def __post_init__(self) -> None:
         if self.num_checkpoints < 0:
@@ -156,7 +159,9 @@ class ModelRunner:
             cfg.state_shapes(self.dtype, self.tp.size), config.max_num_seqs)
         self.checkpoint_pool = CheckpointPool(
             cfg.state_shapes(self.dtype, self.tp.size), config.num_checkpoints, self.device,
-            vocab_size=cfg.vocab_size)
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size if config.checkpoint_hidden else 0,
+            hidden_dtype=self.dtype)
         # Spare copies of the state slots, indexed by slot: [L_lin, S + 1, ...] each.
         self._snapshots = ((torch.empty_like(self.state_pool.conv_state),
                             torch.empty_like(self.state_pool.recurrent_state))

@@ -289,6 +289,7 @@ class Scheduler:
         returns that chunk's length (0: every token was cached, the chunk samples from the
         stored logits), or ``None`` and no change when memory is short."""
         hit = None
+        req.resume_hidden = None
         if self.prefix is not None:
             match = self.prefix.match(req)
             self.prefix.set_branch(req, match)

@@ -17,8 +17,9 @@ One step (synchronous: its tokens are read back before the next is scheduled)::
                     inputs (their attention K/V rows, written by the verify pass, stand);
                     the reservation past the kept rows is dropped, which frees the blocks
                     only rejected rows used
-    append          tokens one at a time: a stop (EOS, stop id or string, max_tokens,
-                    max_model_len) inside the kept run ends it there
+    append          a row committed, then its token appended, one at a time: a stop
+                    (EOS, stop id or string, max_tokens, max_model_len) inside the kept
+                    run ends it there, with the rows below the stop committed
 
 Rollback by re-advancing: the recurrent GDN state cannot be rewound, and the Gated
 DeltaNet ops return only the state after a chunk's last row. A kept row's inputs to each
@@ -29,11 +30,36 @@ projections, attention and MLPs are not run again. Keeping the state after each 
 row (``k + 1`` spare slots written by the GDN kernels) would save even that; it needs
 those kernels to write intermediate states.
 
+Prefix caching (``prefix_cache.py``) stays exact under speculation:
+
+* **K/V.** Only committed rows count: a block is named (and so cached) only once every
+  row of it is committed, and a committed row is the verify pass's write of a kept token
+  (a rejected row's position is written again by the step that commits it). The blocks
+  only rejected rows reached are past the committed ones, never named nor shared (a
+  sequence's partly filled last block is private: prefix hits copy it), and go back to
+  the pool when the reservation is dropped.
+* **Checkpoints.** The prompt's checkpoints (its end, each interval, the branch point)
+  fall on prefill chunks, which never carry drafts: they are saved right after the
+  forward pass with that chunk's last row's logits and hidden state. A finish or
+  preemption checkpoints the state at the committed length, which the rollback has left
+  exact; the one exception, a stop on a kept draft before the run's last token, leaves
+  the state past the committed rows and is not checkpointed. No checkpoint position falls
+  inside a verify step's kept run, so none needs the state partway through one.
+* **The drafter.** Block names cover the token after each block and a hit always copies
+  the block of its last row, and each checkpoint keeps its last token's hidden state: the
+  drafter's first rows after a hit at ``p`` start at ``p - 1``, fed that state
+  (``_observe``), so its rows are what a cold run writes (``drafter.py``).
+* **Zero-token chunks** (every token cached) forward nothing: they sample from the stored
+  logits row like a plain completing chunk.
+
 Requests speculate only when each verify row's distribution is the plain sampler's: not
 with a grammar or penalties (their masks and counts follow the drafts), and not before
 ``min_tokens`` outputs; such requests decode one token a step in the same batches.
-Speculation needs synchronous scheduling and no prefix caching (both its defaults; the
-engine rejects either asked for at start-up), and its passes run eagerly: no CUDA graph
+
+Speculation needs synchronous scheduling (its default; the engine rejects async
+scheduling with it at start-up): the next step's rows start at the committed length,
+which a verify step fixes only once its tokens are read back, and the drafter's first
+draft comes from the kept rows' hidden states. Its passes run eagerly: no CUDA graph
 covers a verify step.
 """
 
@@ -48,6 +74,7 @@ import torch
 from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch
 from pagedserve.engine.drafter import Draft, Drafter, DraftRequest, Observed
 from pagedserve.engine.lookahead import InflightStep
+from pagedserve.engine.prefix_cache import logits_with_cached_rows
 from pagedserve.engine.request import Request, RequestStatus, TokenLogprob
 from pagedserve.engine.sampler import SamplingTensors, filtered_logits, sample
 from pagedserve.engine.scheduler import ScheduledChunk
@@ -124,16 +151,16 @@ class SpeculativeDecoding:
             e.runner.apply_pending_copies(e.kv)
         if not plan.chunks:
             return []
-        # Single-row decodes first (the batch's decode rows), then verify chunks, then prompts.
-        chunks = sorted(plan.chunks,
-                        key=lambda c: 0 if c.num_tokens == 1 else 1 if c.num_draft else 2)
+        chunks = sorted(plan.chunks, key=_batch_order)
+        forwarded = [i for i, c in enumerate(chunks) if c.num_tokens]  # a leading run
         spec = [i for i, c in enumerate(chunks) if c.num_draft]
         slots = [e.runner.state_pool.slot(c.request.live_state_handle) for c in chunks]
         drafts = dict(zip(spec, self.drafter.propose(
             [DraftRequest(chunks[i].request, slots[i], chunks[i].start_pos,
                           chunks[i].num_draft) for i in spec])))
         seq_chunks = []
-        for i, c in enumerate(chunks):
+        for i in forwarded:
+            c = chunks[i]
             ids = c.request.token_slice(c.start_pos, c.start_pos + c.num_tokens - c.num_draft)
             if c.num_draft:
                 ids += drafts[i].token_ids
@@ -141,21 +168,25 @@ class SpeculativeDecoding:
                                        c.start_pos))
         if spec:
             e.runner.save_states([slots[i] for i in spec])
-        batch = build_forward_batch(seq_chunks, e.kv, e.runner.device, staging=e._staging)
-        qsl = batch.query_start_loc_cpu
-        if spec:  # the verify rows' Gated DeltaNet inputs, for a rollback (_roll_back)
-            verify_rows = [r for i in spec for r in range(qsl[i], qsl[i + 1])]
-            batch.gdn_record = GdnRecord(
-                torch.tensor(verify_rows, dtype=torch.long, device=e.runner.device), [])
-        hidden = e.runner.forward_hidden(batch)  # [T, H]
+        hidden, qsl, record = self._forward(e, seq_chunks, spec)
         plain = [i for i, c in enumerate(chunks) if c.completes and not c.num_draft]
-        rows = [qsl[i + 1] - 1 for i in plain]
+        saving = [i for i in forwarded if e.prefix is not None and not chunks[i].num_draft
+                  and e.prefix.wants_checkpoint(chunks[i].request, chunks[i].start_pos,
+                                                chunks[i].start_pos + chunks[i].num_tokens)]
+        ends = [i for i in forwarded if i in plain or i in saving]  # rows whose logits count
+        rows = [qsl[i + 1] - 1 for i in ends]
         for i in spec:
             rows += range(qsl[i + 1] - 1 - chunks[i].num_draft, qsl[i + 1])
         logits = e.runner.compute_logits(hidden[rows]) if rows else None  # [R, V]
-        sampled = self._sample_plain(e, chunks, plain, logits)
+        end_logits = {i: logits[k] for k, i in enumerate(ends)} if logits is not None else {}
+        for i in saving:  # queued after the forward pass that computed these states
+            assert e.prefix is not None
+            c = chunks[i]
+            e.prefix.save(c.request, c.start_pos + c.num_tokens, end_logits[i],
+                          hidden[qsl[i + 1] - 1])
+        sampled = self._sample_plain(e, chunks, plain, end_logits)
         verified: dict[int, _Verified] = {}
-        offset = len(plain)
+        offset = len(ends)
         for i in spec:
             d = chunks[i].num_draft
             assert logits is not None
@@ -163,18 +194,40 @@ class SpeculativeDecoding:
                                        drafts[i])
             offset += d + 1
         self._observe(chunks, slots, qsl, hidden, sampled, verified)
-        self._roll_back(e, chunks, slots, verified, seq_chunks, spec, batch.gdn_record)
-        return self._apply(e, chunks, sampled, verified)
+        self._roll_back(e, chunks, slots, verified, seq_chunks, spec, record)
+        return self._apply(e, chunks, qsl, hidden, sampled, verified)
+
+    def _forward(self, e: LLMEngine, seq_chunks: list[SeqChunk], spec: list[int],
+                 ) -> tuple[torch.Tensor, list[int], GdnRecord | None]:
+        """The forward pass of ``seq_chunks``: every row's final hidden state ``[T, H]``,
+        the rows' ``query_start_loc``, and the verify rows' recorded Gated DeltaNet inputs
+        (for ``_roll_back``). A step of only zero-token chunks forwards nothing."""
+        if not seq_chunks:
+            return torch.empty(0, e.runner.model_config.hidden_size, device=e.runner.device,
+                               dtype=e.runner.dtype), [0], None
+        batch = build_forward_batch(seq_chunks, e.kv, e.runner.device, staging=e._staging)
+        qsl = batch.query_start_loc_cpu
+        if spec:
+            verify_rows = [r for i in spec for r in range(qsl[i], qsl[i + 1])]
+            batch.gdn_record = GdnRecord(
+                torch.tensor(verify_rows, dtype=torch.long, device=e.runner.device), [])
+        return e.runner.forward_hidden(batch), qsl, batch.gdn_record
 
     # ---- deciding ---------------------------------------------------------------------
     def _sample_plain(self, e: LLMEngine, chunks: list[ScheduledChunk], plain: list[int],
-                      logits: torch.Tensor | None) -> dict[int, tuple[int, TokenLogprob | None]]:
-        """The sampler's token (and logprob) for each completing chunk without drafts."""
+                      end_logits: dict[int, torch.Tensor],
+                      ) -> dict[int, tuple[int, TokenLogprob | None]]:
+        """The sampler's token (and logprob) for each completing chunk without drafts:
+        from its last row's logits, or from the stored row of a zero-token chunk."""
         if not plain:
             return {}
-        assert logits is not None
+        forwarded = [i for i in plain if chunks[i].num_tokens]
+        cached = [chunks[i].request for i in plain if not chunks[i].num_tokens]
+        logits = torch.stack([end_logits[i] for i in forwarded]) if forwarded else None
+        if cached:  # zero-token chunks come last
+            logits = logits_with_cached_rows(logits, cached)
         step = InflightStep([chunks[i] for i in plain], list(range(len(plain))), None,
-                            logits=logits[:len(plain)])
+                            logits=logits)
         e._queue_sampling(step, tokens_ahead=0)
         out = step.host_output()
         if out is None:
@@ -215,22 +268,34 @@ class SpeculativeDecoding:
     # ---- after the forward pass ---------------------------------------------------------
     def _observe(self, chunks: list[ScheduledChunk], slots: list[int], qsl: list[int],
                  hidden: torch.Tensor, sampled: dict, verified: dict[int, _Verified]) -> None:
+        """Show the drafter every kept row with the token after it. After a prefix hit at
+        ``p`` the request's first rows start at ``p - 1``, fed the checkpoint's hidden row
+        (``Request.resume_hidden``): the drafter's row ``p - 1`` in the copied tail block
+        held another request's next token."""
         kept = []
         for i, c in enumerate(chunks):
             req = c.request
             if req.status is not RequestStatus.RUNNING:
                 continue
             if i in verified:
-                next_ids = verified[i].tokens
+                decided = verified[i].tokens
             elif c.completes:
                 if i not in sampled:
                     continue
-                next_ids = req.token_slice(c.start_pos + 1, c.start_pos + c.num_tokens)
-                next_ids.append(sampled[i][0])
+                decided = [sampled[i][0]]
             else:
-                next_ids = req.token_slice(c.start_pos + 1, c.start_pos + c.num_tokens + 1)
-            kept.append(Observed(req, slots[i], c.start_pos, next_ids,
-                                 hidden[qsl[i]:qsl[i] + len(next_ids)], c.completes))
+                decided = []
+            num_rows = len(decided) if i in verified else c.num_tokens
+            first, end = c.start_pos, c.start_pos + num_rows
+            rows = hidden[qsl[i]:qsl[i] + num_rows] if c.num_tokens else hidden[:0]
+            if req.resume_hidden is not None:
+                first -= 1
+                rows = torch.cat([req.resume_hidden[None].to(rows.dtype), rows])
+                req.resume_hidden = None
+            next_ids = req.token_slice(first + 1, min(end + 1, req.num_tokens)) + decided
+            assert len(next_ids) == end - first, (req.request_id, first, end, next_ids)
+            if next_ids:
+                kept.append(Observed(req, slots[i], first, next_ids, rows, c.completes))
         self.drafter.observe(kept)
 
     def _roll_back(self, e: LLMEngine, chunks: list[ScheduledChunk], slots: list[int],
@@ -258,32 +323,39 @@ class SpeculativeDecoding:
         e.runner.advance_linear_states(build_forward_batch(replay, e.kv, e.runner.device),
                                        record.inputs, rows)
 
-    def _apply(self, e: LLMEngine, chunks: list[ScheduledChunk], sampled: dict,
+    def _apply(self, e: LLMEngine, chunks: list[ScheduledChunk], qsl: list[int],
+               hidden: torch.Tensor, sampled: dict,
                verified: dict[int, _Verified]) -> list[RequestOutput]:
+        """Commit each chunk's kept rows and append its tokens. A verify chunk commits one
+        row before each token it appends, so that a stop on a kept draft leaves exactly
+        the rows below it committed; its state has moved past them then, so it is not
+        checkpointed."""
         now = time.monotonic()
         outputs = []
         for i, c in enumerate(chunks):
             req = c.request
             if req.status is not RequestStatus.RUNNING:
                 continue
-            kept = len(verified[i].tokens) if i in verified else c.num_tokens
-            e.kv.commit(req.live_kv_handle, kept)
-            if c.num_draft:
-                e.kv.unreserve(req.live_kv_handle)
-            req.num_computed_tokens += kept
-        for i, c in enumerate(chunks):
             if i in verified:
                 v = verified[i]
                 pairs = list(zip(v.tokens, v.logprobs))
-            elif i in sampled:
-                pairs = [sampled[i]]
+                steps = [1] * len(pairs)  # rows committed before each token
             else:
-                continue
+                pairs = [sampled[i]] if i in sampled else []
+                steps = [c.num_tokens] * len(pairs) or [c.num_tokens]
             parts = []
-            for token, logprob in pairs:
-                if c.request.status is not RequestStatus.RUNNING:
+            for j, n in enumerate(steps):
+                self._commit(e, c, n, hidden, qsl[i] if c.num_tokens else 0)
+                if j < len(pairs):
+                    exact = j == len(steps) - 1  # the state holds every committed row
+                    parts.append(e._append_token(req, *pairs[j], now, state_exact=exact))
+                if req.status is not RequestStatus.RUNNING:
                     break
-                parts.append(e._append_token(c.request, token, logprob, now))
+            if req.status is RequestStatus.RUNNING:
+                if c.num_draft:
+                    e.kv.unreserve(req.live_kv_handle)
+                if e.prefix is not None:
+                    e.prefix.on_commit(req)
             if parts:
                 outputs.append(_merge(parts))
                 e.stats.num_generation_tokens += sum(len(p.new_token_ids) for p in parts)
@@ -291,6 +363,26 @@ class SpeculativeDecoding:
         if e.config.check_integrity:
             e.scheduler.check_integrity()
         return outputs
+
+    def _commit(self, e: LLMEngine, c: ScheduledChunk, n: int, hidden: torch.Tensor,
+                first_row: int) -> None:
+        """``n`` more rows of ``c``'s request written; with prefix caching, the hidden
+        state of the last one (``c``'s rows start at row ``first_row`` of ``hidden``) is
+        kept for a checkpoint that ends there."""
+        req = c.request
+        e.kv.commit(req.live_kv_handle, n)
+        req.num_computed_tokens += n
+        if e.prefix is not None and n:
+            row = first_row + req.num_computed_tokens - 1 - c.start_pos
+            req.last_hidden = (req.num_computed_tokens, hidden[row].clone())
+
+
+def _batch_order(c: ScheduledChunk) -> int:
+    """Single-row decodes first (the batch's decode rows), then verify chunks, then
+    prompts, then zero-token chunks (every token cached: they forward nothing)."""
+    if c.num_tokens == 0:
+        return 3
+    return 0 if c.num_tokens == 1 else 1 if c.num_draft else 2
 
 
 def _first_rows(st: SamplingTensors, n: int) -> SamplingTensors:

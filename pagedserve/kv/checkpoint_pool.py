@@ -12,6 +12,12 @@ logits per checkpoint: those of the prefix's last token (the distribution of tok
     recurrent_state [num_linear_layers, num_checkpoints, Hv, Dk, Dv]            float32
     logits          [num_checkpoints, vocab_size]                               float32
 
+With ``hidden_size`` set (speculative decoding), each checkpoint also keeps the target's
+final-normed hidden state of the prefix's last token (``Checkpoint.has_hidden``): a
+drafter that resumes at ``p`` feeds it to its head for row ``p - 1``::
+
+    hidden          [num_checkpoints, hidden_size]                              model dtype
+
 ``save`` copies a state slot (and a logits row) into a checkpoint (evicting the entry of
 least value when the pool is full); ``restore`` copies a checkpoint into a state slot, and
 ``logits_row`` copies out its row. All are device copies queued in stream order, so a save
@@ -32,9 +38,10 @@ from pagedserve.kv.state_pool import StatePool, StateShapes
 LOGITS_DTYPE = torch.float32
 
 
-def checkpoint_bytes(shapes: StateShapes, vocab_size: int) -> int:
-    """Bytes of one checkpoint: a state slot's and a float32 logits row of ``vocab_size``."""
-    return shapes.bytes_per_slot + vocab_size * LOGITS_DTYPE.itemsize
+def checkpoint_bytes(shapes: StateShapes, vocab_size: int, hidden_bytes: int = 0) -> int:
+    """Bytes of one checkpoint: a state slot's, a float32 logits row of ``vocab_size``
+    and ``hidden_bytes`` (a hidden-state row, or 0 when none is kept)."""
+    return shapes.bytes_per_slot + vocab_size * LOGITS_DTYPE.itemsize + hidden_bytes
 
 
 @dataclass
@@ -44,7 +51,8 @@ class Checkpoint:
     ``parent``: the chain name the key hangs from (its last full block, or the salt);
     ``tail``: ``(block id, epoch)`` of the K/V block holding the rows past the last full
     block, ``None`` when ``num_tokens`` is block-aligned; ``last_used``: the pool's clock;
-    ``has_logits``: its slot's logits row holds the logits of the prefix's last token.
+    ``has_logits``: its slot's logits row holds the logits of the prefix's last token;
+    ``has_hidden``: its slot's hidden row holds that token's final hidden state.
     """
 
     key: int
@@ -54,6 +62,7 @@ class Checkpoint:
     tail: tuple[int, int] | None
     last_used: int
     has_logits: bool = False
+    has_hidden: bool = False
 
 
 class CheckpointPool:
@@ -64,13 +73,16 @@ class CheckpointPool:
         num_checkpoints: capacity.
         device: where the copies live (the state pool's device).
         vocab_size: width of each checkpoint's logits row (0: none is kept).
+        hidden_size: width of each checkpoint's hidden row (0: none is kept), of
+            ``hidden_dtype``.
         value: what keeping an entry saves, given the pool's clock; the entry of least
             value is evicted when a save needs room. Default: tokens covered.
     """
 
     def __init__(self, shapes: StateShapes, num_checkpoints: int, device: str | torch.device,
                  value: Callable[[Checkpoint, int], float] | None = None,
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, hidden_size: int = 0,
+                 hidden_dtype: torch.dtype = torch.float32) -> None:
         if num_checkpoints < 0:
             raise ValueError(f"num_checkpoints must be >= 0, got {num_checkpoints}")
         self.shapes = shapes
@@ -87,6 +99,10 @@ class CheckpointPool:
         self.logits = torch.zeros((num_checkpoints, vocab_size), dtype=LOGITS_DTYPE,
                                   device=device)
         self.vocab_size = vocab_size
+        # [num_checkpoints, hidden_size]
+        self.hidden = torch.zeros((num_checkpoints, hidden_size), dtype=hidden_dtype,
+                                  device=device)
+        self.hidden_size = hidden_size
         self._entries: dict[int, Checkpoint] = {}
         self._by_parent: dict[int, dict[int, Checkpoint]] = {}
         self._free_slots = list(range(num_checkpoints - 1, -1, -1))
@@ -96,7 +112,8 @@ class CheckpointPool:
 
     @property
     def bytes_per_checkpoint(self) -> int:
-        return checkpoint_bytes(self.shapes, self.vocab_size)
+        return checkpoint_bytes(self.shapes, self.vocab_size,
+                                self.hidden_size * self.hidden.element_size())
 
     @property
     def total_bytes(self) -> int:
@@ -118,24 +135,29 @@ class CheckpointPool:
         entry.last_used = self.clock
 
     def save(self, key: int, num_tokens: int, parent: int, tail: tuple[int, int] | None,
-             states: StatePool, state_slot: int,
-             logits: torch.Tensor | None = None) -> Checkpoint | None:
+             states: StatePool, state_slot: int, logits: torch.Tensor | None = None,
+             hidden: torch.Tensor | None = None) -> Checkpoint | None:
         """Copy state slot ``state_slot`` of ``states`` into a checkpoint under ``key``,
-        with ``logits`` (``[vocab_size]`` float32: those of the prefix's last token), if
-        given, as its logits row.
+        with ``logits`` (``[vocab_size]`` float32: those of the prefix's last token) and
+        ``hidden`` (``[hidden_size]``: that token's final hidden state), if given.
 
         An entry already under ``key`` is only touched (same prefix, same state), and
-        takes ``logits`` if it has no row yet. Returns the entry, or ``None`` when the
-        pool has no capacity.
+        takes ``logits`` and ``hidden`` where it has no row yet. Returns the entry, or
+        ``None`` when the pool has no capacity.
         """
         if logits is not None and self.vocab_size and logits.shape != (self.vocab_size,):
             raise ValueError(f"a logits row of shape {tuple(logits.shape)} does not fit "
                              f"rows of {self.vocab_size}")
+        if hidden is not None and self.hidden_size and hidden.shape != (self.hidden_size,):
+            raise ValueError(f"a hidden row of shape {tuple(hidden.shape)} does not fit "
+                             f"rows of {self.hidden_size}")
         entry = self._entries.get(key)
         if entry is not None:
             self.touch(entry)
             if logits is not None and not entry.has_logits:
                 self._put_logits(entry, logits)
+            if hidden is not None and not entry.has_hidden:
+                self._put_hidden(entry, hidden)
             return entry
         if self.num_checkpoints == 0:
             return None
@@ -149,6 +171,8 @@ class CheckpointPool:
         entry = Checkpoint(key, slot, num_tokens, parent, tail, self.clock)
         if logits is not None:
             self._put_logits(entry, logits)
+        if hidden is not None:
+            self._put_hidden(entry, hidden)
         self._entries[key] = entry
         self._by_parent.setdefault(parent, {})[key] = entry
         self.num_saves += 1
@@ -159,6 +183,18 @@ class CheckpointPool:
             return  # this pool keeps no rows
         self.logits[entry.slot] = logits
         entry.has_logits = True
+
+    def _put_hidden(self, entry: Checkpoint, hidden: torch.Tensor) -> None:
+        if self.hidden_size == 0:
+            return  # this pool keeps no hidden rows
+        self.hidden[entry.slot] = hidden
+        entry.has_hidden = True
+
+    def hidden_row(self, entry: Checkpoint) -> torch.Tensor:
+        """A copy of ``entry``'s hidden row (``[hidden_size]``)."""
+        if self._entries.get(entry.key) is not entry or not entry.has_hidden:
+            raise ValueError(f"checkpoint {entry.key:x} holds no hidden row")
+        return self.hidden[entry.slot].clone()
 
     def logits_row(self, entry: Checkpoint) -> torch.Tensor:
         """A copy of ``entry``'s logits row (``[vocab_size]`` float32; the copy stays valid
@@ -197,6 +233,8 @@ class CheckpointPool:
                                  f"checkpoint slots != {self.num_checkpoints}")
         if self.vocab_size == 0 and any(e.has_logits for e in self._entries.values()):
             raise AssertionError("a checkpoint claims a logits row the pool does not keep")
+        if self.hidden_size == 0 and any(e.has_hidden for e in self._entries.values()):
+            raise AssertionError("a checkpoint claims a hidden row the pool does not keep")
         indexed = sum(len(v) for v in self._by_parent.values())
         if indexed != len(self._entries):
             raise AssertionError(f"{indexed} indexed checkpoints for {len(self._entries)}")

@@ -113,11 +113,12 @@ class KVCacheManager:
 
     def free(self, handle: Handle, keep_tail: bool = False) -> None:
         """Release the sequence; its blocks return to the pool at once (shared ones when
-        their last owner goes): named ones cached, others free. ``keep_tail`` caches a
-        partly filled last block too (a state checkpoint ends inside it)."""
+        their last owner goes): named ones cached, others free. ``keep_tail`` caches the
+        block of the last committed token too, named or not (a state checkpoint ends in
+        it)."""
         index = self._handles.validate(handle)
         blocks, s = self._blocks[index], self._seqs[index]
-        if keep_tail and s.num_tokens % self.block_size:
+        if keep_tail and s.num_tokens:
             self.pool.keep(blocks[(s.num_tokens - 1) // self.block_size])
         self.pool.decref(blocks)
         self._blocks[index] = []
@@ -129,12 +130,14 @@ class KVCacheManager:
                            tail_block: int | None) -> Handle | None:
         """A new sequence holding ``num_tokens`` committed tokens of a cached prefix.
 
-        ``full_blocks`` (owned or cached) are shared; when ``num_tokens`` ends inside a
-        block, ``tail_block`` holds its rows and is copied into a fresh block
-        (``pending_copies``). ``None``, and no change, when blocks or rows are short.
+        ``full_blocks`` (owned or cached) are shared; the rows past them (1 to
+        ``block_size`` of them) are in ``tail_block``, which is copied into a fresh block
+        (``pending_copies``), so that the sequence writes its own rows there. ``None``, and
+        no change, when blocks or rows are short.
         """
         bs = self.block_size
-        if len(full_blocks) != num_tokens // bs or (tail_block is None) == (num_tokens % bs > 0):
+        rest = num_tokens - len(full_blocks) * bs
+        if not (0 < rest <= bs if tail_block is not None else rest == 0):
             raise ValueError(f"{len(full_blocks)} full blocks and tail {tail_block} do not "
                              f"cover {num_tokens} tokens")
         if self._handles.num_free == 0 or num_tokens > self.max_tokens_per_seq:

@@ -60,7 +60,7 @@ def make_engine(spec_model, k: int | None, drafter=None, **kw) -> LLMEngine:
     kw.setdefault("check_integrity", True)
     kw.setdefault("max_model_len", 128)
     spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
-    # Speculative engines take the default: prefix caching off without being told.
+    # Speculative engines take the default: prefix caching on (test_spec_prefix_cache.py).
     kw.setdefault("enable_prefix_caching", False if k is None else None)
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", progress=False,
                                   speculative_config=spec, **kw),
@@ -208,8 +208,6 @@ def test_seeded_sampling_with_speculation_repeats(spec_model) -> None:
     ({"method": "mtp", "num_speculative_tokens": 2, "x": 1}, {}, "unsupported fields"),
     ({"method": "mtp", "num_speculative_tokens": 2}, {"async_scheduling": True},
      "synchronous scheduling"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, {"enable_prefix_caching": True},
-     "prefix caching"),
 ])
 def test_bad_speculative_configs_are_rejected(spec, kw, message) -> None:
     kw.setdefault("enable_prefix_caching", False)
@@ -217,20 +215,23 @@ def test_bad_speculative_configs_are_rejected(spec, kw, message) -> None:
         EngineConfig(speculative_config=spec, **kw)
 
 
-def test_prefix_caching_is_off_by_default_with_speculation(spec_model) -> None:
-    """Speculation needs no --no-enable-prefix-caching: caching defaults off with it (and
-    on without it); asking for both is refused above."""
+def test_prefix_caching_is_on_by_default_with_speculation(spec_model) -> None:
+    """Speculation takes prefix caching's default (on), and either setting is accepted."""
     spec = '{"method": "mtp", "num_speculative_tokens": 2}'
-    assert not EngineConfig(speculative_config=spec).prefix_caching
-    assert EngineConfig().prefix_caching
-    assert not EngineConfig(enable_prefix_caching=False).prefix_caching
-    assert make_engine(spec_model, 2).prefix is None
+    assert EngineConfig(speculative_config=spec).prefix_caching
+    assert EngineConfig(speculative_config=spec, enable_prefix_caching=True).prefix_caching
+    assert not EngineConfig(speculative_config=spec,
+                            enable_prefix_caching=False).prefix_caching
+    engine = make_engine(spec_model, 2)
+    assert engine.prefix is not None and engine.prefix.speculative
+    assert engine.runner.checkpoint_pool.hidden_size == spec_model[1].config.hidden_size
+    assert make_engine(spec_model, 2, enable_prefix_caching=False).prefix is None
 
     from pagedserve.commands.engine_args import add_engine_arguments, engine_config
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
     args = parser.parse_args(["--speculative-config", spec])
-    assert engine_config(args).prefix_caching is False
+    assert engine_config(args).prefix_caching is True
 
 
 def test_checkpoint_without_mtp_is_rejected_at_start_up(tmp_path) -> None:

@@ -44,6 +44,49 @@ def test_chain_depends_on_every_earlier_token_and_the_salt():
     assert position_key(5, [1]) != block_hash(5, [1])  # the two name spaces differ
 
 
+def test_a_chain_can_name_each_block_with_the_token_after_it():
+    tokens = list(range(10))
+    sl = lambda a, b: tokens[a:b]  # noqa: E731
+    c = HashChain(7, 4, num_next_tokens=1)
+    c.extend(8, sl)
+    assert c.num_blocks == 1  # block 1 waits for token 8
+    h1 = block_hash(7, [0, 1, 2, 3, 4])
+    assert c.block_name(0) == h1
+    c.extend(9, sl)
+    assert c.block_name(1) == block_hash(h1, [4, 5, 6, 7, 8])
+    assert [c.blocks_at(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 0, 0, 1, 1, 2]
+    # A position hangs from the blocks its own tokens name: 8 from block 0, with 4 tail
+    # tokens, since block 1's name needs token 8.
+    assert c.key_at(8, sl) == position_key(h1, [4, 5, 6, 7])
+    assert c.key_at(9, sl) == position_key(c.block_name(1), [8])
+    other = HashChain(7, 4, num_next_tokens=1)
+    other.extend(9, lambda a, b: (tokens[:8] + [99])[a:b])
+    assert other.block_name(0) == h1 and other.block_name(1) != c.block_name(1)
+    with pytest.raises(ValueError, match="num_next_tokens"):
+        HashChain(7, 4, num_next_tokens=2)
+
+
+def test_checkpoints_keep_a_hidden_row_when_asked():
+    shapes = SHAPES
+    pool = CheckpointPool(shapes, 2, "cpu", vocab_size=5, hidden_size=3)
+    slots = StatePool(shapes, 1, "cpu")
+    slot = slots.slot(slots.acquire())
+    entry = pool.save(1, 4, 7, None, slots, slot, hidden=torch.tensor([1.0, 2.0, 3.0]))
+    assert entry.has_hidden and not entry.has_logits
+    assert pool.hidden_row(entry).tolist() == [1.0, 2.0, 3.0]
+    bare = pool.save(2, 4, 7, None, slots, slot)
+    assert not bare.has_hidden
+    with pytest.raises(ValueError, match="no hidden row"):
+        pool.hidden_row(bare)
+    assert pool.save(2, 4, 7, None, slots, slot, hidden=torch.zeros(3)).has_hidden
+    with pytest.raises(ValueError, match="does not fit"):
+        pool.save(3, 4, 7, None, slots, slot, hidden=torch.zeros(4))
+    plain = CheckpointPool(shapes, 1, "cpu")
+    assert not plain.save(1, 4, 7, None, slots, slot, hidden=torch.zeros(3)).has_hidden
+    assert pool.bytes_per_checkpoint == plain.bytes_per_checkpoint + 5 * 4 + 3 * 4
+    pool.check_invariants()
+
+
 # ---- the pool's third state ---------------------------------------------------------------
 def test_cached_blocks_are_kept_then_evicted_least_recently_cached_first():
     pool = BlockPool(6)
