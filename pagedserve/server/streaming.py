@@ -16,9 +16,18 @@ from pagedserve.server.errors import APIError
 
 DONE = b"data: [DONE]\n\n"
 
+# Characters that JSON may carry raw inside a string but that line readers built on
+# Python's ``str.splitlines`` (httpx's ``aiter_lines`` among them) take for line breaks:
+# NEL and the Unicode line and paragraph separators. A generated token can decode to any
+# of them (the JSON encoder already escapes CR, LF and the other controls), so each is
+# written as its JSON escape, which decodes to the same string.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028",
+                              "\u2029": "\\u2029"})
+
 
 def sse(payload: BaseModel) -> bytes:
-    return b"data: " + payload.model_dump_json().encode() + b"\n\n"
+    """One event: ``data: {json}`` and a blank line, with no line break inside the JSON."""
+    return b"data: " + payload.model_dump_json().translate(_LINE_BREAKS).encode() + b"\n\n"
 
 
 def sse_error(error: APIError) -> bytes:

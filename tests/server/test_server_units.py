@@ -297,3 +297,22 @@ def test_metrics_count_pool_leases_and_return_to_zero(loaded):
     assert counts["state_slots_used"] == counts["num_live_sequences"] == 1, counts
     assert counts["num_requests_admitted"] == 1, counts
     assert all(metric(after, f"pagedserve:{n}") == 0 for n in names), after
+
+
+def test_an_event_is_one_line_for_line_readers_that_split_like_splitlines() -> None:
+    # Every character ``str.splitlines`` breaks at (httpx's ``aiter_lines`` splits the
+    # same way), inside a token's text: the event stays one ``data:`` line whose JSON
+    # decodes to the text.
+    from pydantic import BaseModel
+
+    from pagedserve.server.streaming import sse
+
+    class Chunk(BaseModel):
+        text: str
+
+    breaks = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+    for ch in breaks:
+        text = f"a{ch}b"
+        lines = sse(Chunk(text=text)).decode().splitlines()
+        assert len(lines) == 2 and lines[1] == "", (hex(ord(ch)), lines)
+        assert json.loads(lines[0][len("data: "):]) == {"text": text}
