@@ -61,7 +61,14 @@ With speculative decoding the cache serves the drafter too (``engine/spec_step.p
 
 A checkpoint is worth the tokens it saves recomputing, halved for every ``half_life``
 saves and hits since it was last used, and nothing once its K/V blocks are gone; the
-least valuable is evicted when the checkpoint pool is full.
+least valuable is evicted when the checkpoint pool is full. A checkpoint that a request
+resumed from or saved counts only ``SUPERSEDED_WEIGHT`` of that once the same request
+saves a longer one: the conversation it served has moved past it (a next turn resumes at
+the longer one), and it stays useful only to a request that leaves the path in between,
+such as a resend of the same prompt. Without the discount, each conversation's turn
+leaves three fresh checkpoints (the one it resumed from, its prompt's end, its finish)
+where one serves its next turn, and at 16 conversations over a 27-checkpoint budget the
+finishes themselves get evicted. A hit on a superseded checkpoint lifts the mark.
 """
 
 from __future__ import annotations
@@ -87,6 +94,10 @@ DEFAULT_CHECKPOINT_INTERVAL = 2048
 # shape, more than one per running sequence at the default max-num-seqs) and at most
 # max(64, 8 * max_num_seqs) checkpoints (small models).
 DEFAULT_CHECKPOINT_MEMORY = 4 * GiB
+# A superseded checkpoint's share of its value (module doc): four half-lives. On a CPU
+# rerun of the H100 chat workload's shape (16 conversations over 27 checkpoints), the hit
+# rate over reusable tokens went from 91% to 97% at 0.25 and 99% at this weight.
+SUPERSEDED_WEIGHT = 0.0625
 
 
 def num_checkpoints_for(memory_bytes: int | None, bytes_per_checkpoint: int,
@@ -214,6 +225,8 @@ class PrefixCache:
         of ``req``'s tokens, also a copy of its logits row into ``req.cached_logits``;
         when it keeps a hidden row, a copy into ``req.resume_hidden``."""
         self.checkpoints.restore(hit.checkpoint, self.states, state_slot)
+        hit.checkpoint.superseded = False
+        req.checkpoints_on_path.append(hit.checkpoint)
         if hit.num_tokens == req.num_tokens:
             req.cached_logits = self.checkpoints.logits_row(hit.checkpoint)
         if hit.checkpoint.has_hidden:
@@ -262,9 +275,16 @@ class PrefixCache:
         if end > num_full * self.block_size:
             block = self.kv.block_at(handle, end - 1)
             tail = (block, self.kv.pool.epoch(block))
-        self.checkpoints.save(chain.key_at(end, req.token_slice), end, chain.parents[num_full],
-                              tail, self.states, self.states.slot(req.live_state_handle),
-                              logits, hidden)
+        # The shorter checkpoints on req's path are superseded before the save, so that
+        # room for the new one is taken from them first.
+        for older in req.checkpoints_on_path:
+            older.superseded = older.superseded or older.num_tokens < end
+        entry = self.checkpoints.save(
+            chain.key_at(end, req.token_slice), end, chain.parents[num_full], tail,
+            self.states, self.states.slot(req.live_state_handle), logits, hidden)
+        req.checkpoints_on_path = [c for c in req.checkpoints_on_path if c.num_tokens > end]
+        if entry is not None:
+            req.checkpoints_on_path.insert(0, entry)
 
     def on_commit(self, req: Request) -> None:
         """Name ``req``'s committed full blocks, so that other requests can find them."""
@@ -291,7 +311,8 @@ class PrefixCache:
     def _value(self, c: Checkpoint, now: int) -> float:
         if c.parent != self.salt and self.kv.pool.lookup(c.parent) is None:
             return -1.0  # its K/V prefix is gone: it can never be used
-        return c.num_tokens * 0.5 ** ((now - c.last_used) / self.half_life)
+        weight = SUPERSEDED_WEIGHT if c.superseded else 1.0
+        return weight * c.num_tokens * 0.5 ** ((now - c.last_used) / self.half_life)
 
     def reset(self) -> None:
         """Forget every cached block and checkpoint (running sequences keep theirs)."""

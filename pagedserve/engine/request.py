@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from pagedserve.engine.structured import GrammarSpec, RequestGrammar
+    from pagedserve.kv.checkpoint_pool import Checkpoint
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -157,6 +158,9 @@ class Request:
     prefix_chain: HashChain | None = None
     num_cached_tokens: int = 0
     checkpoint_branch: int = 0  # where its tokens leave the cached chain (0: nowhere)
+    # The checkpoints it resumed from or saved, shortest first (``PrefixCache.save``
+    # marks them superseded as it saves longer ones).
+    checkpoints_on_path: list[Checkpoint] = field(default_factory=list)
     # Admitted with every token cached: the stored logits of its last token, from which
     # its next token is sampled in the step that admits it (then None).
     cached_logits: torch.Tensor | None = None

@@ -52,7 +52,9 @@ class Checkpoint:
     ``tail``: ``(block id, epoch)`` of the K/V block holding the rows past the last full
     block, ``None`` when ``num_tokens`` is block-aligned; ``last_used``: the pool's clock;
     ``has_logits``: its slot's logits row holds the logits of the prefix's last token;
-    ``has_hidden``: its slot's hidden row holds that token's final hidden state.
+    ``has_hidden``: its slot's hidden row holds that token's final hidden state;
+    ``superseded``: the caller's mark that a longer checkpoint now covers the path that
+    used it (policy data: the pool itself never reads it).
     """
 
     key: int
@@ -63,6 +65,7 @@ class Checkpoint:
     last_used: int
     has_logits: bool = False
     has_hidden: bool = False
+    superseded: bool = False
 
 
 class CheckpointPool:

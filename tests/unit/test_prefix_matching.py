@@ -282,3 +282,20 @@ def test_default_checkpoint_budget() -> None:
     assert num_checkpoints_for(None, big, 16) == 4 * GiB // big  # the 4 GiB budget: 27
     assert num_checkpoints_for(None, MiB, 16) == 8 * 16  # small models: the count cap
     assert num_checkpoints_for(3 * big, big, 16) == 3  # an explicit budget is the budget
+
+
+def test_a_conversation_keeps_its_finish_over_another_ones_superseded_prompt_end():
+    # Two checkpoints. x leaves its prompt end (14, superseded by its finish) and its
+    # finish (16); y's prompt end (30) evicts x's prompt end, and y's finish (32) must
+    # evict y's own prompt end, superseded by it, not x's finish: longer, but of no use to
+    # a conversation that has moved past it, where x's finish is what x's next turn needs.
+    e = FakeEngine(block_size=4, chunk=64, interval=1000, num_checkpoints=2)
+    x_prompt = list(range(1, 15))
+    x = e.add("x", x_prompt, max_tokens=3)
+    e.run()
+    e.add("y", list(range(100, 130)), max_tokens=3)
+    e.run()
+    kept = sorted(c.num_tokens for c in e.checkpoints._entries.values())
+    assert kept == [16, 32]
+    x_next = Request("x2", x_prompt + x.output_token_ids + [7, 8], SamplingParams())
+    assert e.prefix.match(x_next).hit.num_tokens == 16
