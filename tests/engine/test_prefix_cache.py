@@ -7,6 +7,7 @@ import logging
 import random
 
 import pytest
+from prefix_workload import drive_shared_prefixes
 
 from pagedserve.engine.request import SamplingParams
 
@@ -166,28 +167,7 @@ def test_no_leak_with_shared_prefixes_cancellations_and_preemption(make_engine):
     engine = make_engine(max_num_seqs=6, num_blocks=14, max_model_len=96, prefill_chunk=16,
                          max_num_batched_tokens=48, prefix_checkpoint_interval=16,
                          prefix_checkpoint_memory=str(6 * per_checkpoint))
-    bases = [ids(30 + i, 60) for i in range(4)]
-    live: list[str] = []
-    sent: list[list[int]] = []
-    reqs = []
-    submitted = 0
-    while submitted < 60 or engine.has_unfinished_requests():
-        for _ in range(rng.randrange(3)):
-            if submitted < 60:
-                prompt = rng.choice(bases)[:rng.randrange(1, 60)] + ids(submitted, rng.randrange(4))
-                if sent and rng.random() < 0.5:
-                    prompt = rng.choice(sent)  # sent again, identical
-                sent.append(prompt)
-                reqs.append(engine.add_request(f"r{submitted}", prompt, SamplingParams(
-                    max_tokens=rng.randrange(1, 16), temperature=rng.choice([0.0, 0.8]),
-                    seed=rng.randrange(1000))))
-                live.append(f"r{submitted}")
-                submitted += 1
-        if live and rng.random() < 0.15:
-            engine.abort_request(live.pop(rng.randrange(len(live))))
-        for out in engine.step():  # check_integrity runs inside every step
-            if out.finished and out.request_id in live:
-                live.remove(out.request_id)
+    reqs = drive_shared_prefixes(engine, rng, ids)
     assert engine.scheduler.num_preemptions > 0 and engine.prefix.stats.num_hits > 0
     assert sum(r.num_cached_tokens == r.num_prompt_tokens for r in reqs) >= 3  # resent
     assert all(r.cached_logits is None for r in reqs)
