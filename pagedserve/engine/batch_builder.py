@@ -102,8 +102,7 @@ def packed_lengths(num_tokens: int, num_seqs: int) -> tuple[int, int]:
 def _pack(sections: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
     """Concatenate 1-D ``sections`` with zero padding so that each starts on a 16-byte
     boundary; returns the vector and the start of each section."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    offsets = _section_offsets([t.numel() for t in sections], itemsize)
+    offsets = _section_offsets([t.numel() for t in sections], dtype.itemsize)
     packed = torch.zeros(offsets[-1], dtype=dtype)
     for t, start in zip(sections, offsets):
         packed[start:start + t.numel()] = t

@@ -104,7 +104,7 @@ class Qwen3_5Model(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        vocab = cfg.vocab_size if tp.size == 1 else vocab_rows(cfg, tp.size)
+        vocab = vocab_rows(cfg, tp.size)  # the whole vocabulary at one rank
         if tp.size == 1:
             self.embed_tokens: nn.Embedding | VocabParallelEmbedding = nn.Embedding(
                 cfg.vocab_size, cfg.hidden_size)
