@@ -58,7 +58,7 @@ from pagedserve.quant.config import ONLINE_NOT_CONVERTED, Fp8Config  # noqa: E40
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = {"bf16": 790.0, "fp8": 1580.0}  # H200 dense (docs/kernel-decisions.md)
-ERROR_BOUND = {"weight_only": 2e-2, "w8a8": 6e-2}
+ERROR_BOUND = {"weight_only": 2e-2, "w8a8": 6e-2, "w8a8_scaled_mm": 6e-2}
 CROSSOVER_SHAPES = ("mlp.gate_up_proj", "mlp.down_proj")
 # A toy hybrid for --quick: ragged blocks (hidden 200), fused parts off the block grid.
 QUICK_CONFIG = {
@@ -177,7 +177,11 @@ def time_shape(shape: Shape, m: int, device: str, backend: str | None, methods: 
     sides: dict[str, list] = {"bf16": shape.bf16_calls(x)}
     errors = {}
     if shape.lin.fp8:
+        data = shape.fp8[0][0]
         for method in methods:
+            if method == "w8a8_scaled_mm" and not fp8_matmul.scaled_mm_applies(
+                    data, shape.lin.parts, x.dtype):
+                continue  # cuBLAS's block-scaled GEMM does not take it here
             sides[method] = shape.fp8_calls(x, backend, method)
             errors[method] = shape.error(x, sides[method][0])
             if errors[method] > ERROR_BOUND[method]:
@@ -244,7 +248,8 @@ def run_prefill(args, shapes: list[Linear], device: str, backend, l2: int) -> di
     for lin in shapes:
         shape = Shape(lin, device, l2, args.quick)
         extra = {f"gemm {spec}": _gemm_side(shape, spec) for spec in args.gemm_sweep}
-        r = time_shape(shape, m, device, backend, ["w8a8", "weight_only"], extra)
+        r = time_shape(shape, m, device, backend, ["w8a8_scaled_mm", "w8a8", "weight_only"],
+                       extra)
         r["count"] = lin.count
         r["fp8"] = lin.fp8
         flops = 2.0 * m * lin.n * lin.k
@@ -256,9 +261,12 @@ def run_prefill(args, shapes: list[Linear], device: str, backend, l2: int) -> di
         del shape
         _free(device)
     totals = {}
-    for side in ("w8a8", "weight_only", "bf16"):
-        us = sum(r["count"] * (r["us"][side] if r["fp8"] else r["us"]["bf16"])
-                 for r in rows_out)
+    sides = ["w8a8", "weight_only", "bf16"]
+    if any("w8a8_scaled_mm" in r["us"] for r in rows_out):
+        sides.insert(0, "w8a8_scaled_mm")  # where it does not apply, the Triton w8a8
+    for side in sides:
+        us = sum(r["count"] * (r["us"].get(side, r["us"].get("w8a8")) if r["fp8"]
+                               else r["us"]["bf16"]) for r in rows_out)
         totals[side] = {"ms": us / 1e3, "tokens_per_s": m / (us * 1e-6)}
     print("prefill linears: " + "  ".join(f"{k} {v['ms']:.1f} ms ({v['tokens_per_s']:.0f} tok/s)"
                                           for k, v in totals.items()), flush=True)
@@ -274,7 +282,7 @@ def run_crossover(args, shapes: list[Linear], device: str, backend, l2: int) -> 
             break  # one shape is enough to exercise the part
         shape = Shape(lin, device, l2, args.quick)
         for m in args.crossover_rows:
-            r = time_shape(shape, m, device, backend, ["weight_only", "w8a8"])
+            r = time_shape(shape, m, device, backend, ["weight_only", "w8a8", "w8a8_scaled_mm"])
             out.append(r)
             print(f"crossover {lin.name:30s} rows {m:4d}: " + "  ".join(
                 f"{k} {v:8.1f} us" for k, v in r["us"].items()), flush=True)
@@ -373,11 +381,13 @@ def markdown(res: dict) -> str:
     if cross:
         out.append("\n## Crossover: weight-only against w8a8 by rows (us)\n\n"
                    f"`W8A8_MIN_ROWS` is {res['w8a8_min_rows']}.\n\n")
+        fp8_sides = ("weight_only", "w8a8", "w8a8_scaled_mm")
         out.append(_common.md_table(
-            ["projection", "rows", "weight-only", "w8a8", "bf16", "faster FP8"],
-            [[r["name"], r["rows"], f"{r['us']['weight_only']:.1f}", f"{r['us']['w8a8']:.1f}",
-              f"{r['us']['bf16']:.1f}",
-              "w8a8" if r["us"]["w8a8"] < r["us"]["weight_only"] else "weight-only"]
+            ["projection", "rows", "weight-only", "w8a8 (Triton)", "w8a8 (cuBLAS)", "bf16",
+             "faster FP8"],
+            [[r["name"], r["rows"], *(f"{r['us'][k]:.1f}" if k in r["us"] else "-"
+                                      for k in fp8_sides), f"{r['us']['bf16']:.1f}",
+              min((k for k in fp8_sides if k in r["us"]), key=lambda k: r["us"][k])]
              for r in cross]))
     return "".join(out)
 

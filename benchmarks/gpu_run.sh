@@ -178,6 +178,11 @@ for spec in "$@"; do
     # --decode-rows, --gemv-sweep "64/4/4/0;128/4/3/0", --gemm-sweep "128/128/8/8/3;...").
     bench-fp8)     run_stage "$stage" "$limit" python3 benchmarks/bench_fp8.py \
                      ${FP8_ARGS:-} --out "$OUT" ;;
+    # FP8 against bf16 weights through the engine: decode at 1 / 8 / 16 users, 8K prefill.
+    bench-fp8-engine) run_stage "$stage" "$limit" python3 benchmarks/bench_fp8_engine.py \
+                     ${FP8_ENGINE_ARGS:-} --out "$OUT" ;;
+    # Which scale layouts torch._scaled_mm's block-scaled FP8 GEMM reads (issue 37).
+    probe-scaled-mm) run_stage "$stage" "$limit" python3 benchmarks/tools/probe_scaled_mm.py ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     # A grammar's cost per decode step at batch 8 on the 27B shape (needs xgrammar and

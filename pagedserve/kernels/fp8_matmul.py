@@ -1,38 +1,123 @@
-"""The FP8 linear layer's Triton entry point: argument checks and the one method rule.
+"""The FP8 linear layer's GPU entry point: argument checks and the one method rule.
 
-Two methods, chosen by the number of rows ``M`` of ``x``:
+Three methods; the number of rows ``M`` of ``x`` and the weight's shape choose:
 
 - ``weight_only`` (``M < W8A8_MIN_ROWS``, decode): ``fp8_gemv``, bandwidth-bound; the
   activations stay in their dtype.
-- ``w8a8`` (``M >= W8A8_MIN_ROWS``, prefill): ``fp8_activations`` quantizes the rows per
-  1x128 group, then ``fp8_gemm`` runs the e4m3 tensor-core GEMM.
+- ``w8a8_scaled_mm`` (``M >= W8A8_MIN_ROWS``, prefill, where it applies):
+  ``fp8_activations`` quantizes the rows per 1x128 group, then ``torch._scaled_mm`` runs
+  cuBLAS's block-scaled e4m3 GEMM (1x128 activation groups against 128x128 weight
+  blocks: the checkpoints' own format, so no scale is converted). It applies to 16-bit
+  activations and weights whose rows are whole blocks with no fused part ending inside
+  a block and whose columns are a multiple of ``SCALE_GROUPS_ALIGN`` blocks, on a torch
+  and GPU whose ``_scaled_mm`` takes block scales (probed once per device:
+  ``blockwise_scaled_mm_works``).
+- ``w8a8`` (prefill elsewhere): the same activations through ``fp8_gemm``, the Triton
+  e4m3 tensor-core GEMM, which takes any shape and fused layout.
 
-The two differ in what they compute (the w8a8 activations are rounded to e4m3); both
-write the activation dtype. Shapes alone decide every launch, nothing waits on the
-device, and every buffer comes from torch's allocator or the caller, so a call is
-capturable in a CUDA graph.
+The weight-only and w8a8 methods differ in what they compute (the w8a8 activations are
+rounded to e4m3); all write the activation dtype. Shapes alone decide every launch,
+nothing waits on the device, and every buffer comes from torch's allocator or the
+caller, so a call is capturable in a CUDA graph (the probe runs at a device's first
+prefill-sized call, which the CUDA graphs' warm-up makes outside their capture).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
+import torch.nn.functional as F
 
 from pagedserve.kernels import fp8_gemm, fp8_gemv
 from pagedserve.kernels.decode_plan import device_num_sms
 from pagedserve.kernels.fp8_activations import quantize_activations
 from pagedserve.quant import fp8
 
-METHODS = ("weight_only", "w8a8")
-# From this many rows on, ``method=None`` quantizes the activations and runs the FP8
-# tensor-core GEMM; below, the weight-only kernel. The two cross between 32 and 64 rows
-# for the MLP projections on an H100 (docs/kernel-decisions.md, "FP8 linear layers").
+log = logging.getLogger(__name__)
+
+METHODS = ("weight_only", "w8a8", "w8a8_scaled_mm")
+# From this many rows on, ``method=None`` quantizes the activations and runs an FP8
+# tensor-core GEMM; below, the weight-only kernel. On the H100 the two cross between 32
+# and 64 rows for the MLP projections (docs/kernel-decisions.md, "FP8 linear layers").
 W8A8_MIN_ROWS = 64
+# cuBLAS reads a 128x128 scale grid with its K dimension padded to a multiple of 4 blocks
+# (cuBLAS docs, "128x128 2D block scaling"): weights whose K / 128 is not one take the
+# Triton GEMM rather than a padded copy of their scales. Every 27B projection qualifies.
+SCALE_GROUPS_ALIGN = 4
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def method_for(rows: int) -> str:
-    """The default method for ``rows`` rows of activations (module doc)."""
-    return "w8a8" if rows >= W8A8_MIN_ROWS else "weight_only"
+def method_for(rows: int, weight: torch.Tensor | None = None,
+               parts: tuple[int, ...] = (), dtype: torch.dtype | None = None) -> str:
+    """The default method for ``rows`` rows of ``dtype`` activations against ``weight``
+    (module doc); without a weight, the Triton choice."""
+    if rows < W8A8_MIN_ROWS:
+        return "weight_only"
+    if weight is not None and scaled_mm_applies(weight, parts, dtype):
+        return "w8a8_scaled_mm"
+    return "w8a8"
+
+
+def scaled_mm_applies(weight: torch.Tensor, parts: tuple[int, ...],
+                      dtype: torch.dtype | None) -> bool:
+    """Whether ``w8a8_scaled_mm`` takes this weight and activation dtype (module doc)."""
+    n, k = weight.shape
+    return (weight.is_cuda and dtype in (torch.float16, torch.bfloat16)
+            and n % fp8.BLOCK == 0 and k % (fp8.BLOCK * SCALE_GROUPS_ALIGN) == 0
+            and fp8.uniform_block_rows(parts) and blockwise_scaled_mm_works(weight.device))
+
+
+def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
+              scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(xq * xs) @ (W * scale_inv).T`` through ``torch._scaled_mm`` with block scales.
+
+    ``xq`` e4m3 ``[M, K]`` with ``xs`` float32 ``[M, K / 128]`` (one scale per row and
+    128-column group); ``weight`` e4m3 ``[N, K]`` with ``scale_inv`` ``[N / 128, K / 128]``.
+    cuBLAS takes B column-major (``weight.T`` is that view) and both scale grids with
+    their outer dimension contiguous: ``scale_inv.T`` is already so, ``xs`` is copied
+    into that order (``M x K / 128`` floats).
+    """
+    scale_a = xs.t().contiguous().t()  # [M, K / 128], stride (1, M)
+    return torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=scale_inv.t(),
+                            out_dtype=out_dtype)
+
+
+@functools.cache
+def _probe(device: torch.device) -> bool:
+    m, k, n = 128, fp8.BLOCK * SCALE_GROUPS_ALIGN * 2, 256
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, device=device, generator=gen).bfloat16()
+    weight, scale_inv = fp8.quantize(torch.randn(n, k, device=device, generator=gen))
+    xq, xs = quantize_activations(x)
+    try:
+        out = scaled_mm(xq, xs, weight, scale_inv, torch.bfloat16).float()
+    except (RuntimeError, TypeError, ValueError) as exc:
+        log.info("FP8 prefill uses the Triton GEMM: torch._scaled_mm takes no block "
+                 "scales here (%s)", str(exc).splitlines()[0] if str(exc) else exc)
+        return False
+    x_deq = (xq.float().view(m, k // fp8.BLOCK, fp8.BLOCK) * xs[:, :, None]).view(m, k)
+    ref = F.linear(x_deq, fp8.dequantize(weight, scale_inv, (n,), torch.float32))
+    err = float((out - ref).abs().max() / ref.abs().max())
+    if err > 2e-2:  # a wrong scale layout moves outputs by far more than e4m3 rounding
+        log.warning("FP8 prefill uses the Triton GEMM: torch._scaled_mm with block scales "
+                    "is off by %.3g of the largest output here", err)
+        return False
+    return True
+
+
+def blockwise_scaled_mm_works(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` computes 1x128-by-128x128 block-scaled GEMMs correctly
+    on ``device``: one small GEMM against the dequantized float matmul, once per device.
+    While a CUDA graph is being captured and the probe has not run, ``False``."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    device = torch.device("cuda", device.index if device.index is not None
+                          else torch.cuda.current_device())
+    if torch.cuda.is_current_stream_capturing() and _probe.cache_info().currsize == 0:
+        return False
+    return _probe(device)
 
 
 def check_args(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -83,7 +168,14 @@ def fp8_linear(
     # A ragged fused weight's row -> scale row map: device ops only (no copy from the host).
     scale_rows = None if fp8.uniform_block_rows(parts) else \
         fp8.scale_rows(parts, x.device).to(torch.int32)
-    if (method or method_for(m)) == "w8a8":
+    method = method or method_for(m, weight, parts, x.dtype)
+    if method == "w8a8_scaled_mm":
+        if not scaled_mm_applies(weight, parts, x.dtype):
+            raise ValueError(f"method 'w8a8_scaled_mm' does not apply to a {tuple(weight.shape)} "
+                             f"weight with parts {parts} and {x.dtype} activations here")
+        xq, xs = quantize_activations(x2)
+        y = scaled_mm(xq, xs, weight, scale_inv, x.dtype)
+    elif method == "w8a8":
         xq, xs = quantize_activations(x2)
         y = fp8_gemm.gemm(xq, xs, weight, scale_inv, scale_rows, x.dtype,
                           gemm_config or fp8_gemm.launch_config(m))

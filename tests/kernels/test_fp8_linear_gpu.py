@@ -67,7 +67,7 @@ def check(method: str, x, data, scale, parts, out) -> float:
     try:
         return assert_close(out, ref, absref, OUT_TOL, acc_tol(method, on_gpu=True))
     except AssertionError as exc:
-        if method != "w8a8":
+        if not method.startswith("w8a8"):
             raise
         # Which half is off: the quantizer (an error that vanishes against the kernel's
         # own quantized activations) or the GEMM (one that stays).
@@ -93,15 +93,27 @@ def test_weight_only_at_27b_shapes(name, m):
     assert torch.equal(out, again)
 
 
+@pytest.mark.parametrize("method", ["w8a8", "w8a8_scaled_mm"])
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("m", PREFILL_ROWS)
-def test_w8a8_at_27b_shapes(name, m):
-    """The prefill path (activations quantized per 1x128 group, FP8 GEMM) matches the
-    oracle, which quantizes the activations itself."""
+def test_w8a8_at_27b_shapes(name, m, method):
+    """The prefill paths (activations quantized per 1x128 group, then the Triton or the
+    cuBLAS FP8 GEMM) match the oracle, which quantizes the activations itself."""
     data, scale, parts, k = weight(name)
     x = activations(m, k)
-    out = ops.fp8_linear(x, data, scale, parts, method="w8a8")
-    check("w8a8", x, data, scale, parts, out)
+    out = ops.fp8_linear(x, data, scale, parts, method=method)
+    check(method, x, data, scale, parts, out)
+
+
+def test_hopper_prefill_runs_cublas_block_scaled_gemm():
+    """On an H100/H200 with this torch, ``_scaled_mm`` takes the checkpoints' block scales
+    (the probe passes) and the default prefill method of every 27B projection is it."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the rule is measured on Hopper")
+    assert fp8_matmul.blockwise_scaled_mm_works(torch.device("cuda"))
+    for name in SHAPES:
+        data, _, parts, _ = weight(name)
+        assert fp8_matmul.method_for(512, data, parts, torch.bfloat16) == "w8a8_scaled_mm"
 
 
 def test_activation_quantization_bits_at_27b_shape():
