@@ -52,7 +52,7 @@ def e4m3_bits(v):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, q_ptr, s_ptr, num_groups, K, KB, stride_xm, stride_qm, stride_sm,
+    x_ptr, q_ptr, s_ptr, num_groups, K, KB, stride_xm, stride_qm, stride_sm, stride_sg,
     GROUPS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pair = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS] (row, group) pairs
@@ -67,30 +67,43 @@ def _quantize_kernel(
     v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
     v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     tl.store(q_ptr + row[:, None] * stride_qm + cols, e4m3_bits(v), mask=ok)
-    tl.store(s_ptr + row * stride_sm + group, scale, mask=pair < num_groups)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale, mask=pair < num_groups)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x: torch.Tensor, rows: int | None = None,
+                         scales_row_contiguous: bool = False,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token-group quantization (module doc), Triton.
 
     Args:
         x: ``[M, K]`` float16/bfloat16/float32, last dim contiguous.
+        rows: rows of the outputs, ``>= M`` (default ``M``); rows ``M ..`` are left
+            unwritten (padding for a GEMM whose row count must be aligned).
+        scales_row_contiguous: lay ``s`` out with its row index contiguous (stride
+            ``(1, rows)``, the order cuBLAS's 1x128 block scales take) instead of
+            row-major.
 
     Returns:
-        ``(q, s)``: ``float8_e4m3fn`` ``[M, K]`` and float32 ``[M, ceil(K / 128)]``, new
-        tensors (allocated through torch's allocator: capturable in a CUDA graph).
+        ``(q, s)``: ``float8_e4m3fn`` ``[rows, K]`` and float32 ``[rows, ceil(K / 128)]``,
+        new tensors (allocated through torch's allocator: capturable in a CUDA graph).
     """
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be [M, K] with a contiguous last dim, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
     m, k = x.shape
+    rows = m if rows is None else rows
+    if rows < m:
+        raise ValueError(f"rows must be >= the {m} rows of x, got {rows}")
     kb = fp8.num_blocks(k)
-    q = torch.empty(m, k, dtype=fp8.FP8_DTYPE, device=x.device)
-    s = torch.empty(m, kb, dtype=torch.float32, device=x.device)
+    q = torch.empty(rows, k, dtype=fp8.FP8_DTYPE, device=x.device)
+    if scales_row_contiguous:
+        s = torch.empty(kb, rows, dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty(rows, kb, dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, s
     _quantize_kernel[(triton.cdiv(m * kb, GROUPS),)](
         x, q.view(torch.uint8), s, m * kb, k, kb, x.stride(0), q.stride(0), s.stride(0),
-        GROUPS=GROUPS, BLOCK=fp8.BLOCK, num_warps=4,
+        s.stride(1), GROUPS=GROUPS, BLOCK=fp8.BLOCK, num_warps=4,
     )
     return q, s

@@ -46,6 +46,9 @@ W8A8_MIN_ROWS = 64
 # (cuBLAS docs, "128x128 2D block scaling"): weights whose K / 128 is not one take the
 # Triton GEMM rather than a padded copy of their scales. Every 27B projection qualifies.
 SCALE_GROUPS_ALIGN = 4
+# cuBLAS refuses (NOT_SUPPORTED) a row count whose column-major activation scales start
+# off a 16-byte boundary, such as 777 rows; ``scaled_mm`` pads the rows to this.
+ROW_ALIGN = 16
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -69,34 +72,43 @@ def scaled_mm_applies(weight: torch.Tensor, parts: tuple[int, ...],
             and fp8.uniform_block_rows(parts) and blockwise_scaled_mm_works(weight.device))
 
 
-def scaled_mm(xq: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor,
-              scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``(xq * xs) @ (W * scale_inv).T`` through ``torch._scaled_mm`` with block scales.
+def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+              ) -> torch.Tensor:
+    """``x @ (W * scale_inv).T`` with ``x`` quantized per 1x128 group, through
+    ``torch._scaled_mm`` with block scales.
 
-    ``xq`` e4m3 ``[M, K]`` with ``xs`` float32 ``[M, K / 128]`` (one scale per row and
-    128-column group); ``weight`` e4m3 ``[N, K]`` with ``scale_inv`` ``[N / 128, K / 128]``.
-    cuBLAS takes B column-major (``weight.T`` is that view) and both scale grids with
-    their outer dimension contiguous: ``scale_inv.T`` is already so, ``xs`` is copied
-    into that order (``M x K / 128`` floats).
+    ``x`` 16-bit ``[M, K]``; ``weight`` e4m3 ``[N, K]`` with ``scale_inv``
+    ``[N / 128, K / 128]``. cuBLAS takes B column-major (``weight.T`` is that view), both
+    scale grids with their outer dimension contiguous (``scale_inv.T`` is already so; the
+    activation scales are written so), and a row count whose scale column starts
+    16-byte aligned: the quantized rows are padded to ``ROW_ALIGN`` and the padding rows'
+    outputs dropped (each output row reads only its own row of ``x``).
     """
-    scale_a = xs.t().contiguous().t()  # [M, K / 128], stride (1, M)
-    return torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=scale_inv.t(),
-                            out_dtype=out_dtype)
+    m = x.shape[0]
+    rows = -(-m // ROW_ALIGN) * ROW_ALIGN
+    xq, xs = quantize_activations(x, rows, scales_row_contiguous=True)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_inv.t(), out_dtype=x.dtype)
+    return y[:m]  # [M, N]
 
 
 @functools.cache
 def _probe(device: torch.device) -> bool:
-    m, k, n = 128, fp8.BLOCK * SCALE_GROUPS_ALIGN * 2, 256
+    # Rows off the alignment (the padded path), and scales that differ by group and
+    # block, so that a transposed or misread scale grid shows in the error.
+    m, k, n = 120, fp8.BLOCK * SCALE_GROUPS_ALIGN * 2, 256
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(m, k, device=device, generator=gen).bfloat16()
-    weight, scale_inv = fp8.quantize(torch.randn(n, k, device=device, generator=gen))
-    xq, xs = quantize_activations(x)
+    col = torch.logspace(-1, 1, k // fp8.BLOCK, device=device).repeat_interleave(fp8.BLOCK)
+    row = torch.logspace(-2, 0, n // fp8.BLOCK, device=device).repeat_interleave(fp8.BLOCK)
+    x = (torch.randn(m, k, device=device, generator=gen) * col).bfloat16()
+    weight, scale_inv = fp8.quantize(torch.randn(n, k, device=device, generator=gen)
+                                     * row[:, None])
     try:
-        out = scaled_mm(xq, xs, weight, scale_inv, torch.bfloat16).float()
+        out = scaled_mm(x, weight, scale_inv).float()
     except (RuntimeError, TypeError, ValueError) as exc:
         log.info("FP8 prefill uses the Triton GEMM: torch._scaled_mm takes no block "
                  "scales here (%s)", str(exc).splitlines()[0] if str(exc) else exc)
         return False
+    xq, xs = quantize_activations(x)
     x_deq = (xq.float().view(m, k // fp8.BLOCK, fp8.BLOCK) * xs[:, :, None]).view(m, k)
     ref = F.linear(x_deq, fp8.dequantize(weight, scale_inv, (n,), torch.float32))
     err = float((out - ref).abs().max() / ref.abs().max())
@@ -173,8 +185,7 @@ def fp8_linear(
         if not scaled_mm_applies(weight, parts, x.dtype):
             raise ValueError(f"method 'w8a8_scaled_mm' does not apply to a {tuple(weight.shape)} "
                              f"weight with parts {parts} and {x.dtype} activations here")
-        xq, xs = quantize_activations(x2)
-        y = scaled_mm(xq, xs, weight, scale_inv, x.dtype)
+        y = scaled_mm(x2, weight, scale_inv)
     elif method == "w8a8":
         xq, xs = quantize_activations(x2)
         y = fp8_gemm.gemm(xq, xs, weight, scale_inv, scale_rows, x.dtype,

@@ -73,6 +73,20 @@ def test_activation_quantization_is_bit_exact(dtype, k):
 
 
 @needs_triton
+def test_activation_quantization_into_padded_row_contiguous_scales():
+    """The cuBLAS layout (rows padded, scales with the row index contiguous) holds the
+    same bits as the oracle in its first M rows."""
+    x = activations(5, 300, torch.bfloat16)
+    q, s = triton_quantize(x, 16, scales_row_contiguous=True)
+    assert q.shape == (16, 300) and s.shape == (16, 3) and s.stride() == (1, 16)
+    q_ref, s_ref = quantize_activations(x.cpu())
+    assert torch.equal(s[:5].cpu(), s_ref)
+    assert torch.equal(q[:5].cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    with pytest.raises(ValueError, match="rows must be >= the 5 rows"):
+        triton_quantize(x, 4)
+
+
+@needs_triton
 def test_activation_rounding_ties_go_to_even():
     """With 448 in a group the scale is exactly 1, so every e4m3 midpoint (and the float32
     neighbours of each) reaches the rounding unchanged; subnormals and -0.0 included."""
