@@ -66,6 +66,9 @@ class DecodeGraphs:
         }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [P, vocab] float32 each
+        # The graphs' memory pool (set by ``capture``), for others replayed on the same
+        # stream to share (``VerifyGraphs``).
+        self.pool: torch.cuda._POOL_HANDLE | None = None
 
     @classmethod
     def try_capture(
@@ -102,7 +105,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for size in reversed(self.sizes):
             batch = self.static_batch(size)

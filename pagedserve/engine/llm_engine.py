@@ -132,7 +132,9 @@ class LLMEngine:
             num_blocks=config.num_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
             cuda_graphs=config.cuda_graphs, prefill_graph_tokens=sched_config.prefill_chunk,
             num_checkpoints=num_checkpoints, state_snapshots=spec is not None,
-            checkpoint_hidden=spec is not None)
+            checkpoint_hidden=spec is not None,
+            verify_rows=spec.num_speculative_tokens + 1 if spec is not None else 0,
+            verify_graph_tokens=budget)
         self.runner: ModelRunner
         if tp_size > 1:
             self.loaded, self.runner = start_tensor_parallel(config, runner_config,
@@ -163,8 +165,11 @@ class LLMEngine:
         if spec is not None:
             self.spec = SpeculativeDecoding(
                 spec, drafter or MTPDrafter(self.runner, self.kv), max_len)
-            log.info("speculative decoding: %s, %d tokens per step (verify and draft passes "
-                     "run eagerly)", spec.method, spec.num_speculative_tokens)
+            graphs = self.runner.verify_graphs
+            log.info("speculative decoding: %s, %d tokens per step (verify steps of up to %d "
+                     "sequences verifying every draft replay CUDA graphs; other verify steps "
+                     "and the draft passes run eagerly)", spec.method,
+                     spec.num_speculative_tokens, graphs.sizes[-1] if graphs else 0)
         self.scheduler = Scheduler(sched_config, self.kv, self.runner.state_pool, self.prefix,
                                    self.spec.draft_limit if self.spec is not None else None)
         cuda = self.runner.device.type == "cuda"

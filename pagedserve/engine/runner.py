@@ -7,7 +7,8 @@ and returns the logits of each sequence's last new token. Decode-only batches on
 replay a captured CUDA graph (``DecodeGraphs``), and so do steps that prefill one short
 chunk (``PrefillGraphs``), with or without decode rows beside it (each part replays its
 own graph); everything else runs eagerly, and on the CPU everything is eager
-with the torch reference ops.
+with the torch reference ops. With speculation, ``verify(batch)`` replays a captured
+graph for pure verify steps (``VerifyGraphs``).
 
 Layouts (``CacheConfig.kv_layout``)::
 
@@ -30,6 +31,7 @@ import torch
 from pagedserve.config import CacheConfig
 from pagedserve.engine.decode_graphs import DecodeGraphs
 from pagedserve.engine.prefill_graphs import PrefillGraphs
+from pagedserve.engine.verify_graphs import VerifyGraphs, VerifyOutput, verify_graph_sizes
 from pagedserve.kernels.ops import DecodeWorkspace, default_occupancy
 from pagedserve.kv import formats
 from pagedserve.kv.block_pool import BlockPool
@@ -39,7 +41,7 @@ from pagedserve.kv.kv_manager import BlockCopy, KVCacheManager
 from pagedserve.kv.memory import KVFootprint
 from pagedserve.kv.state_pool import StatePool, StateShapes
 from pagedserve.model import elementwise
-from pagedserve.model.forward_batch import ForwardBatch
+from pagedserve.model.forward_batch import ForwardBatch, GdnRecord
 from pagedserve.model.qwen3_5 import ModelCaches, Qwen3_5Model
 from pagedserve.parallel.sharding import num_local_kv_heads
 
@@ -73,6 +75,12 @@ class RunnerConfig:
             decoding's rollback (``save_states`` / ``restore_states``).
         checkpoint_hidden: each checkpoint keeps a hidden-state row too (speculative
             decoding's drafter, ``engine/prefix_cache.py``).
+        verify_rows: rows per sequence of a speculative verify step that checks every
+            draft (``k + 1``); with ``cuda_graphs``, such steps of up to
+            ``max_graph_batch_size`` sequences are captured (``VerifyGraphs``). 0: none.
+        verify_graph_tokens: the most rows of a verify step (the scheduler's token
+            budget): no verify graph is captured past the size that holds them.
+            ``None``: no cap.
     """
 
     max_model_len: int = 4096
@@ -86,6 +94,8 @@ class RunnerConfig:
     num_checkpoints: int = 0
     state_snapshots: bool = False
     checkpoint_hidden: bool = False
+    verify_rows: int = 0
+    verify_graph_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_checkpoints < 0:
@@ -100,6 +110,8 @@ class RunnerConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.verify_rows < 0 or self.verify_rows == 1:
+            raise ValueError(f"verify_rows must be 0 (none) or >= 2, got {self.verify_rows}")
         if self.max_graph_batch_size is not None and self.max_graph_batch_size <= 0:
             raise ValueError(
                 f"max_graph_batch_size must be > 0, got {self.max_graph_batch_size}"
@@ -196,11 +208,13 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         if self.device.type == "cuda":
             self._prepare_cuda()
 
     def _prepare_cuda(self) -> None:
-        """Compile the elementwise ops, then capture the decode graphs (each optional)."""
+        """Compile the elementwise ops, then capture the decode, prefill and verify graphs
+        (each optional)."""
         config = self.config
         if config.compile_elementwise:
             ops = elementwise.compiled_ops()
@@ -210,15 +224,25 @@ class ModelRunner:
             if compiled_ok:
                 self.model.use_compiled_elementwise(ops)
         if config.cuda_graphs:
+            max_graph_batch = min(config.max_graph_batch_size or config.max_num_seqs,
+                                  config.max_num_seqs)
             self.graphs = DecodeGraphs.try_capture(
-                self._forward_logits, self.device,
-                min(config.max_graph_batch_size or config.max_num_seqs, config.max_num_seqs),
+                self._forward_logits, self.device, max_graph_batch,
                 self.max_blocks_per_seq, self.state_pool.null_slot,
             )
             if config.prefill_graph_tokens > 1:
                 self.prefill_graphs = PrefillGraphs.try_capture(
                     self._forward_logits, self.device, config.prefill_graph_tokens,
                     self.max_blocks_per_seq, self.state_pool.null_slot, config.max_model_len,
+                )
+            if config.verify_rows:
+                self.verify_graphs = VerifyGraphs.try_capture(
+                    self._verify_pass, self.device,
+                    verify_graph_sizes(max_graph_batch, config.verify_rows,
+                                       config.verify_graph_tokens),
+                    config.verify_rows, self.max_blocks_per_seq, self.state_pool.null_slot,
+                    config.max_model_len,
+                    pool=self.graphs.pool if self.graphs is not None else None,
                 )
 
     # ---- sizing ---------------------------------------------------------------------------
@@ -324,7 +348,23 @@ class ModelRunner:
         hidden = self.model(batch, self.caches)  # [T, H]
         return self.model.compute_logits(hidden[batch.logits_indices])  # [B, vocab]
 
-    # ---- speculative decoding (eager: no CUDA graph covers these passes) ------------------
+    # ---- speculative decoding (eager, but for pure verify steps: ``verify``) -------------
+    @torch.inference_mode()
+    def verify(self, batch: ForwardBatch) -> VerifyOutput | None:
+        """A pure verify step (every sequence holds ``verify_rows`` rows) through its
+        captured graph: every row's hidden state, logits and Gated DeltaNet inputs
+        (``VerifyGraphs.run``). ``None`` when no graph holds ``batch``."""
+        if self.verify_graphs is None or not self.verify_graphs.fits(batch):
+            return None
+        return self.verify_graphs.run(batch)
+
+    def _verify_pass(self, batch: ForwardBatch) -> VerifyOutput:
+        """The pass a verify graph captures: ``forward_hidden`` recording every row,
+        then every row's logits."""
+        batch.gdn_record = GdnRecord(None, [])
+        hidden = self.model(batch, self.caches)  # [T, H]
+        return VerifyOutput(hidden, self.model.compute_logits(hidden), batch.gdn_record.inputs)
+
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step eagerly and return every row's final-normed hidden state

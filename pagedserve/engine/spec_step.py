@@ -7,9 +7,10 @@ One step (synchronous: its tokens are read back before the next is scheduled)::
                     reserved in the K/V manager like any chunk
     propose         the drafter's d tokens per such request
     save states     each speculating sequence's state slot, to its spare
-    forward         the whole batch, eagerly; logits of every verify row and of the last
-                    row of each chunk that completes; the Gated DeltaNet layers record
-                    their inputs at the verify rows (``GdnRecord``)
+    forward         the whole batch; logits of every verify row and of the last row of
+                    each chunk that completes; the Gated DeltaNet layers record their
+                    inputs at the verify rows (``GdnRecord``). A pure verify step (below)
+                    replays a CUDA graph; any other step runs eagerly
     decide          plain rows: the sampler; verify rows: ``spec_verify`` (m <= d kept)
     observe         the drafter sees the rows kept (the MTP head writes its K/V rows)
     roll back       where m < d: the slot back from its spare, then each Gated DeltaNet
@@ -59,8 +60,17 @@ with a grammar or penalties (their masks and counts follow the drafts), and not 
 Speculation needs synchronous scheduling (its default; the engine rejects async
 scheduling with it at start-up): the next step's rows start at the committed length,
 which a verify step fixes only once its tokens are read back, and the drafter's first
-draft comes from the kept rows' hidden states. Its passes run eagerly: no CUDA graph
-covers a verify step.
+draft comes from the kept rows' hidden states.
+
+CUDA graphs: a step whose chunks all verify ``k`` drafts (``k + 1`` rows each, no plain
+decode rows, no prompt chunk) and whose batch a captured size holds is a *pure verify*
+step: it replays the runner's verify graph (``engine/verify_graphs.py``), which computes
+every row's hidden state, logits and recorded Gated DeltaNet inputs. The graph runs the
+eager pass's kernels (the delta rule of short chunks walks their rows,
+``kernels/gdn_recurrent.py``, in both), on a batch padded to the captured size, so its
+tokens are the eager step's up to the rounding that the padded row count changes. Any
+other step (a prompt chunk, a request drafting fewer than ``k`` near its end, a request
+that does not speculate) runs eagerly, and so do the drafter's passes.
 """
 
 from __future__ import annotations
@@ -168,7 +178,8 @@ class SpeculativeDecoding:
                                        c.start_pos))
         if spec:
             e.runner.save_states([slots[i] for i in spec])
-        hidden, qsl, record = self._forward(e, seq_chunks, spec)
+        pure = len(spec) == len(chunks)  # every chunk verifies (the graph may hold it)
+        hidden, qsl, record, all_logits = self._forward(e, seq_chunks, spec, pure)
         plain = [i for i, c in enumerate(chunks) if c.completes and not c.num_draft]
         saving = [i for i in forwarded if e.prefix is not None and not chunks[i].num_draft
                   and e.prefix.wants_checkpoint(chunks[i].request, chunks[i].start_pos,
@@ -177,7 +188,11 @@ class SpeculativeDecoding:
         rows = [qsl[i + 1] - 1 for i in ends]
         for i in spec:
             rows += range(qsl[i + 1] - 1 - chunks[i].num_draft, qsl[i + 1])
-        logits = e.runner.compute_logits(hidden[rows]) if rows else None  # [R, V]
+        logits = all_logits  # a pure verify step's graph: every row's, in order
+        if logits is None:
+            logits = e.runner.compute_logits(hidden[rows]) if rows else None  # [R, V]
+        else:
+            assert rows == list(range(hidden.shape[0])), rows
         end_logits = {i: logits[k] for k, i in enumerate(ends)} if logits is not None else {}
         for i in saving:  # queued after the forward pass that computed these states
             assert e.prefix is not None
@@ -198,20 +213,26 @@ class SpeculativeDecoding:
         return self._apply(e, chunks, qsl, hidden, sampled, verified)
 
     def _forward(self, e: LLMEngine, seq_chunks: list[SeqChunk], spec: list[int],
-                 ) -> tuple[torch.Tensor, list[int], GdnRecord | None]:
+                 pure: bool) -> tuple[torch.Tensor, list[int], GdnRecord | None,
+                                      torch.Tensor | None]:
         """The forward pass of ``seq_chunks``: every row's final hidden state ``[T, H]``,
-        the rows' ``query_start_loc``, and the verify rows' recorded Gated DeltaNet inputs
-        (for ``_roll_back``). A step of only zero-token chunks forwards nothing."""
+        the rows' ``query_start_loc``, the verify rows' recorded Gated DeltaNet inputs
+        (for ``_roll_back``), and, when a verify graph ran the step (``pure``: every chunk
+        verifies), every row's logits ``[T, V]`` (else ``None``). A step of only
+        zero-token chunks forwards nothing."""
         if not seq_chunks:
             return torch.empty(0, e.runner.model_config.hidden_size, device=e.runner.device,
-                               dtype=e.runner.dtype), [0], None
+                               dtype=e.runner.dtype), [0], None, None
         batch = build_forward_batch(seq_chunks, e.kv, e.runner.device, staging=e._staging)
         qsl = batch.query_start_loc_cpu
+        graphed = e.runner.verify(batch) if pure else None
+        if graphed is not None:  # every row is a verify row
+            return graphed.hidden, qsl, GdnRecord(None, graphed.gdn_inputs), graphed.logits
         if spec:
             verify_rows = [r for i in spec for r in range(qsl[i], qsl[i + 1])]
             batch.gdn_record = GdnRecord(
                 torch.tensor(verify_rows, dtype=torch.long, device=e.runner.device), [])
-        return e.runner.forward_hidden(batch), qsl, batch.gdn_record
+        return e.runner.forward_hidden(batch), qsl, batch.gdn_record, None
 
     # ---- deciding ---------------------------------------------------------------------
     def _sample_plain(self, e: LLMEngine, chunks: list[ScheduledChunk], plain: list[int],

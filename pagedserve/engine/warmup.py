@@ -11,7 +11,10 @@ launch of each kind covers all of them. The kinds:
   prefix (the kernel's split key range), then decode (graph replays);
 * three prompts of different lengths together: several prefill sequences in one step
   (fla's varlen path), and steps that mix decode rows with a prefill chunk;
-* one-token and short prompts (the prefill graphs, when captured).
+* one-token and short prompts (the prefill graphs, when captured);
+* with speculation, requests that verify every draft (the verify graphs' replays, which
+  the runner captured, with their tokens decided greedily and by sampling) beside one
+  whose prompt arrives meanwhile and ones that near their end (eager verify steps).
 
 Every warm-up request runs to its end, so the pools are empty again afterwards.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.request import SamplingParams
@@ -41,10 +45,13 @@ def warm_up(engine: LLMEngine) -> float:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(engine.vocab_size) for _ in range(max(1, min(n, longest)))]
 
-    def run(lengths: list[int], stagger: bool) -> None:
+    def run(lengths: list[int], stagger: bool, max_tokens: int = 4,
+            greedy_every: int = 0) -> None:
         for i, n in enumerate(lengths):
+            greedy = bool(greedy_every) and i % greedy_every == 0
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             engine.add_request(f"{WARMUP_PREFIX}-{n}-{i}", prompt(n),
-                               SamplingParams(max_tokens=4, ignore_eos=True))
+                               replace(params, temperature=0.0) if greedy else params)
             if stagger:  # the next prompt arrives while this one decodes: mixed steps
                 for _ in range(2):
                     engine.step()
@@ -54,4 +61,7 @@ def warm_up(engine: LLMEngine) -> float:
     run([2 * idle_chunk + 3], stagger=False)
     run([5, 40, chunk + 1], stagger=True)
     run([1, 17, 300], stagger=False)
+    if engine.spec is not None:
+        k = engine.spec.config.num_speculative_tokens
+        run([7, 9, 30], stagger=True, max_tokens=4 * (k + 1), greedy_every=2)
     return time.perf_counter() - start

@@ -14,9 +14,13 @@ Batches are ordered decode rows first (docs/ARCHITECTURE.md, the step contract).
   decode-step kernels of ``gdn_decode``: one launch per op and layer, states updated in
   place by slot. This path reads no device data on the host and allocates only
   shape-determined outputs, so a decode-only step can be captured in a CUDA graph;
-* prefill rows go through the Triton varlen conv of ``gdn_prefill`` and fla-core's
+* prefill rows go through the Triton varlen conv of ``gdn_prefill``, then the delta rule:
+  when every prefill sequence holds at most ``RECURRENT_MAX_ROWS`` rows (a speculative
+  verify step's ``k + 1``), the row-by-row kernel of ``gdn_recurrent``, which reads its row
+  bounds on the device and so can be captured over many sequences; otherwise fla-core's
   ``chunk_gated_delta_rule`` (gather initial states, ``cu_seqlens``, scatter final states).
-  Without fla-core installed they fall back to the torch reference (slow, with a warning).
+  Without fla-core installed long chunks fall back to the torch reference (slow, with a
+  warning).
 """
 
 from __future__ import annotations
@@ -27,11 +31,15 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.kernels import gdn_decode, gdn_prefill
+from pagedserve.kernels import gdn_decode, gdn_prefill, gdn_recurrent
 from pagedserve.kernels import gdn_reference as ref
 from pagedserve.kernels.gdn_reference import gated_rms_norm
 
 __all__ = ["causal_conv1d_varlen", "gated_delta_rule_varlen", "gated_rms_norm"]
+
+# Chunks of at most this many rows walk the delta rule row by row (``gdn_recurrent``):
+# below fla's 64-row chunk its chunked form does a whole chunk's work for a few rows.
+RECURRENT_MAX_ROWS = 8
 
 
 def causal_conv1d_varlen(
@@ -121,7 +129,10 @@ def gated_delta_rule_varlen(
         q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], recurrent_state, state_slots[:nd], o[:nd]
     )
     if len(qsl) - 1 > nd:
-        if gdn_prefill.fla_available():
+        if max(qsl[b + 1] - qsl[b] for b in range(nd, len(qsl) - 1)) <= RECURRENT_MAX_ROWS:
+            gdn_recurrent.gated_delta_rule_recurrent(
+                q, k, v, g, beta, recurrent_state, query_start_loc, state_slots, nd, o)
+        elif gdn_prefill.fla_available():
             gdn_prefill.gated_delta_rule_prefill_fla(
                 q, k, v, g, beta, recurrent_state, query_start_loc, qsl, state_slots, nd, o
             )

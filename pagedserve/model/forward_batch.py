@@ -14,11 +14,12 @@ import torch
 class GdnRecord:
     """What the Gated DeltaNet layers of one step advance their states on, for some rows.
 
-    ``rows`` int64 ``[R]``: rows of the step to record. Each layer appends, in layer order,
-    copies of those rows of its projected inputs ``(mixed [R, conv_dim], b [R, Hv],
-    a [R, Hv])`` to ``inputs``; ``Qwen3_5Model.advance_linear_states`` replays them."""
+    ``rows`` int64 ``[R]``: rows of the step to record, or ``None``: every row (``R = T``).
+    Each layer appends, in layer order, those rows of its projected inputs
+    ``(mixed [R, conv_dim], b [R, Hv], a [R, Hv])`` to ``inputs`` (copies, or views of
+    the projection for every row); ``Qwen3_5Model.advance_linear_states`` replays them."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor | None
     inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 

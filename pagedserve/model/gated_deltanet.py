@@ -98,7 +98,8 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self.in_proj(x).split(self.split, dim=-1)
         record = batch.gdn_record
         if record is not None:
-            record.inputs.append((mixed[record.rows], b[record.rows], a[record.rows]))
+            rows = record.rows
+            record.inputs.append((mixed, b, a) if rows is None else (mixed[rows], b[rows], a[rows]))
         o = self.advance(mixed, b, a, conv_state, recurrent_state, batch)  # [T, Hv, Dv]
         o = self.norm(o, z.view(T, self.num_v_heads, self.head_v_dim))  # [T, Hv, Dv]
         return self.tp.all_reduce(self.out_proj(o.reshape(T, self.value_dim)))

@@ -46,6 +46,8 @@ class TensorParallelRunner(ModelRunner):
 
     def __init__(self, model: Qwen3_5Model, cache_config: CacheConfig,
                  config: RunnerConfig, workers: WorkerGroup) -> None:
+        if config.verify_rows:  # a verify graph would run rank 0's shard alone
+            raise ValueError(f"speculative decoding does not support {FLAG} yet")
         self.workers = workers
         with workers.watch():
             super().__init__(model, cache_config, config)
@@ -81,5 +83,5 @@ class TensorParallelRunner(ModelRunner):
     def _unsupported(self, *args: object, **kwargs: object) -> None:
         raise ValueError(f"speculative decoding does not support {FLAG} yet")
 
-    forward_hidden = advance_linear_states = compute_logits = _unsupported  # type: ignore[assignment]
+    forward_hidden = advance_linear_states = compute_logits = verify = _unsupported  # type: ignore[assignment]
     mtp_forward = save_states = restore_states = _unsupported  # type: ignore[assignment]

@@ -22,10 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 
 from hybrid_checkpoints import build_hf_model, prompt_ids  # noqa: E402
 from mtp_checkpoints import build_mtp, save_with_mtp  # noqa: E402
+from test_engine import run_keeping_requests  # noqa: E402
 
 from pagedserve.engine.drafter import Draft, DraftRequest, Observed  # noqa: E402
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams  # noqa: E402
+from pagedserve.engine.verify_graphs import is_pure_verify  # noqa: E402
 from pagedserve.model.loader import load_model  # noqa: E402
 
 SHAPE = "d64-gqa3-untied"
@@ -133,6 +135,56 @@ def test_forced_drafts_hit_every_rollback_branch(spec_model) -> None:
     assert [got[str(i)] for i in range(len(PROMPTS))] == refs
     assert all(n > 0 for n in engine.spec.stats.num_by_accepted), \
         engine.spec.stats.num_by_accepted
+
+
+def stand_in_verify_graph(engine: LLMEngine, k: int, calls: list[tuple]) -> None:
+    """Give ``engine.runner`` a stand-in verify graph, which runs the captured pass
+    (``_verify_pass``: every row recorded, every row's logits) eagerly for the steps a
+    graph holds (every sequence ``k + 1`` rows). ``calls`` logs each step's path and its
+    rows per sequence."""
+    runner = engine.runner
+    eager = runner.forward_hidden
+
+    def verify(batch):
+        if not is_pure_verify(batch, k + 1):
+            return None
+        calls.append(("graph", tuple(batch.query_lens_cpu())))
+        with torch.inference_mode():
+            return runner._verify_pass(batch)
+
+    def forward_hidden(batch):
+        calls.append(("eager", tuple(batch.query_lens_cpu())))
+        return eager(batch)
+
+    runner.verify = verify
+    runner.forward_hidden = forward_hidden
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_pure_verify_steps_take_the_graph_path(spec_model, k) -> None:
+    """The step's graph branch (all logits from the pass, the record of every row, the
+    rollback from it) gives transformers' tokens; a step with a prompt chunk, a plain
+    decode row or fewer drafts than k runs eagerly."""
+    refs = spec_model[2]
+    corrupt = (lambda i: i % 5 == 1 or i % 7 == 2) if k == 3 else (lambda i: i % 3 == 1)
+    engine = make_engine(spec_model, k, forced(spec_model, corrupt), max_num_seqs=3)
+    calls: list[tuple] = []
+    stand_in_verify_graph(engine, k, calls)
+    lengths = [NEW, NEW - 7, NEW - 3]  # finishing apart: batches of 3, 2 and 1
+    items = [(2 * i, str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+             for i, (p, n) in enumerate(zip(PROMPTS, lengths))]  # arriving apart: mixed steps
+    got = run_keeping_requests(engine, items)
+    assert [got[str(i)].output_token_ids for i in range(3)] == \
+        [r[:n] for r, n in zip(refs, lengths)]
+    r = k + 1
+    assert {("graph", (r,) * b) for b in (1, 2, 3)} <= set(calls), calls
+    assert all(lens == (r,) * len(lens) for path, lens in calls if path == "graph")
+    eager = [lens for path, lens in calls if path == "eager"]
+    assert not [lens for lens in eager if lens == (r,) * len(lens)], calls  # none pure
+    assert any(r in lens for lens in eager), calls  # verify chunks beside others
+    assert all(n > 0 for n in engine.spec.stats.num_by_accepted), \
+        engine.spec.stats.num_by_accepted
+    assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
 
 
 @pytest.mark.parametrize("stop_at", [3, 9])

@@ -1,4 +1,5 @@
-"""Triton GDN kernels (decode step, varlen prefill conv) and the CUDA dispatch.
+"""Triton GDN kernels (decode step, varlen prefill conv, the row-by-row rule of short
+chunks) and the CUDA dispatch.
 
 On a CPU machine the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``) on
 small shapes; the ``gpu`` tests run the real sizes of Qwen3.5-27B (Hk=16, Hv=48,
@@ -22,7 +23,7 @@ from test_gdn_oracle import (
     untouched_slots,
 )
 
-from pagedserve.kernels import gdn, gdn_decode, gdn_prefill
+from pagedserve.kernels import gdn, gdn_decode, gdn_prefill, gdn_recurrent
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -140,6 +141,73 @@ def test_dispatch_mixed_batch_through_triton(monkeypatch):
     for s in untouched_slots(b):
         assert torch.equal(b.conv_state[s], conv_before[s]), s
         assert torch.equal(b.rec_state[s], rec_before[s]), s
+
+
+@needs_triton
+@pytest.mark.parametrize("dk,dv", [(16, 16), (24, 40)])
+def test_recurrent_rule_matches_oracle(dk, dv):
+    # Two decode rows (not its business), then verify-shaped chunks and one chunk of 1.
+    b = make_batch([1, 1, 4, 4, 1, 5, 2], 2, dk=dk, dv=dv, device=DEVICE, seed=dk + 3 * dv)
+    rec_before = b.rec_state.clone()
+    expect_o, expect_rec = oracle_varlen_rule(b)
+    o = torch.zeros_like(b.v)
+    gdn_recurrent.gated_delta_rule_recurrent(b.q, b.k, b.v, b.g, b.beta, b.rec_state,
+                                             b.query_start_loc, b.state_slots, 2, o)
+    t0 = b.qsl_cpu[2]
+    torch.testing.assert_close(o[t0:].double().cpu(), expect_o[t0:], atol=1e-5, rtol=1e-5)
+    assert not o[:t0].any()
+    for s in b.state_slots.tolist()[2:]:
+        torch.testing.assert_close(b.rec_state[s].double().cpu(), expect_rec[s].double().cpu(),
+                                   atol=1e-5, rtol=1e-5)
+    for s in b.state_slots.tolist()[:2] + untouched_slots(b):
+        assert torch.equal(b.rec_state[s], rec_before[s]), s
+
+
+@needs_triton
+def test_recurrent_rule_skips_empty_sequences():
+    """A CUDA graph's padding sequences hold no rows on the device (the host copy says
+    otherwise): their states and the rows past the real ones are left as they are."""
+    b = make_batch([3, 3, 3, 3], 0, device=DEVICE, seed=21)
+    null = b.rec_state.shape[0] - 1
+    b.state_slots[2:] = null
+    qsl = torch.tensor([0, 3, 6, 6, 6], dtype=torch.int32, device=DEVICE)  # 2 real, 2 padding
+    rec_before = b.rec_state.clone()
+    o = torch.full_like(b.v, 7.0)
+    gdn_recurrent.gated_delta_rule_recurrent(b.q, b.k, b.v, b.g, b.beta, b.rec_state, qsl,
+                                             b.state_slots, 0, o)
+    assert (o[6:] == 7.0).all()
+    for i, slot in enumerate(b.state_slots.tolist()[:2]):
+        rows = slice(3 * i, 3 * i + 3)
+        expect_o, expect_rec = oracle_rule(*(t[rows].cpu() for t in (b.q, b.k, b.v, b.g, b.beta)),
+                                           rec_before[slot].cpu())
+        torch.testing.assert_close(o[rows].double().cpu(), expect_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.rec_state[slot].double().cpu(), expect_rec, atol=1e-5,
+                                   rtol=1e-5)
+    assert torch.equal(b.rec_state[null], rec_before[null])
+
+
+@needs_triton
+def test_dispatch_short_chunks_take_the_recurrent_rule(monkeypatch):
+    """Every prefill sequence within ``RECURRENT_MAX_ROWS`` rows: no fla (none is loaded
+    here), no reference fallback, the oracle's result."""
+    monkeypatch.setattr(gdn, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(gdn_prefill, "load_fla_chunk_rule", lambda: None)
+    lens = [1, 1, 4, 4, gdn.RECURRENT_MAX_ROWS, 2]
+    b = make_batch(lens, 2, padding_rows=1, device=DEVICE, seed=17)
+    expect_o, expect_rec = oracle_varlen_rule(b)
+
+    def no_fallback() -> None:
+        raise AssertionError("short chunks took the reference fallback")
+
+    monkeypatch.setattr(gdn, "_warn_no_fla", no_fallback)
+    o = gdn.gated_delta_rule_varlen(b.q, b.k, b.v, b.g, b.beta, b.rec_state,
+                                    b.query_start_loc, b.qsl_cpu, b.state_slots,
+                                    b.num_decode_seqs)
+    keep = [i for i in range(b.q.shape[0]) if i != b.num_decode_seqs - 1]
+    torch.testing.assert_close(o[keep].double().cpu(), expect_o[keep], atol=1e-5, rtol=1e-5)
+    for s in live_slots(b):
+        torch.testing.assert_close(b.rec_state[s].cpu(), expect_rec[s].cpu(), atol=1e-5,
+                                   rtol=1e-5)
 
 
 def fake_fla_chunk_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state,
@@ -300,3 +368,54 @@ def test_gpu_decode_cuda_graph_capture_and_replay():
         for s in live_slots(b):
             assert torch.equal(b.conv_state[s].cpu(), cpu_conv[s]), s
             assert rel_err(b.rec_state[s], cpu_rec[s]) < 1e-2, s
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_recurrent_rule_real_size_and_capture():
+    """Verify-shaped chunks (4 rows each) at the real sizes: the oracle to bf16 accuracy,
+    fla's chunked form to the same (where installed), and a captured launch over padded
+    sequences replays to the eager launch's bits."""
+    lens = [4] * 6
+    b = make_batch(lens, 0, num_slots=32, dtype=torch.bfloat16, device="cuda", seed=6, **REAL)
+    rec0 = b.rec_state.clone()
+    expect_o, expect_rec = oracle_varlen_rule(b)
+    o = torch.empty_like(b.v)
+    gdn_recurrent.gated_delta_rule_recurrent(b.q, b.k, b.v, b.g, b.beta, b.rec_state,
+                                             b.query_start_loc, b.state_slots, 0, o)
+    assert rel_err(o, expect_o) < 1e-2
+    for s in live_slots(b):
+        assert rel_err(b.rec_state[s], expect_rec[s]) < 1e-3, s
+    if gdn_prefill.fla_available():
+        fla_state, fla_o = rec0.clone(), torch.empty_like(b.v)
+        gdn_prefill.gated_delta_rule_prefill_fla(b.q, b.k, b.v, b.g, b.beta, fla_state,
+                                                 b.query_start_loc, b.qsl_cpu, b.state_slots,
+                                                 0, fla_o)
+        assert rel_err(o, fla_o) < 2e-2
+        for s in live_slots(b):
+            assert rel_err(b.rec_state[s], fla_state[s]) < 2e-2, s
+
+    # Capture: 4 real sequences, 2 padding ones (no rows on the device, the null slot).
+    null = b.rec_state.shape[0] - 1
+    slots = b.state_slots.clone()
+    slots[4:] = null
+    qsl = torch.tensor([0, 4, 8, 12, 16, 16, 16], dtype=torch.int32, device="cuda")
+    b.rec_state.copy_(rec0)
+    graph_o = torch.zeros_like(b.v)
+
+    def launch(state):
+        gdn_recurrent.gated_delta_rule_recurrent(b.q, b.k, b.v, b.g, b.beta, state, qsl, slots,
+                                                 0, graph_o)
+
+    launch(rec0.clone())  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch(b.rec_state)
+    eager_state, eager_o = rec0.clone(), torch.zeros_like(b.v)
+    gdn_recurrent.gated_delta_rule_recurrent(b.q, b.k, b.v, b.g, b.beta, eager_state, qsl,
+                                             slots, 0, eager_o)
+    graph_o.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_o, eager_o) and not graph_o[16:].any()
+    assert torch.equal(b.rec_state, eager_state)
