@@ -117,7 +117,7 @@ def run(args) -> dict:
         point = {"batch": b, "plain": decode_rate(plain, prompts, args.output_len), "k": {}}
         del plain
         print(f"B={b:2d} plain {point['plain']['decode_tok_s']:.1f} tok/s", flush=True)
-        for k in KS:
+        for k in args.ks:
             spec = LLMEngine(EngineConfig(
                 max_num_seqs=b, speculative_config={"method": "mtp",
                                                     "num_speculative_tokens": k}, **base),
@@ -196,8 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--ks", default=",".join(map(str, KS)), help="draft counts k to run")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in str(args.batches).split(",") if b]
+    args.ks = [int(k) for k in str(args.ks).split(",") if k]
     if args.quick:
         args.kv_type, args.prompt_len, args.output_len = "f16", 12, 12
         args.batches, args.model = [1, 2], str(random_model_path())
