@@ -9,7 +9,8 @@ specialization, or the traced function), which is what a fix needs, and counts t
 
 Two process-wide hooks carry it: Triton's ``jit_post_compile_hook`` (each first launch
 of a specialization in this process, compiled or read from Triton's disk cache; an
-earlier hook keeps running after it) and dynamo's compile-start callback. They report
+earlier hook keeps running after it; Triton's encoding of the constants for a hook is
+made to tolerate Gluon's layout objects) and dynamo's compile-start callback. They report
 only while armed: from the end of a warm-up until the next warm-up starts.
 """
 
@@ -70,6 +71,7 @@ def _install_triton() -> None:
         import triton
     except ImportError:  # no Triton: nothing of ours compiles through it
         return
+    _tolerate_unserializable_constants()
     runtime = triton.knobs.runtime
     previous: Callable[..., Any] | None = runtime.jit_post_compile_hook
 
@@ -79,6 +81,28 @@ def _install_triton() -> None:
         return previous(*args, **kwargs) if previous is not None else None
 
     runtime.jit_post_compile_hook = hook
+
+
+def _tolerate_unserializable_constants() -> None:
+    """With a compile hook set, Triton JSON-encodes each new specialization's constants
+    for it before calling it, and a Gluon kernel's layout constants (such as
+    ``DistributedLinearLayout``) are not JSON: the encoding raises, and the launch fails.
+    The encoder is wrapped so that such a specialization's data is ``None`` instead (the
+    hook above reads the kernel's name and repr, not this data)."""
+    from triton.runtime import jit
+
+    encode = jit.serialize_specialization_data
+    if getattr(encode, "_tolerant", False):
+        return
+
+    def tolerant(*args: Any, **kwargs: Any) -> str | None:
+        try:
+            return encode(*args, **kwargs)
+        except TypeError:
+            return None
+
+    tolerant._tolerant = True  # type: ignore[attr-defined]
+    jit.serialize_specialization_data = tolerant
 
 
 def _install_dynamo() -> None:

@@ -26,3 +26,22 @@ def test_armed_watch_reports_a_new_guard_set(caplog) -> None:
     assert "compile after warm-up" in caplog.text
     f(torch.ones(3, dtype=torch.int64))  # disarmed again
     assert compile_watch.compiles_after_warm_up() == before + 1
+
+
+def test_installed_hook_tolerates_constants_json_cannot_encode() -> None:
+    """Triton encodes a new specialization's constants for the compile hook; a Gluon
+    layout object is not JSON, and the launch must not fail on it."""
+    from triton.runtime import jit
+
+    class Layout:  # stands in for Gluon's DistributedLinearLayout
+        pass
+
+    compile_watch.arm()
+    compile_watch.disarm()
+    options = type("Options", (), {})()
+    data = jit.serialize_specialization_data("k", {"x": "*fp32"}, {("L",): Layout()}, {},
+                                             options, "key")
+    assert data is None
+    plain = jit.serialize_specialization_data("k", {"x": "*fp32"}, {("n",): 4}, {},
+                                              options, "key")
+    assert '"constant_vals": [4]' in plain
