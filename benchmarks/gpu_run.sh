@@ -195,6 +195,9 @@ for spec in "$@"; do
     # one loaded model). $SPEC_E2E_ARGS: more bench_spec_e2e.py arguments.
     bench-spec-e2e) run_stage "$stage" "$limit" python3 benchmarks/bench_spec_e2e.py \
                      ${SPEC_E2E_ARGS:-} --out "$OUT" ;;
+    # Wall time per phase of a speculative step (issue 39). $PROFILE_SPEC_ARGS: --batch, --k.
+    profile-spec)  run_stage "$stage" "$limit" python3 benchmarks/tools/profile_spec.py \
+                     ${PROFILE_SPEC_ARGS:-} ;;
     # Tensor parallelism (issue 40): TP=2 against TP=1 on the 27B shape, batch-1 decode
     # step, 8 ragged users, collectives per step. Needs 2 GPUs (nvidia-h100-x2 or larger).
     bench-tp)      run_stage "$stage" "$limit" python3 benchmarks/bench_tp.py ${TP_ARGS:-} \

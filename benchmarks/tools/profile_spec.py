@@ -1,0 +1,104 @@
+"""Where a speculative step's time goes: wall time per phase of ``SpeculativeDecoding``.
+
+A diagnostic, not a benchmark of record. One engine with ``--speculative-config`` (MTP,
+``k`` drafts) on the Qwen3.5-27B shape decodes ``B`` sequences at an imposed acceptance
+(``bench_spec_e2e.ImposedAcceptance``). Each phase of a step is wrapped with a device
+synchronize on both sides, so its wall time is its own host work plus the GPU work it
+issued: draft proposal, the verify forward pass, the logits, the verify decision, the
+drafter's observe pass, the rollback, the commit. A plain decode step of the same engine
+(a request that does not speculate) is timed beside it.
+
+    python benchmarks/tools/profile_spec.py [--batch 1] [--k 3] [--acceptance 0.7]
+
+Writes profile_spec.json to $OUT when set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+from bench_spec_e2e import ImposedAcceptance  # noqa: E402
+
+from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from pagedserve.engine.request import SamplingParams  # noqa: E402
+from pagedserve.model.loader import load_model  # noqa: E402
+
+PHASES = ("_forward", "_verify", "_sample_plain", "_observe", "_roll_back", "_apply")
+
+
+def timed(times: dict, name: str, fn):
+    def wrapper(*args, **kwargs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        times[name].append(time.perf_counter() - t)
+        return out
+    return wrapper
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="preset:qwen3.5-27b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--acceptance", type=float, default=0.7)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args(argv)
+    loaded = load_model(args.model, "cuda", torch.bfloat16, progress=False, mtp=True)
+    engine = LLMEngine(EngineConfig(
+        model=args.model, device="cuda", dtype="bfloat16", max_model_len=2048,
+        max_num_seqs=args.batch, cache_type_k="q4_0", cache_type_v="q4_0", progress=False,
+        speculative_config={"method": "mtp", "num_speculative_tokens": args.k}),
+        loaded=loaded)
+    spec = engine.spec
+    assert spec is not None
+    ImposedAcceptance(spec, args.acceptance, seed=1)
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    for name in PHASES:
+        setattr(spec, name, timed(times, name, getattr(spec, name)))
+    spec.drafter.propose = timed(times, "drafter.propose", spec.drafter.propose)
+    spec.drafter.observe = timed(times, "drafter.observe", spec.drafter.observe)
+    params = SamplingParams(max_tokens=args.steps * (args.k + 1) + 64, temperature=0.0,
+                            ignore_eos=True)
+    vocab = engine.vocab_size
+    for i in range(args.batch):
+        engine.add_request(str(i), torch.randint(0, vocab, (512,)).tolist(), params)
+    for _ in range(4):  # prefill and the first verify steps
+        engine.step()
+    for v in times.values():
+        v.clear()
+    step_times = []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - t)
+    ms = {name: 1e3 * sum(v) / args.steps for name, v in times.items()}
+    step_ms = 1e3 * statistics.median(step_times)
+    result = {"batch": args.batch, "k": args.k, "acceptance": args.acceptance,
+              "step_ms_p50": step_ms, "phase_ms_per_step": ms,
+              "mean_acceptance_length": spec.stats.mean_acceptance_length}
+    print(f"B={args.batch} k={args.k} a={args.acceptance}: step {step_ms:.2f} ms (p50), "
+          f"{spec.stats.mean_acceptance_length:.2f} tokens/verify")
+    for name, v in sorted(ms.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:18s} {v:7.2f} ms/step")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "profile_spec.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
