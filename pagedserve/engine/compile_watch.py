@@ -76,11 +76,40 @@ def _install_triton() -> None:
     previous: Callable[..., Any] | None = runtime.jit_post_compile_hook
 
     def hook(*args: Any, **kwargs: Any) -> Any:
-        fn = kwargs.get("fn")
-        _report(f"Triton kernel {getattr(fn, 'name', '?')}: {kwargs.get('repr', '?')}")
+        _report(describe_triton_compile(kwargs))
         return previous(*args, **kwargs) if previous is not None else None
 
     runtime.jit_post_compile_hook = hook
+
+
+def describe_triton_compile(kwargs: dict[str, Any]) -> str:
+    """One line naming what a Triton compile specialized on: the kernel, its launch
+    options, the argument types, the constexpr values and the per-argument attributes
+    (``tt.divisibility`` 16 on a pointer is its 16-byte alignment; on an integer, its
+    divisibility by 16). Any of these differing from the warm-up's is the cause."""
+    fn = kwargs.get("fn")
+    name = getattr(fn, "name", "?")
+    compile_info = kwargs.get("compile") or {}
+    signature = compile_info.get("signature") or {}
+    constants = compile_info.get("constants") or {}
+    configs = compile_info.get("configs") or [{}]
+    params = list(signature)
+
+    def param(index: Any) -> str:
+        i = index[0] if isinstance(index, tuple) and index else index
+        return params[i] if isinstance(i, int) and i < len(params) else str(index)
+
+    types = ", ".join(f"{k}: {v}" for k, v in signature.items() if v != "constexpr")
+    consts = ", ".join(f"{param(k)}={_short(v)}" for k, v in constants.items())
+    attrs = ", ".join(f"{param(k)}: {_short(v)}" for k, v in (configs[0] or {}).items())
+    return (f"Triton kernel {name} [num_warps={compile_info.get('num_warps', '?')}, "
+            f"num_stages={compile_info.get('num_stages', '?')}] ({types}) "
+            f"constexprs {{{consts}}} attrs {{{attrs}}}")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _tolerate_unserializable_constants() -> None:

@@ -45,3 +45,19 @@ def test_installed_hook_tolerates_constants_json_cannot_encode() -> None:
     plain = jit.serialize_specialization_data("k", {"x": "*fp32"}, {("n",): 4}, {},
                                               options, "key")
     assert '"constant_vals": [4]' in plain
+
+
+def test_a_triton_compile_is_named_with_its_specialization() -> None:
+    """The report names the kernel, its argument types, constexprs and the attributes
+    (alignment, divisibility) that a specialization differs by."""
+    fn = type("Info", (), {"name": "my_kernel"})()
+    compile_info = {
+        "signature": {"x_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr"},
+        "constants": {(2,): 64}, "configs": [{(0,): [["tt.divisibility", 16]]}],
+        "num_warps": 4, "num_stages": 3,
+    }
+    line = compile_watch.describe_triton_compile({"fn": fn, "compile": compile_info})
+    assert line.startswith("Triton kernel my_kernel [num_warps=4, num_stages=3]")
+    assert "x_ptr: *bf16, n: i32" in line
+    assert "BLOCK=64" in line
+    assert "x_ptr: [['tt.divisibility', 16]]" in line
