@@ -9,6 +9,9 @@ launch of each kind covers all of them. The kinds:
 * a prompt of two full idle-step chunks and a short tail: a chunk from position 0, a chunk over a
   cached prefix (the dequantized method for long quantized chunks), a short chunk over a long
   prefix (the kernel's split key range), then decode (graph replays);
+* where ``max_model_len`` is shorter than the token budget, as many longest prompts as
+  fill one step together (kernels whose tuning is keyed by a step's total rows, such as
+  fla's L2 norm, see the largest step);
 * three prompts of different lengths together: several prefill sequences in one step
   (fla's varlen path), and steps that mix decode rows with a prefill chunk;
 * one-token and short prompts (the prefill graphs, when captured);
@@ -59,6 +62,10 @@ def warm_up(engine: LLMEngine) -> float:
             engine.step()
 
     run([2 * idle_chunk + 3], stagger=False)
+    budget = engine.scheduler.config.max_num_batched_tokens
+    together = min(engine.scheduler.config.max_num_seqs, -(-budget // len(prompt(longest))))
+    if together > 1:  # prompts shorter than a step: several fill one together
+        run([longest] * together, stagger=False)
     run([5, 40, chunk + 1], stagger=True)
     run([1, 17, 300], stagger=False)
     if engine.spec is not None:

@@ -38,3 +38,24 @@ def test_warm_up_leaves_the_engine_as_it_was(loaded, model_dir):
     assert warm.runner.state_pool.num_used_slots == 0
     assert not warm.requests and warm.stats.num_steps == 0
     assert _run(warm, items) == cold
+
+
+def test_warm_up_fills_a_step_when_prompts_are_shorter_than_the_budget(loaded, model_dir):
+    """With ``max_model_len`` below the token budget, several prompts fill one step
+    together, as the scheduler does when they arrive at once: the warm-up reaches the
+    largest step's row count."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", progress=False,
+                                    max_num_seqs=8, prefill_chunk=16,
+                                    max_num_batched_tokens=96, max_model_len=40),
+                       loaded=loaded)
+    sizes: list[int] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        sizes.append(sum(c.num_tokens for c in plan.chunks))
+        return plan
+
+    engine.scheduler.schedule = recording
+    engine.warm_up()
+    assert max(sizes) == 96
