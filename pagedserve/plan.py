@@ -102,6 +102,7 @@ class CapacityPlan:
     num_checkpoints: int = 0  # prefix-cache checkpoints (a state slot and a logits row each)
     checkpoint_bytes: int = 0
     bytes_per_checkpoint: int = 0
+    speculative: bool = False  # MTP drafting: spare state slots, the head's K/V layer
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -115,9 +116,14 @@ def plan_capacity(
     max_model_len: int,
     state_dtype: torch.dtype = torch.bfloat16,
     num_checkpoints: int = 0,
+    speculative: bool = False,
 ) -> CapacityPlan:
     """Split ``budget_bytes`` into ``max_num_seqs`` state slots, ``num_checkpoints``
     prefix-cache state checkpoints and K/V blocks.
+
+    With ``speculative`` (MTP drafting), as the engine allocates it: every state slot
+    has a spare copy (the rollback's snapshot), the MTP head's attention layer has K/V
+    in every block, and a checkpoint keeps its last token's hidden row.
 
     Raises ``ValueError`` if one ``max_model_len`` sequence (with its slot) cannot fit.
     """
@@ -126,8 +132,8 @@ def plan_capacity(
     if max_model_len <= 0:
         raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
     cache.check_head_dim(model.head_dim)
-    kv = footprint(model, cache)
-    state = model.state_shapes(state_dtype).bytes_per_slot
+    kv = footprint(model, cache, mtp_layers=1 if speculative else 0)
+    state = model.state_shapes(state_dtype).bytes_per_slot * (2 if speculative else 1)
     per_seq = max_model_len * kv.bytes_per_token + state
     if per_seq > budget_bytes:
         raise ValueError(
@@ -136,7 +142,9 @@ def plan_capacity(
             f"the budget of {_fmt(budget_bytes)}; lower --max-model-len or raise the budget"
         )
     slots = max_num_seqs
-    per_checkpoint = checkpoint_bytes(model.state_shapes(state_dtype), model.vocab_size)
+    hidden_row = model.hidden_size * state_dtype.itemsize if speculative else 0
+    per_checkpoint = checkpoint_bytes(model.state_shapes(state_dtype), model.vocab_size,
+                                      hidden_row)
     all_checkpoints = num_checkpoints * per_checkpoint
     num_blocks = (budget_bytes - slots * state - all_checkpoints) // kv.bytes_per_block
     if num_blocks * cache.block_size < max_model_len:
@@ -161,12 +169,14 @@ def plan_capacity(
         num_checkpoints=num_checkpoints,
         checkpoint_bytes=all_checkpoints,
         bytes_per_checkpoint=per_checkpoint,
+        speculative=speculative,
     )
 
 
-def footprint(model: ModelConfig, cache: CacheConfig) -> KVFootprint:
+def footprint(model: ModelConfig, cache: CacheConfig, mtp_layers: int = 0) -> KVFootprint:
+    """K/V bytes of the full-attention layers, plus ``mtp_layers`` MTP head layers."""
     return KVFootprint(
-        num_layers=model.num_full_attention_layers,
+        num_layers=model.num_full_attention_layers + mtp_layers,
         num_kv_heads=model.num_key_value_heads,
         head_dim=model.head_dim,
         cache_type_k=cache.cache_type_k,
@@ -242,7 +252,8 @@ def format_plan(model: ModelConfig, cache: CacheConfig, plan: CapacityPlan) -> s
         f"budget           {_fmt(plan.budget_bytes)} ({plan.budget_bytes} B) for K/V + state",
         f"bytes per token  {kv_pt} B K/V over all full-attention layers",
         f"bytes per block  {plan.bytes_per_block} B",
-        f"state per slot   {_fmt(plan.state_bytes_per_slot)}",
+        f"state per slot   {_fmt(plan.state_bytes_per_slot)}"
+        + (" (with its speculative spare)" if plan.speculative else ""),
         f"per sequence     {_fmt(plan.bytes_per_max_len_seq)} at max_model_len="
         f"{plan.max_model_len} (K/V + state)",
         f"fits             {plan.num_blocks} blocks ({plan.max_tokens_in_pool} tokens) + "
@@ -250,7 +261,7 @@ def format_plan(model: ModelConfig, cache: CacheConfig, plan: CapacityPlan) -> s
         f"padded equiv.    {plan.padded_max_len_seqs} sequences padded to max_model_len",
         f"prefix cache     {plan.num_checkpoints} state checkpoints "
         f"({_fmt(plan.checkpoint_bytes)}, {_fmt(plan.bytes_per_checkpoint)} each: a state "
-        f"slot and a logits row)",
+        f"slot and a logits row{', and a hidden row' if plan.speculative else ''})",
     ]
     return "\n".join(lines)
 

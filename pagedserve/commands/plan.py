@@ -6,6 +6,7 @@ Every flag is checked before anything is planned: ``--max-model-len`` must be in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefix-cache state checkpoint budget, e.g. 4GiB, 0 for none "
                         "(default: the engine's, at most 4 GiB and max(64, 8 x "
                         "max-num-seqs) checkpoints)")
+    p.add_argument("--speculative-config", default=None,
+                   help='as serve\'s, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\': '
+                        "count the MTP head's weights and K/V, the spare state slots and the "
+                        "checkpoints' hidden rows")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -97,8 +102,10 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.config import CacheConfig, ModelConfig
     from pagedserve.engine.prefix_cache import num_checkpoints_for
     from pagedserve.engine.runner import DEFAULT_ACTIVATION_RESERVE
+    from pagedserve.engine.speculative import SpeculativeConfig
     from pagedserve.kv.checkpoint_pool import checkpoint_bytes
     from pagedserve.model.loader import parse_dtype
+    from pagedserve.model.mtp import SUPPORTED_MTP_LAYERS
     from pagedserve.model.weight_footprint import weight_footprint
     from pagedserve.quant.config import parse_quantization
 
@@ -110,7 +117,17 @@ def run(args: argparse.Namespace) -> int:
     max_len = check_lengths(args.max_model_len, model.max_position_embeddings, seq_lens)
     cache = CacheConfig(args.cache_type_k, args.cache_type_v, args.block_size)
     dtype = parse_dtype(args.dtype, torch.device("cuda"))
-    weights = weight_footprint(model, dtype, parse_quantization(raw, args.quantization))
+    speculative = args.speculative_config is not None
+    if speculative:
+        SpeculativeConfig.parse(args.speculative_config)  # errors name the bad field
+        if args.model.startswith("preset:"):  # a preset's random weights add the head
+            model = dataclasses.replace(model, mtp_num_hidden_layers=SUPPORTED_MTP_LAYERS)
+        elif model.mtp_num_hidden_layers != SUPPORTED_MTP_LAYERS:
+            raise ValueError(f"--speculative-config method 'mtp' runs a "
+                             f"{SUPPORTED_MTP_LAYERS}-layer MTP module; {args.model} has "
+                             f"mtp_num_hidden_layers {model.mtp_num_hidden_layers}")
+    weights = weight_footprint(model, dtype, parse_quantization(raw, args.quantization),
+                               mtp=speculative)
     if args.memory is not None:
         budget = planning.parse_bytes(args.memory)
     elif args.device_memory is not None:
@@ -119,12 +136,14 @@ def run(args: argparse.Namespace) -> int:
             weights.total_bytes, DEFAULT_ACTIVATION_RESERVE)
     else:
         budget = planning.gpu_free_bytes(args.gpu_memory_fraction)
-    per_checkpoint = checkpoint_bytes(model.state_shapes(torch.bfloat16), model.vocab_size)
+    hidden_row = model.hidden_size * torch.bfloat16.itemsize if speculative else 0
+    per_checkpoint = checkpoint_bytes(model.state_shapes(torch.bfloat16), model.vocab_size,
+                                      hidden_row)
     checkpoints = num_checkpoints_for(
         planning.parse_checkpoint_memory(args.prefix_checkpoint_memory), per_checkpoint,
         args.max_num_seqs)
     result = planning.plan_capacity(model, cache, budget, args.max_num_seqs, max_len,
-                                    num_checkpoints=checkpoints)
+                                    num_checkpoints=checkpoints, speculative=speculative)
     report = None
     if seq_lens:
         report = planning.workload_report(planning.footprint(model, cache), seq_lens)

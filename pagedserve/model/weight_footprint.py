@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from pagedserve.config import ModelConfig
+from pagedserve.model.mtp import MTPHead
 from pagedserve.model.qwen3_5 import Qwen3_5Model
-from pagedserve.model.weights import LM_HEAD, packed_sources
+from pagedserve.model.weights import checkpoint_key, packed_sources
 from pagedserve.quant import fp8
 from pagedserve.quant.config import Fp8Config
 
@@ -49,11 +50,14 @@ def part_rows(packer: nn.Module, rows: int, num_parts: int) -> tuple[int, ...]:
 
 
 def weight_footprint(
-    cfg: ModelConfig, dtype: torch.dtype, quant: Fp8Config | None = None,
+    cfg: ModelConfig, dtype: torch.dtype, quant: Fp8Config | None = None, mtp: bool = False,
 ) -> WeightFootprint:
-    """The weights of ``cfg`` in ``dtype``, with FP8 linear weights where ``quant`` says."""
+    """The weights of ``cfg`` in ``dtype``, with FP8 linear weights where ``quant`` says;
+    with ``mtp``, the MTP head's too (as the loader builds it for speculation)."""
     with torch.device("meta"):
         model = Qwen3_5Model(cfg)
+        if mtp:
+            model.mtp = MTPHead(cfg)
     dense_size = torch.empty(0, dtype=dtype).element_size()
     fp8_bytes = scale_bytes = dense_bytes = 0
     for name, sources in packed_sources(model).items():
@@ -67,8 +71,7 @@ def weight_footprint(
         packer = model.get_submodule(owner_name.rpartition(".")[0])
         for source, rows in zip(sources, part_rows(packer, param.shape[0], len(sources)),
                                 strict=True):
-            module = source.removesuffix(".weight")
-            full = module if source == LM_HEAD else cfg.weight_prefix + module
+            full = checkpoint_key(source, cfg.weight_prefix).removesuffix(".weight")
             if quant.is_converted(full):
                 fp8_bytes += rows * cols
                 nb, kb = fp8.scale_shape(rows, cols)

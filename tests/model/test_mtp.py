@@ -59,3 +59,15 @@ def test_mtp_tensors_are_skipped_without_speculation(checkpoints, tmp_path) -> N
     loaded = load_model(path, device="cpu", dtype=torch.float32, progress=False)
     assert loaded.model.mtp is None
     assert not any(n.startswith("mtp.") for n, _ in loaded.model.named_parameters())
+
+
+def test_weight_footprint_with_mtp_equals_loaded_bytes(checkpoints, tmp_path) -> None:
+    """``pagedserve plan --speculative-config`` counts the head as the loader allocates it."""
+    from pagedserve.model.weight_footprint import weight_footprint
+
+    model = checkpoints("d64-gqa3-untied").hf_model
+    path = save_with_mtp(model, build_mtp(model), tmp_path, "text")
+    loaded = load_model(path, device="cpu", dtype=torch.float32, progress=False, mtp=True)
+    assert weight_footprint(loaded.config, torch.float32, mtp=True).total_bytes \
+        == loaded.weights_bytes
+    assert weight_footprint(loaded.config, torch.float32).total_bytes < loaded.weights_bytes

@@ -151,3 +151,33 @@ def test_plan_counts_fp8_weights_and_grows_the_pool(capsys):
     saved = bf16["weights"]["total_bytes"] - w["total_bytes"]
     assert fp8["plan"]["budget_bytes"] - bf16["plan"]["budget_bytes"] == saved
     assert fp8["plan"]["num_blocks"] > bf16["plan"]["num_blocks"]
+
+
+def test_plan_with_speculation_counts_what_the_engine_adds(capsys):
+    """MTP drafting: the head's weights and its attention layer's K/V, a spare copy of
+    every state slot, and a hidden row per checkpoint."""
+    cfg, cache = qwen27b(), CacheConfig("q4_0", "q4_0")
+    plain = planning.plan_capacity(cfg, cache, 40 * GiB, 8, 32768, num_checkpoints=10)
+    spec = planning.plan_capacity(cfg, cache, 40 * GiB, 8, 32768, num_checkpoints=10,
+                                  speculative=True)
+    layers = cfg.num_full_attention_layers
+    assert spec.bytes_per_token * layers == plain.bytes_per_token * (layers + 1)
+    assert spec.state_bytes_per_slot == 2 * plain.state_bytes_per_slot
+    assert spec.bytes_per_checkpoint == plain.bytes_per_checkpoint + 2 * cfg.hidden_size
+    base = ["plan", "--model", "preset:qwen3.5-27b", "--device-memory", "141GiB",
+            "--max-model-len", "32768", "--json"]
+    assert cli.main(base) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert cli.main(base + ["--speculative-config",
+                            '{"method": "mtp", "num_speculative_tokens": 3}']) == 0
+    with_mtp = json.loads(capsys.readouterr().out)
+    h = cfg.hidden_size
+    # fc [H, 2H]; two pre-fc norms and the final norm; one full-attention decoder layer.
+    layer = (h * 24 * 256 * 2 + 2 * h * 4 * 256 + 24 * 256 * h + 2 * 256
+             + 3 * h * 17408 + 2 * h)
+    head = 2 * h * h + 3 * h + layer
+    assert with_mtp["weights"]["total_bytes"] - without["weights"]["total_bytes"] == 2 * head
+    assert with_mtp["plan"]["speculative"] and not without["plan"]["speculative"]
+    eagle = '{"method": "eagle", "num_speculative_tokens": 2}'
+    assert cli.main(base + ["--speculative-config", eagle]) != 0
+    assert "method 'eagle' is not supported" in capsys.readouterr().err
