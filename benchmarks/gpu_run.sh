@@ -77,12 +77,14 @@ for spec in "$@"; do
     tests-gpu)     run_stage "$stage" "$limit" $PYTEST -n 8 -vv --maxfail=1000 tests/kernels \
                      tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
                      tests/engine/test_structured_gpu.py tests/engine/test_speculative_gpu.py \
+                     tests/engine/test_draft_graphs_gpu.py \
                      tests/model/test_gpu.py tests/model/test_fp8_gpu.py ;;
     # The engine's, the model's and the FP8 kernels' GPU tests alone (about 400 s): the
     # part of tests-gpu that changes most often.
     tests-gpu-engine) run_stage "$stage" "$limit" $PYTEST -n 6 -vv --maxfail=100 \
                      tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
                      tests/engine/test_structured_gpu.py tests/engine/test_speculative_gpu.py \
+                     tests/engine/test_draft_graphs_gpu.py \
                      tests/model/test_gpu.py tests/model/test_fp8_gpu.py \
                      tests/kernels/test_fp8_linear_gpu.py ;;
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \

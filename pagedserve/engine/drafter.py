@@ -25,6 +25,13 @@ another next token.
 ``observe`` also keeps, per request, the head's output at row ``c - 1`` (its ``tail``):
 draft 1 comes from its logits, and drafts 2..d chain one-row passes, each feeding the
 head its own previous output as the hidden state (as vLLM's MTP proposer does).
+
+On CUDA both run the runner's captured graphs (``engine/draft_graphs.py``) where one holds
+the batch: ``propose`` for up to the largest decode graph's sequences, and ``observe``
+where every sequence keeps ``1 .. k + 1`` rows ending at its frontier (the verify chunks
+of a speculative step, and plain decode rows). Prompt chunks, larger batches and the CPU
+run the same pass eagerly. A graph's batch is padded, so its drafts are the eager pass's
+up to the rounding the padded row count changes.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from typing import Protocol
 
 import torch
 
-from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch
+from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch, table_width
+from pagedserve.engine.draft_graphs import ProposeGraphs
 from pagedserve.engine.request import Request
 from pagedserve.engine.runner import ModelRunner
 from pagedserve.engine.sampler import SamplingTensors, filtered_logits
@@ -118,13 +126,19 @@ class MTPDrafter:
         batch = build_forward_batch(chunks, self.kv, self.runner.device)
         batch.positions = batch.positions + 1  # RoPE position i + 1 for K/V row i
         hidden = torch.cat([o.hidden for o in kept])  # [T, H]
-        out = self.runner.mtp_forward(batch, hidden)  # [T, H]
-        ends = [q - 1 for q in batch.query_start_loc_cpu[1:]]
+        graphs = self.runner.draft_graphs
+        observe = graphs.observe if graphs is not None else None
         frontier = [i for i, o in enumerate(kept) if o.frontier]
-        if not frontier:
-            return
-        last = out[[ends[i] for i in frontier]]  # [F, H]
-        logits = self.runner.compute_logits(last)  # [F, V]
+        if (observe is not None and len(frontier) == len(kept)
+                and observe.fits(batch.query_lens_cpu())):
+            last, logits = observe.run(batch, hidden)  # [B, H], [B, V]
+        else:
+            out = self.runner.mtp_forward(batch, hidden)  # [T, H]
+            if not frontier:
+                return
+            ends = [q - 1 for q in batch.query_start_loc_cpu[1:]]
+            last = out[[ends[i] for i in frontier]]  # [F, H]
+            logits = self.runner.compute_logits(last)  # [F, V]
         for row, i in enumerate(frontier):
             o = kept[i]
             o.request.draft_tail = _Tail(o.start + len(o.next_ids), last[row], logits[row])
@@ -135,9 +149,15 @@ class MTPDrafter:
         tails = [w.request.draft_tail for w in wants]
         assert all(isinstance(t, _Tail) for t in tails)
         hidden = torch.stack([t.hidden for t in tails])  # [B, H]
-        logits = [torch.stack([t.logits for t in tails])]  # d x [B, V]
+        first = torch.stack([t.logits for t in tails])  # [B, V]
+        d_max = max(w.num_drafts for w in wants)
+        graphs = self.runner.draft_graphs
+        propose = graphs.propose if graphs is not None else None
+        if d_max > 1 and propose is not None and propose.holds(len(wants), d_max):
+            return self._propose_graphed(propose, wants, hidden, first)
+        logits = [first]  # d x [B, V]
         ids = [self._choose(logits[0], wants, 0)]
-        for j in range(1, max(w.num_drafts for w in wants)):
+        for j in range(1, d_max):
             live = [i for i, w in enumerate(wants) if w.num_drafts > j]
             chunks = [SeqChunk(wants[i].request.live_kv_handle, wants[i].slot,
                                (ids[-1][i],), wants[i].start + j - 1) for i in live]
@@ -154,10 +174,43 @@ class MTPDrafter:
         return [Draft([ids[j][i] for j in range(w.num_drafts)], stacked[i, :w.num_drafts])
                 for i, w in enumerate(wants)]
 
+    def _propose_graphed(self, graphs: ProposeGraphs, wants: list[DraftRequest],
+                         hidden: torch.Tensor, first: torch.Tensor) -> list[Draft]:
+        """``propose`` through the captured passes: ``hidden`` ``[B, H]`` and ``first``
+        ``[B, V]`` the tails'. Pass ``j`` writes K/V row ``start + j - 1`` of each sequence
+        that drafts more than ``j`` tokens; the greedy drafts stay on the device until
+        the last pass, sampled ones are drawn between passes."""
+        d_max = max(w.num_drafts for w in wants)
+        rows = [[w.start + j for j in range(w.num_drafts - 1)] for w in wants]
+        slots = [[self.kv.slot_of(w.request.live_kv_handle, r) for r in rs]
+                 for w, rs in zip(wants, rows)]
+        handles = [w.request.live_kv_handle for w in wants]
+        tables, _ = self.kv.batch_view(handles, table_width(
+            max(len(self.kv.block_table(h)) for h in handles), self.kv.max_blocks_per_seq))
+        size = graphs.load(hidden, first, rows, slots, tables)
+        n = len(wants)
+        ids, logits = graphs.buffers["ids"], graphs.buffers["logits"]  # [k, P], [k, P, V]
+        self._draw_sampled(logits[0, :n], wants, 0, ids[0, :n])
+        for j in range(1, d_max):
+            graphs.replay(size, j)
+            self._draw_sampled(logits[j, :n], wants, j, ids[j, :n])
+        tokens = ids[:d_max, :n].T.tolist()  # [B][d_max]
+        stacked = logits[:d_max, :n].transpose(0, 1).clone()  # [B, d_max, V]
+        return [Draft(tokens[i][:w.num_drafts], stacked[i, :w.num_drafts])
+                for i, w in enumerate(wants)]
+
     def _choose(self, logits: torch.Tensor, wants: list[DraftRequest], j: int) -> list[int]:
         """Draft ``j`` of each row: the argmax for greedy requests, else a draw from the
         request's own filtered distribution with the draft stream's noise."""
-        out = logits.argmax(dim=-1).tolist()  # [B]
+        ids = logits.argmax(dim=-1)  # [B]
+        self._draw_sampled(logits, wants, j, ids)
+        return ids.tolist()
+
+    def _draw_sampled(self, logits: torch.Tensor, wants: list[DraftRequest], j: int,
+                      ids: torch.Tensor) -> None:
+        """Overwrite ``ids`` int64 ``[B]`` (on the device, no sync) at each sampled
+        request that drafts a token ``j``: its draw from its own filtered distribution
+        ``logits`` float32 ``[B, V]`` with the draft stream's noise."""
         for i, w in enumerate(wants):
             req = w.request
             if req.params.greedy or j >= w.num_drafts:
@@ -166,5 +219,4 @@ class MTPDrafter:
                                                tokens_ahead=j)
             probs = torch.softmax(filtered_logits(logits[i:i + 1], st), dim=-1)
             index = torch.tensor([len(req.output_token_ids) + j], device=logits.device)
-            out[i] = int(race(probs, req.sample_seed, index, DRAFT_STREAM)[0])
-        return out
+            ids[i:i + 1].copy_(race(probs, req.sample_seed, index, DRAFT_STREAM))

@@ -8,7 +8,8 @@ replay a captured CUDA graph (``DecodeGraphs``), and so do steps that prefill on
 chunk (``PrefillGraphs``), with or without decode rows beside it (each part replays its
 own graph); everything else runs eagerly, and on the CPU everything is eager
 with the torch reference ops. With speculation, ``verify(batch)`` replays a captured
-graph for pure verify steps (``VerifyGraphs``).
+graph for pure verify steps (``VerifyGraphs``), and the MTP drafter's passes replay theirs
+(``DraftGraphs``).
 
 Layouts (``CacheConfig.kv_layout``)::
 
@@ -29,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.config import CacheConfig
-from pagedserve.engine.decode_graphs import DecodeGraphs
+from pagedserve.engine.decode_graphs import DecodeGraphs, graph_batch_sizes
+from pagedserve.engine.draft_graphs import DraftGraphs, ObserveGraphs, ProposeGraphs
 from pagedserve.engine.prefill_graphs import PrefillGraphs
 from pagedserve.engine.verify_graphs import VerifyGraphs, VerifyOutput, verify_graph_sizes
 from pagedserve.kernels.ops import DecodeWorkspace, default_occupancy
@@ -77,7 +79,8 @@ class RunnerConfig:
             decoding's drafter, ``engine/prefix_cache.py``).
         verify_rows: rows per sequence of a speculative verify step that checks every
             draft (``k + 1``); with ``cuda_graphs``, such steps of up to
-            ``max_graph_batch_size`` sequences are captured (``VerifyGraphs``). 0: none.
+            ``max_graph_batch_size`` sequences are captured (``VerifyGraphs``), and so are
+            the MTP head's passes, when the model has one (``DraftGraphs``). 0: none.
         verify_graph_tokens: the most rows of a verify step (the scheduler's token
             budget): no verify graph is captured past the size that holds them.
             ``None``: no cap.
@@ -209,12 +212,13 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
+        self.draft_graphs: DraftGraphs | None = None
         if self.device.type == "cuda":
             self._prepare_cuda()
 
     def _prepare_cuda(self) -> None:
-        """Compile the elementwise ops, then capture the decode, prefill and verify graphs
-        (each optional)."""
+        """Compile the elementwise ops, then capture the decode, prefill, verify and draft
+        graphs (each optional)."""
         config = self.config
         if config.compile_elementwise:
             ops = elementwise.compiled_ops()
@@ -244,6 +248,29 @@ class ModelRunner:
                     config.max_model_len,
                     pool=self.graphs.pool if self.graphs is not None else None,
                 )
+            if config.verify_rows and self.has_mtp:
+                self.draft_graphs = DraftGraphs.try_capture(
+                    *self._draft_graph_parts(max_graph_batch),
+                    pool=self.graphs.pool if self.graphs is not None else None)
+
+    def _draft_graph_parts(self, max_graph_batch: int) -> tuple[ProposeGraphs | None,
+                                                                 ObserveGraphs]:
+        """The drafter's graphs, uncaptured: propose passes of the decode graphs' sizes
+        (none for ``k = 1``), observe passes of the verify graphs' sizes."""
+        config, cfg = self.config, self.model_config
+        r = config.verify_rows
+        shapes = (cfg.hidden_size, cfg.vocab_size, self.max_blocks_per_seq,
+                  self.state_pool.null_slot)
+        propose = None
+        if r > 2:
+            propose = ProposeGraphs(self._mtp_pass, self.model.compute_logits, self.device,
+                                    self.dtype, graph_batch_sizes(max_graph_batch), r - 1,
+                                    *shapes)
+        observe = ObserveGraphs(
+            self._mtp_pass, self.model.compute_logits, self.device, self.dtype,
+            verify_graph_sizes(max_graph_batch, r, config.verify_graph_tokens), r, *shapes,
+            config.max_model_len)
+        return propose, observe
 
     # ---- sizing ---------------------------------------------------------------------------
     @property
@@ -348,7 +375,7 @@ class ModelRunner:
         hidden = self.model(batch, self.caches)  # [T, H]
         return self.model.compute_logits(hidden[batch.logits_indices])  # [B, vocab]
 
-    # ---- speculative decoding (eager, but for pure verify steps: ``verify``) -------------
+    # ---- speculative decoding (eager, but for the graphs of ``verify`` and the drafter) --
     @torch.inference_mode()
     def verify(self, batch: ForwardBatch) -> VerifyOutput | None:
         """A pure verify step (every sequence holds ``verify_rows`` rows) through its
@@ -390,7 +417,11 @@ class ModelRunner:
     @torch.inference_mode()
     def mtp_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         """One pass of the MTP head (``model/mtp.py``) over ``batch`` from the states
-        ``hidden`` ``[T, H]``; writes its K/V rows and returns its outputs ``[T, H]``."""
+        ``hidden`` ``[T, H]``, eagerly; writes its K/V rows and returns its outputs
+        ``[T, H]``. The drafter's graphs (``draft_graphs``) capture this same pass."""
+        return self._mtp_pass(batch, hidden)
+
+    def _mtp_pass(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         mtp = self.model.mtp
         if mtp is None:
             raise ValueError("this model was loaded without its MTP head")

@@ -70,7 +70,10 @@ eager pass's kernels (the delta rule of short chunks walks their rows,
 ``kernels/gdn_recurrent.py``, in both), on a batch padded to the captured size, so its
 tokens are the eager step's up to the rounding that the padded row count changes. Any
 other step (a prompt chunk, a request drafting fewer than ``k`` near its end, a request
-that does not speculate) runs eagerly, and so do the drafter's passes.
+that does not speculate) runs eagerly. The drafter's passes replay graphs of their own
+where one holds them (``engine/draft_graphs.py``): ``propose`` for any batch of up to the
+largest decode graph's sequences, ``observe`` where every kept run is ``1 .. k + 1`` rows
+ending at its sequence's frontier, as in every pure verify step.
 """
 
 from __future__ import annotations

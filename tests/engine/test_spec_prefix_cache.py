@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 
+from draft_stand_in import stand_in_draft_graphs  # noqa: E402
 from hybrid_checkpoints import build_hf_model, prompt_ids  # noqa: E402
 from mtp_checkpoints import build_mtp, save_with_mtp  # noqa: E402
 from prefix_workload import drive_shared_prefixes  # noqa: E402
@@ -100,6 +101,25 @@ def test_repeated_prompts_give_transformers_tokens(model, k) -> None:
             assert req.num_cached_tokens == (len(p) if send else 0), (send, i)
             assert req.output_token_ids == greedy(p, 20) == cold[str(i)].output_token_ids
     assert engine.spec.stats.num_drafts > 0
+    assert_empty(engine)
+
+
+def test_hits_with_draft_graphs_give_transformers_tokens(model) -> None:
+    """The drafter's graph passes (stand-ins over the padded static batches) after hits:
+    the first observe after a hit (from row ``p - 1``) runs eagerly or through the graph
+    as its rows fit, and the tokens stay transformers'."""
+    greedy = model[2]
+    prompts = [prompt_ids(0, 37), BASE[:33], BASE[:50]]
+    engine = make_engine(model, 3, max_num_seqs=3)
+    calls: list[tuple] = []
+    engine.runner.draft_graphs = stand_in_draft_graphs(engine.runner, 3, calls)
+    for send in range(2):
+        got = run(engine, *[(f"{send}-{i}", p, 16) for i, p in enumerate(prompts)])
+        for i, p in enumerate(prompts):
+            req = got[f"{send}-{i}"]
+            assert (req.num_cached_tokens > 0) == (send > 0), (send, i)
+            assert req.output_token_ids == greedy(p, 16)
+    assert {c[0] for c in calls} == {"propose", "observe"}
     assert_empty(engine)
 
 

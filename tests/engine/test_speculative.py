@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 
+from draft_stand_in import stand_in_draft_graphs  # noqa: E402
 from hybrid_checkpoints import build_hf_model, prompt_ids  # noqa: E402
 from mtp_checkpoints import build_mtp, save_with_mtp  # noqa: E402
 from test_engine import run_keeping_requests  # noqa: E402
@@ -185,6 +186,58 @@ def test_pure_verify_steps_take_the_graph_path(spec_model, k) -> None:
     assert all(n > 0 for n in engine.spec.stats.num_by_accepted), \
         engine.spec.stats.num_by_accepted
     assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_draft_graph_passes_give_transformers_tokens(spec_model, k) -> None:
+    """The drafter through its graph passes (stand-ins replaying the captured passes over
+    the padded static batches) beside the verify graph's path: transformers' tokens, with
+    propose passes (k > 1) and observe passes of every batch size replayed, and the
+    prompts' observes eager."""
+    refs = spec_model[2]
+    engine = make_engine(spec_model, k, max_num_seqs=3)
+    stand_in_verify_graph(engine, k, [])
+    calls: list[tuple] = []
+    engine.runner.draft_graphs = stand_in_draft_graphs(engine.runner, 3, calls)
+    observed: list[list[int]] = []
+    observe = engine.spec.drafter.observe
+    engine.spec.drafter.observe = lambda kept: observed.append(
+        [len(o.next_ids) for o in kept]) or observe(kept)
+    lengths = [NEW, NEW - 7, NEW - 3]  # finishing apart: batches of 3, 2 and 1
+    items = [(2 * i, str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+             for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    got = run_keeping_requests(engine, items)
+    assert [got[str(i)].output_token_ids for i in range(3)] == \
+        [r[:n] for r, n in zip(refs, lengths)]
+    assert {("observe", s) for s in (1, 2, 3)} <= set(calls), calls
+    if k > 1:
+        assert {("propose", s, j) for s in (1, 2, 3) for j in range(1, k)} <= set(calls)
+    else:
+        assert not [c for c in calls if c[0] == "propose"]
+    assert any(max(lens) > k + 1 for lens in observed)  # prompts: eager
+    assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
+
+
+def test_seeded_sampled_drafts_through_the_graphs_repeat_the_eager_drafters(spec_model) -> None:
+    """Sampled drafts are drawn between the graph passes with the eager drafter's noise:
+    a seeded batch gives the eager drafter's tokens."""
+    params = [SamplingParams(max_tokens=NEW, temperature=0.9, top_k=20, seed=7 + i,
+                             ignore_eos=True) if i != 1 else GREEDY for i in range(3)]
+    outs = []
+    for graphs in (False, True):
+        engine = make_engine(spec_model, 3, max_num_seqs=3)
+        calls: list[tuple] = []
+        if graphs:
+            engine.runner.draft_graphs = stand_in_draft_graphs(engine.runner, 3, calls)
+        for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+            engine.add_request(str(i), p, sp)
+        out: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert bool(calls) == graphs
+        outs.append(out)
+    assert outs[0] == outs[1]
 
 
 @pytest.mark.parametrize("stop_at", [3, 9])
