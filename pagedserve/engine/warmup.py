@@ -17,7 +17,9 @@ launch of each kind covers all of them. The kinds:
 * one-token and short prompts (the prefill graphs, when captured);
 * with speculation, requests that verify every draft (the verify graphs' replays, which
   the runner captured, with their tokens decided greedily and by sampling) beside one
-  whose prompt arrives meanwhile and ones that near their end (eager verify steps).
+  whose prompt arrives meanwhile and ones that near their end (eager verify steps), then
+  one replay of each rollback graph once no request is live (it keeps no rows, so it
+  writes only a free slot: ``RollbackGraphs.replay_idle``).
 
 Every warm-up request runs to its end, so the pools are empty again afterwards.
 """
@@ -71,4 +73,6 @@ def warm_up(engine: LLMEngine) -> float:
     if engine.spec is not None:
         k = engine.spec.config.num_speculative_tokens
         run([7, 9, 30], stagger=True, max_tokens=4 * (k + 1), greedy_every=2)
+        if engine.runner.rollback_graphs is not None:
+            engine.runner.rollback_graphs.replay_idle()
     return time.perf_counter() - start
