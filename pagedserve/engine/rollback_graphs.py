@@ -9,21 +9,24 @@ whose every shape is fixed by ``P`` and ``r``. Only the counts change between re
 the host writes ``c`` per sequence into a static buffer (one copy), and the graph derives
 the rest on the device::
 
-    record rows (the verify graph's, r = 3)   s0: a0 a1 a2 | s1: b0 b1 b2 | s2 (pad): . . .
-    num_rows      c per sequence              2, 3, 0     (padding sequences: 0)
-    restore       slot back from its spare    s0, s1, s0  (padding: sequence 0's slot again)
-    query_start_loc   0, cumsum(c)            0, 2, 5, 5
-    rows          record row of packed row j  0 1 3 4 5 | 0 0 0 0
+    record rows (the verify graph's, r = 3)   s0: a0 a1 a2 | s1: b0 b1 b2 | s2: c0 c1 c2 | pad
+    num_rows      c per sequence, 0: as is    0, 2, 3, 0
+    restore       slot back from its spare    s1, s1, s2, s1  (c = 0: the first restored
+                                              sequence's slot again, the same values)
+    query_start_loc   0, cumsum(c)            0, 0, 2, 5, 5
+    rows          record row of packed row j  3 4 6 7 8 | 0 0 0 0 0 0 0
                                               (past the last sequence: row 0, a live row
                                               that no sequence walks)
     advance       every GDN layer's conv and delta rule over the packed rows, from the
                   restored states (``Qwen3_5Model.advance_linear_states``)
 
-A sequence that kept every draft is restored and advanced over all ``r`` rows too: the
-same kernels on the same inputs leave its state where the verify pass did, so one graph
-serves any mix of counts. A padding sequence restores sequence 0's slot a second time (the
-same values) and walks no rows, so no slot outside the step's sequences, the null slot
-included, is written.
+A sequence with no rows (one that kept every draft, or padding) is neither restored nor
+advanced: the kernels leave a state with no rows as it is, and its place in the restore
+goes to a slot that is restored anyway. So no slot but those of sequences that rejected a
+draft is written, the null slot included, and one graph serves any mix of counts.
+Restoring a sequence that kept every draft and advancing it over all ``r`` rows would also
+do (the same kernels on the same inputs leave its state where the verify pass did); it
+would only cost its slot's traffic.
 
 The captured ``ForwardBatch`` is the verify graph's static batch with the packed
 ``query_start_loc``: its host copy says ``r`` rows for every sequence, which fixes the
@@ -62,7 +65,7 @@ def pack_rows(num_rows: torch.Tensor, rows_per_seq: int, query_start_loc: torch.
     """The packed layout of each sequence's first ``num_rows`` rows, on the device.
 
     Args:
-        num_rows: int32 ``[P]`` rows kept per sequence, each in ``0 .. rows_per_seq``.
+        num_rows: int32 ``[P]`` rows per sequence, each in ``0 .. rows_per_seq``.
         rows_per_seq: ``r``: sequence ``s``'s rows of the record are ``s r .. s r + r - 1``.
         query_start_loc: int32 ``[P + 1]``, written: ``0, cumsum(num_rows)``.
         rows: int64 ``[P r]``, written: the record row of each packed row; the rows past
@@ -140,12 +143,14 @@ class RollbackGraphs:
         rows = b["rows"][: size * r]
         pack_rows(num_rows, r, b["query_start_loc"][: size + 1], rows)
         slots = self.verify.buffers["state_slots"][:size]  # [P] padding: the null slot
-        restore = torch.where(num_rows > 0, slots, slots[:1])  # [P]
+        walks = num_rows > 0  # [P]
+        first = torch.argmax(walks.to(torch.int32))  # the first sequence with rows (or 0)
+        restore = torch.where(walks, slots, slots[first])  # [P]
         self.rollback(restore, self.static_batch(size), self.verify.output.gdn_inputs, rows)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, with no rows kept (nothing advances)."""
+        """Capture every size, largest first, with no rows (nothing advances)."""
         self.buffers["num_rows"].zero_()
         pool = self.pool if self.pool is not None else torch.cuda.graph_pool_handle()
         self.pool = pool
@@ -164,11 +169,12 @@ class RollbackGraphs:
         torch.cuda.synchronize()
 
     def load(self, num_rows: list[int]) -> int:
-        """Write each sequence's kept rows (``1 .. r``, in the last verify replay's order)
-        and zeros for its padding sequences; return that replay's size."""
+        """Write each sequence's rows to advance over (``1 .. r``; 0 leaves it as it is),
+        in the last verify replay's order, and zeros for its padding sequences; return
+        that replay's size."""
         size = self.verify.last_size
         assert size is not None and 0 < len(num_rows) <= size, (size, num_rows)
-        assert all(1 <= n <= self.rows_per_seq for n in num_rows), num_rows
+        assert all(0 <= n <= self.rows_per_seq for n in num_rows), num_rows
         host = torch.zeros(size, dtype=torch.int32)
         host[: len(num_rows)] = torch.tensor(num_rows, dtype=torch.int32)
         self.buffers["num_rows"][:size].copy_(host, non_blocking=True)
@@ -176,12 +182,12 @@ class RollbackGraphs:
 
     def run(self, num_rows: list[int]) -> None:
         """Roll back the last verify replay's sequences to their first ``num_rows`` rows
-        (``load``), by one replay."""
+        each (``load``; 0: not rolled back), by one replay."""
         self.graphs[self.load(num_rows)].replay()
 
     def replay_idle(self) -> None:
-        """Replay every size with no rows kept: it restores the first slot of the last
-        verify replay again and advances nothing. Only for when no sequence is live (the
+        """Replay every size with no rows: it restores the first slot of the last verify
+        replay and advances nothing. Only for when no sequence is live (the
         warm-up's end), so that a replay's first cost is paid there."""
         self.buffers["num_rows"].zero_()
         for size in self.sizes:

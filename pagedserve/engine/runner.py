@@ -375,10 +375,10 @@ class ModelRunner:
     @torch.inference_mode()
     def roll_back_verify(self, num_rows: list[int]) -> bool:
         """Roll the sequences of the last verify graph replay back to their first
-        ``num_rows`` rows each (in the batch's order; ``1 .. verify_rows``): each state
-        slot back from its spare and advanced over those rows of the replay's record, by
-        one replay (``RollbackGraphs.run``). ``False`` when no rollback graph is captured
-        (the caller rolls back eagerly)."""
+        ``num_rows`` rows each (in the batch's order; ``1 .. verify_rows``, 0: leave the
+        sequence as it is): each such state slot back from its spare and advanced over
+        those rows of the replay's record, by one replay (``RollbackGraphs.run``).
+        ``False`` when no rollback graph is captured (the caller rolls back eagerly)."""
         if self.rollback_graphs is None:
             return False
         self.rollback_graphs.run(num_rows)

@@ -74,10 +74,9 @@ other step (a prompt chunk, a request drafting fewer than ``k`` near its end, a 
 that does not speculate) runs eagerly, and so do the drafter's passes.
 
 A pure verify step in which some sequence rejected a draft rolls back by one replay of
-the rollback graph of the same size (``engine/rollback_graphs.py``): every sequence of the
-step restored and advanced over its first ``m + 1`` rows of the verify graph's record,
-with the counts the only thing the host writes (a sequence that kept every draft is
-advanced over all its rows, which leaves its state as the verify pass did). Eagerly, a
+the rollback graph of the same size (``engine/rollback_graphs.py``): each sequence that
+rejected one restored and advanced over its first ``m + 1`` rows of the verify graph's
+record, with the row counts (0 for the others) the only thing the host writes. Eagerly, a
 rollback is a handful of launches per Gated DeltaNet layer, which the host issues slower
 than the GPU runs them. Other steps roll back eagerly.
 """
@@ -335,15 +334,15 @@ class SpeculativeDecoding:
         """Slots of sequences that rejected a draft back to their spare, then advanced
         again over their kept rows from the verify step's recorded Gated DeltaNet inputs:
         the state ends at the last kept token. The kept rows' attention K/V, written by
-        the verify pass, is already right. After a verify graph (``graphed``) every
-        sequence of the step goes through the rollback graph of its size, the ones that
-        kept every draft included (their state comes out as it was); otherwise only those
-        that rejected one, eagerly."""
+        the verify pass, is already right. After a verify graph (``graphed``) the rollback
+        graph of its size does it in one replay (the other sequences count 0 rows: left
+        as they are); otherwise it runs eagerly."""
         redo = [i for i, v in verified.items() if len(v.tokens) - 1 < chunks[i].num_draft]
         if not redo:
             return
         assert record is not None
-        if graphed and e.runner.roll_back_verify([len(verified[i].tokens) for i in spec]):
+        if graphed and e.runner.roll_back_verify(
+                [len(verified[i].tokens) if i in redo else 0 for i in spec]):
             return
         e.runner.restore_states([slots[i] for i in redo])
         # Where each speculating chunk's rows start among the recorded rows.

@@ -75,6 +75,18 @@ def test_a_replay_restores_the_steps_slots_and_packs_their_kept_rows():
     assert graphs.buffers["num_rows"].tolist()[:4] == [2, 3, 1, 0]
 
 
+def test_sequences_with_no_rows_are_left_alone():
+    """Sequences that kept every draft count 0 rows, like padding: their places in the
+    restore go to the first sequence that walks rows, and they walk none."""
+    calls: list[dict] = []
+    graphs = stand_in_rollback([1, 2, 4, 8], calls)
+    graphs.verify.run(batch([R] * 3))
+    graphs.run([0, 2, 0])
+    call, = calls
+    assert call["restore"] == [1, 1, 1, 1] and call["qsl"] == [0, 0, 2, 2, 2]
+    assert call["ids"] == [103, 104] + [100] * (4 * R - 2)
+
+
 def test_a_smaller_step_replays_its_own_size_with_zeros_past_its_sequences():
     calls: list[dict] = []
     graphs = stand_in_rollback([1, 2, 4, 8], calls)
@@ -96,7 +108,7 @@ def test_counts_are_checked_against_the_last_replay():
     with pytest.raises(AssertionError):  # no verify replay yet
         graphs.load([1])
     graphs.verify.run(batch([R] * 2))
-    for bad in ([], [1, 1, 1], [0, 1], [R + 1, 1]):
+    for bad in ([], [1, 1, 1], [-1, 1], [R + 1, 1]):
         with pytest.raises(AssertionError):
             graphs.load(bad)
 
