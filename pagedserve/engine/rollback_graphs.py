@@ -78,7 +78,7 @@ def pack_rows(num_rows: torch.Tensor, rows_per_seq: int, query_start_loc: torch.
     packed = torch.arange(p * r, dtype=torch.int32, device=num_rows.device)  # [P r]
     seq = torch.searchsorted(ends, packed, right=True)  # [P r] int64, P past the last
     owner = seq.clamp(max=p - 1)
-    source = owner * r + (packed - query_start_loc[owner])  # [P r] int64
+    source = owner * r + (packed - query_start_loc.index_select(0, owner))  # [P r] int64
     rows.copy_(torch.where(seq < p, source, 0))
 
 
@@ -144,8 +144,8 @@ class RollbackGraphs:
         pack_rows(num_rows, r, b["query_start_loc"][: size + 1], rows)
         slots = self.verify.buffers["state_slots"][:size]  # [P] padding: the null slot
         walks = num_rows > 0  # [P]
-        first = torch.argmax(walks.to(torch.int32))  # the first sequence with rows (or 0)
-        restore = torch.where(walks, slots, slots[first])  # [P]
+        first = torch.argmax(walks.to(torch.int32)).view(1)  # [1] first with rows, or 0
+        restore = torch.where(walks, slots, slots.index_select(0, first))  # [P]
         self.rollback(restore, self.static_batch(size), self.verify.output.gdn_inputs, rows)
 
     @torch.inference_mode()
