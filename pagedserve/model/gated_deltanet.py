@@ -121,9 +121,9 @@ class GatedDeltaNet(nn.Module):
 
         On CUDA the host copy ``batch.query_start_loc_cpu`` only picks the kernels and
         sizes their grids; every row bound is read from ``batch.query_start_loc`` on the
-        device. A batch whose host copy gives every sequence ``MAX_CAPTURED_ROWS`` rows or
-        fewer can therefore be captured and replayed with fewer rows per sequence on the
-        device (none included), as long as the row count ``T`` stays."""
+        device. A batch with no decode rows whose host copy gives every sequence at most
+        ``MAX_CAPTURED_ROWS`` rows can therefore be captured and replayed with fewer rows
+        per sequence on the device (none included), its row count ``T`` unchanged."""
         T = mixed.shape[0]
         mixed = gdn.causal_conv1d_varlen(
             mixed, self.conv1d.weight[:, 0], conv_state, batch.query_start_loc,
