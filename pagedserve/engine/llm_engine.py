@@ -166,12 +166,13 @@ class LLMEngine:
             self.spec = SpeculativeDecoding(
                 spec, drafter or MTPDrafter(self.runner, self.kv), max_len)
             graphs = self.runner.verify_graphs
-            drafting = self.runner.draft_graphs
+            how = {True: "replay CUDA graphs", False: "run eagerly"}
             log.info("speculative decoding: %s, %d tokens per step (verify steps of up to %d "
                      "sequences verifying every draft replay CUDA graphs, other verify steps "
-                     "run eagerly; the MTP head's passes %s)", spec.method,
+                     "run eagerly; their rollbacks %s; the MTP head's passes %s)", spec.method,
                      spec.num_speculative_tokens, graphs.sizes[-1] if graphs else 0,
-                     "replay CUDA graphs" if drafting is not None else "run eagerly")
+                     how[self.runner.rollback_graphs is not None],
+                     how[self.runner.draft_graphs is not None])
         self.scheduler = Scheduler(sched_config, self.kv, self.runner.state_pool, self.prefix,
                                    self.spec.draft_limit if self.spec is not None else None)
         cuda = self.runner.device.type == "cuda"

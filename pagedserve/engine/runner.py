@@ -8,8 +8,9 @@ replay a captured CUDA graph (``DecodeGraphs``), and so do steps that prefill on
 chunk (``PrefillGraphs``), with or without decode rows beside it (each part replays its
 own graph); everything else runs eagerly, and on the CPU everything is eager
 with the torch reference ops. With speculation, ``verify(batch)`` replays a captured
-graph for pure verify steps (``VerifyGraphs``), and the MTP drafter's passes replay theirs
-(``DraftGraphs``).
+graph for pure verify steps (``VerifyGraphs``), ``roll_back_verify`` rolls such a
+step's sequences back by another (``RollbackGraphs``), and the MTP drafter's passes
+replay theirs (``DraftGraphs``).
 
 Layouts (``CacheConfig.kv_layout``)::
 
@@ -33,6 +34,7 @@ from pagedserve.config import CacheConfig
 from pagedserve.engine.decode_graphs import DecodeGraphs, graph_batch_sizes
 from pagedserve.engine.draft_graphs import DraftGraphs, ObserveGraphs, ProposeGraphs
 from pagedserve.engine.prefill_graphs import PrefillGraphs
+from pagedserve.engine.rollback_graphs import RollbackGraphs
 from pagedserve.engine.verify_graphs import VerifyGraphs, VerifyOutput, verify_graph_sizes
 from pagedserve.kernels.ops import DecodeWorkspace, default_occupancy
 from pagedserve.kv import formats
@@ -177,9 +179,10 @@ class ModelRunner:
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size if config.checkpoint_hidden else 0,
             hidden_dtype=self.dtype)
-        # Spare copies of the state slots, indexed by slot: [L_lin, S + 1, ...] each.
-        self._snapshots = ((torch.empty_like(self.state_pool.conv_state),
-                            torch.empty_like(self.state_pool.recurrent_state))
+        # Spare copies of the state slots, indexed by slot: [L_lin, S + 1, ...] each. The
+        # null slot's spare stays zero: a rollback graph's capture restores from it.
+        self._snapshots = ((torch.zeros_like(self.state_pool.conv_state),
+                            torch.zeros_like(self.state_pool.recurrent_state))
                            if config.state_snapshots else None)
         self.num_blocks = config.max_num_seqs if contiguous else self._paged_num_blocks()
         # One (K, V) storage pair per full-attention layer, all over the same block ids;
@@ -213,12 +216,13 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
+        self.rollback_graphs: RollbackGraphs | None = None
         if self.device.type == "cuda":
             self._prepare_cuda()
 
     def _prepare_cuda(self) -> None:
-        """Compile the elementwise ops, then capture the decode, prefill, verify and draft
-        graphs (each optional)."""
+        """Compile the elementwise ops, then capture the decode, prefill, verify, rollback
+        and draft graphs (each optional)."""
         config = self.config
         if config.compile_elementwise:
             ops = elementwise.compiled_ops()
@@ -248,6 +252,9 @@ class ModelRunner:
                     config.max_model_len,
                     pool=self.graphs.pool if self.graphs is not None else None,
                 )
+            if self.verify_graphs is not None and self._snapshots is not None:
+                self.rollback_graphs = RollbackGraphs.try_capture(
+                    self._rollback_pass, self.verify_graphs, pool=self.verify_graphs.pool)
             if config.verify_rows and self.has_mtp:
                 self.draft_graphs = DraftGraphs.try_capture(
                     *self._draft_graph_parts(max_graph_batch),
@@ -391,6 +398,34 @@ class ModelRunner:
         batch.gdn_record = GdnRecord(None, [])
         hidden = self.model(batch, self.caches)  # [T, H]
         return VerifyOutput(hidden, self.model.compute_logits(hidden), batch.gdn_record.inputs)
+
+    @torch.inference_mode()
+    def roll_back_verify(self, num_rows: list[int]) -> bool:
+        """Roll the sequences of the last verify graph replay back to their first
+        ``num_rows`` rows each (in the batch's order; ``1 .. verify_rows``, 0: leave the
+        sequence as it is): each such state slot back from its spare and advanced over
+        those rows of the replay's record, by one replay (``RollbackGraphs.run``).
+        ``False`` when no rollback graph is captured (the caller rolls back eagerly)."""
+        if self.rollback_graphs is None:
+            return False
+        self.rollback_graphs.run(num_rows)
+        return True
+
+    def _rollback_pass(
+        self, restore_slots: torch.Tensor, batch: ForwardBatch,
+        inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], rows: torch.Tensor,
+    ) -> None:
+        """The pass a rollback graph captures: each slot of ``restore_slots`` (int32
+        ``[P]``, on the device) back from its spare, then every Gated DeltaNet layer
+        advanced over rows ``rows`` (int64 ``[T]``) of ``inputs``. The copies go one layer
+        at a time, so that a graph's pool holds one layer's gathered slots, not all."""
+        conv, rec = self._spares()
+        index = restore_slots.long()
+        for states, spares in ((self.state_pool.conv_state, conv),
+                               (self.state_pool.recurrent_state, rec)):
+            for layer in range(states.shape[0]):
+                states[layer].index_copy_(0, index, spares[layer].index_select(0, index))
+        self.model.advance_linear_states(batch, self.caches, inputs, rows)
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:

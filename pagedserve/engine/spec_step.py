@@ -16,8 +16,9 @@ One step (synchronous: its tokens are read back before the next is scheduled)::
     roll back       where m < d: the slot back from its spare, then each Gated DeltaNet
                     layer's conv and delta rule advanced over the m + 1 kept rows' recorded
                     inputs (their attention K/V rows, written by the verify pass, stand);
-                    the reservation past the kept rows is dropped, which frees the blocks
-                    only rejected rows used
+                    after a verify graph, one replay of a rollback graph does it for the
+                    whole step; the reservation past the kept rows is dropped, which
+                    frees the blocks only rejected rows used
     append          a row committed, then its token appended, one at a time: a stop
                     (EOS, stop id or string, max_tokens, max_model_len) inside the kept
                     run ends it there, with the rows below the stop committed
@@ -74,6 +75,13 @@ that does not speculate) runs eagerly. The drafter's passes replay graphs of the
 where one holds them (``engine/draft_graphs.py``): ``propose`` for any batch of up to the
 largest decode graph's sequences, ``observe`` where every kept run is ``1 .. k + 1`` rows
 ending at its sequence's frontier, as in every pure verify step.
+
+A pure verify step in which some sequence rejected a draft rolls back by one replay of
+the rollback graph of the same size (``engine/rollback_graphs.py``): each sequence that
+rejected one restored and advanced over its first ``m + 1`` rows of the verify graph's
+record, with the row counts (0 for the others) the only thing the host writes. Eagerly, a
+rollback is a handful of launches per Gated DeltaNet layer, which the host issues slower
+than the GPU runs them. Other steps roll back eagerly.
 """
 
 from __future__ import annotations
@@ -212,7 +220,8 @@ class SpeculativeDecoding:
                                        drafts[i])
             offset += d + 1
         self._observe(chunks, slots, qsl, hidden, sampled, verified)
-        self._roll_back(e, chunks, slots, verified, seq_chunks, spec, record)
+        self._roll_back(e, chunks, slots, verified, seq_chunks, spec, record,
+                        graphed=all_logits is not None)
         return self._apply(e, chunks, qsl, hidden, sampled, verified)
 
     def _forward(self, e: LLMEngine, seq_chunks: list[SeqChunk], spec: list[int],
@@ -324,15 +333,20 @@ class SpeculativeDecoding:
 
     def _roll_back(self, e: LLMEngine, chunks: list[ScheduledChunk], slots: list[int],
                    verified: dict[int, _Verified], seq_chunks: list[SeqChunk],
-                   spec: list[int], record: GdnRecord | None) -> None:
+                   spec: list[int], record: GdnRecord | None, graphed: bool) -> None:
         """Slots of sequences that rejected a draft back to their spare, then advanced
         again over their kept rows from the verify step's recorded Gated DeltaNet inputs:
         the state ends at the last kept token. The kept rows' attention K/V, written by
-        the verify pass, is already right."""
+        the verify pass, is already right. After a verify graph (``graphed``) the rollback
+        graph of its size does it in one replay (the other sequences count 0 rows: left
+        as they are); otherwise it runs eagerly."""
         redo = [i for i, v in verified.items() if len(v.tokens) - 1 < chunks[i].num_draft]
         if not redo:
             return
         assert record is not None
+        if graphed and e.runner.roll_back_verify(
+                [len(verified[i].tokens) if i in redo else 0 for i in spec]):
+            return
         e.runner.restore_states([slots[i] for i in redo])
         # Where each speculating chunk's rows start among the recorded rows.
         first, offset = {}, 0

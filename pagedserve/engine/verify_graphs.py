@@ -31,7 +31,9 @@ A graph computes every row's final-normed hidden state, every row's logits (a pu
 step uses them all) and each Gated DeltaNet layer's projected inputs (``GdnRecord``, for
 the rollback), into static buffers of ``max size * r`` rows shared by all sizes. The
 graphs share one memory pool (the decode graphs' when given), captured largest first; a
-capture failure leaves verify steps eager.
+capture failure leaves verify steps eager. A step that rejects a draft rolls back by the
+rollback graph of the same size (``rollback_graphs.py``), which reads this replay's state
+slots and record.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ class VerifyGraphs:
             "logits_indices": torch.arange(r - 1, n * r, r, dtype=torch.long, device=device),
         }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The size the last ``run`` replayed: its buffers hold that step until the next.
+        self.last_size: int | None = None
         # [P_max r] rows each, shared by every size; set by the first (largest) capture.
         self.output: VerifyOutput | None = None
 
@@ -199,9 +203,10 @@ class VerifyGraphs:
     def run(self, batch: ForwardBatch) -> VerifyOutput:
         """Replay the graph for ``batch`` (``fits``). ``hidden`` and ``logits`` are
         copies; ``gdn_inputs`` are views of the static buffers, valid until the next
-        replay (the step's rollback reads them before that)."""
+        replay (the step's rollback reads them before that, ``rollback_graphs.py``)."""
         size = self.load(batch)
         self.graphs[size].replay()
+        self.last_size = size
         assert self.output is not None
         out = self.output.rows(batch.num_tokens)
         return VerifyOutput(out.hidden.clone(), out.logits.clone(), out.gdn_inputs)

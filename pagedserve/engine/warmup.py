@@ -17,9 +17,11 @@ launch of each kind covers all of them. The kinds:
 * one-token and short prompts (the prefill graphs, when captured);
 * with speculation, requests that verify every draft (the verify graphs' replays, which
   the runner captured, with their tokens decided greedily and by sampling) beside one
-  whose prompt arrives meanwhile and ones that near their end (eager verify steps), and
+  whose prompt arrives meanwhile and ones that near their end (eager verify steps),
   then one replay of every draft graph the runner captured (``DraftGraphs.replay_all``,
-  over padding: a graph's first launch uploads it).
+  over padding: a graph's first launch uploads it) and of each rollback graph once no
+  request is live (it keeps no rows, so it writes only a free slot:
+  ``RollbackGraphs.replay_idle``).
 
 Every warm-up request runs to its end, so the pools are empty again afterwards.
 """
@@ -75,4 +77,6 @@ def warm_up(engine: LLMEngine) -> float:
         run([7, 9, 30], stagger=True, max_tokens=4 * (k + 1), greedy_every=2)
         if engine.runner.draft_graphs is not None:
             engine.runner.draft_graphs.replay_all()
+        if engine.runner.rollback_graphs is not None:
+            engine.runner.rollback_graphs.replay_idle()
     return time.perf_counter() - start

@@ -26,6 +26,11 @@ from pagedserve.model.elementwise import EAGER, ElementwiseOps
 from pagedserve.model.forward_batch import ForwardBatch
 from pagedserve.parallel.group import SINGLE, TensorParallel
 
+# ``advance`` over sequences of at most this many rows each reads every row bound on the
+# device (the varlen conv, and the row-walking delta rule), so a CUDA graph captured with
+# that many rows per sequence replays for any row counts up to it.
+MAX_CAPTURED_ROWS = gdn.RECURRENT_MAX_ROWS
+
 
 class GatedRMSNorm(nn.Module):
     """``w * norm(x) * silu(z)`` over one value head (weight used as is, not ``1 + w``)."""
@@ -112,7 +117,13 @@ class GatedDeltaNet(nn.Module):
         ``b``, ``a`` ``[T, Hv]``: advances both states of ``batch``'s sequences in place
         and returns the rule's output ``[T, Hv, Dv]``. Nothing here reads another row of
         the model, so rows recorded from one step (``ForwardBatch.gdn_record``) can
-        advance a state again without the layers around it."""
+        advance a state again without the layers around it.
+
+        On CUDA the host copy ``batch.query_start_loc_cpu`` only picks the kernels and
+        sizes their grids; every row bound is read from ``batch.query_start_loc`` on the
+        device. A batch with no decode rows whose host copy gives every sequence at most
+        ``MAX_CAPTURED_ROWS`` rows can therefore be captured and replayed with fewer rows
+        per sequence on the device (none included), its row count ``T`` unchanged."""
         T = mixed.shape[0]
         mixed = gdn.causal_conv1d_varlen(
             mixed, self.conv1d.weight[:, 0], conv_state, batch.query_start_loc,

@@ -14,6 +14,8 @@ import argparse
 import random
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -28,7 +30,14 @@ from test_engine import run_keeping_requests  # noqa: E402
 from pagedserve.engine.drafter import Draft, DraftRequest, Observed  # noqa: E402
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams  # noqa: E402
-from pagedserve.engine.verify_graphs import is_pure_verify  # noqa: E402
+from pagedserve.engine.rollback_graphs import RollbackGraphs  # noqa: E402
+from pagedserve.engine.verify_graphs import (  # noqa: E402
+    VerifyGraphs,
+    VerifyOutput,
+    is_pure_verify,
+    verify_graph_sizes,
+)
+from pagedserve.kernels import gdn  # noqa: E402
 from pagedserve.model.loader import load_model  # noqa: E402
 
 SHAPE = "d64-gqa3-untied"
@@ -188,6 +197,89 @@ def test_pure_verify_steps_take_the_graph_path(spec_model, k) -> None:
     assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
 
 
+def stand_in_graphs(engine: LLMEngine, k: int, calls: list[tuple]) -> None:
+    """Give ``engine.runner`` stand-in verify and rollback graphs on the CPU: a verify
+    "replay" runs the captured pass eagerly over the live batch and leaves its rows in
+    the shared record buffers (``VerifyGraphs.run`` does the rest: padding, state slots,
+    the size replayed); a rollback "replay" runs ``RollbackGraphs.step`` of that size on
+    the Gated DeltaNet ops' GPU branches (the Triton interpreter), which read the packed
+    rows' bounds on the device as a captured graph does. ``calls`` logs each replay."""
+    runner, r = engine.runner, k + 1
+    graphs = VerifyGraphs(runner._verify_pass, runner.device,
+                          verify_graph_sizes(runner.config.max_num_seqs, r, None), r,
+                          runner.max_blocks_per_seq, runner.state_pool.null_slot,
+                          runner.config.max_model_len)
+    live: list = []
+    load = graphs.load
+
+    def loading(batch):
+        live[:] = [batch]
+        return load(batch)
+
+    def verify_replay(size: int) -> None:
+        calls.append(("verify", size))
+        out = runner._verify_pass(live[0])
+        if graphs.output is None:
+            rows = graphs.sizes[-1] * r
+            graphs.output = VerifyOutput(
+                out.hidden.new_zeros(rows, out.hidden.shape[1]),
+                out.logits.new_zeros(rows, out.logits.shape[1]),
+                [tuple(t.new_zeros(rows, t.shape[1]) for t in x) for x in out.gdn_inputs])
+        n = out.hidden.shape[0]
+        graphs.output.hidden[:n] = out.hidden
+        graphs.output.logits[:n] = out.logits
+        for dst, src in zip(graphs.output.gdn_inputs, out.gdn_inputs):
+            for d, t in zip(dst, src):
+                d[:n] = t
+
+    rollback = RollbackGraphs(runner._rollback_pass, graphs)
+
+    def rollback_replay(size: int) -> None:
+        calls.append(("rollback", size, tuple(rollback.buffers["num_rows"][:size].tolist())))
+        with mock.patch.object(gdn, "_on_gpu", lambda t: True):
+            rollback.step(size)
+
+    graphs.load = loading
+    graphs.graphs = {s: SimpleNamespace(replay=lambda s=s: verify_replay(s))
+                     for s in graphs.sizes}
+    rollback.graphs = {s: SimpleNamespace(replay=lambda s=s: rollback_replay(s))
+                       for s in graphs.sizes}
+    runner.verify_graphs, runner.rollback_graphs = graphs, rollback
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_pure_verify_steps_roll_back_by_graph(spec_model, k) -> None:
+    """Verify steps through (stand-in) verify graphs roll back through the rollback graph
+    of the same size, which restores and re-advances only the sequences that rejected a
+    draft, with transformers' tokens; steps that keep every draft replay none."""
+    refs = spec_model[2]
+    corrupt = (lambda i: i % 5 == 1 or i % 7 == 2) if k == 3 else (lambda i: i % 3 == 1)
+    engine = make_engine(spec_model, k, forced(spec_model, corrupt), max_num_seqs=3)
+    calls: list[tuple] = []
+    stand_in_graphs(engine, k, calls)
+    eager_restores: list = []
+    restore_states = engine.runner.restore_states
+    engine.runner.restore_states = lambda slots: eager_restores.append(slots) or \
+        restore_states(slots)
+    lengths = [NEW, NEW - 7, NEW - 3]
+    items = [(2 * i, str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+             for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    got = run_keeping_requests(engine, items)
+    assert [got[str(i)].output_token_ids for i in range(3)] == \
+        [r[:n] for r, n in zip(refs, lengths)]
+    rollbacks = [c for c in calls if c[0] == "rollback"]
+    assert {c[1] for c in rollbacks} == {1, 2, 3}, calls  # every size replayed
+    for j, c in enumerate(calls):
+        if c[0] == "rollback":  # right after the verify replay of its size
+            assert calls[j - 1] == ("verify", c[1]), calls
+            assert any(0 < n < k + 1 for n in c[2]) and all(0 <= n <= k for n in c[2])
+    if k == 3:  # (k = 1: the corrupted indices line the sequences up)
+        assert any(0 in c[2] for c in rollbacks if c[1] > 1), rollbacks  # some kept all
+    assert len(rollbacks) < len([c for c in calls if c[0] == "verify"])  # none to undo
+    assert eager_restores, "steps beside a prompt or a plain row roll back eagerly"
+    assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
+
+
 @pytest.mark.parametrize("k", [1, 3])
 def test_draft_graph_passes_give_transformers_tokens(spec_model, k) -> None:
     """The drafter through its graph passes (stand-ins replaying the captured passes over
@@ -238,6 +330,28 @@ def test_seeded_sampled_drafts_through_the_graphs_repeat_the_eager_drafters(spec
         assert bool(calls) == graphs
         outs.append(out)
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_rollback_and_draft_graphs_together(spec_model, k) -> None:
+    """Every graph of a speculative step at once (stand-ins: verify, rollback, drafter
+    passes), with the MTP head's own drafts, which the random target mostly rejects:
+    transformers' tokens, each kind of graph replayed, nothing leaked."""
+    refs = spec_model[2]
+    engine = make_engine(spec_model, k, max_num_seqs=3)
+    calls: list[tuple] = []
+    stand_in_graphs(engine, k, calls)
+    engine.runner.draft_graphs = stand_in_draft_graphs(engine.runner, 3, calls)
+    lengths = [NEW, NEW - 7, NEW - 3]
+    items = [(2 * i, str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+             for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    got = run_keeping_requests(engine, items)
+    assert [got[str(i)].output_token_ids for i in range(3)] == \
+        [r[:n] for r, n in zip(refs, lengths)]
+    kinds = {c[0] for c in calls}
+    assert {"verify", "rollback", "observe"} <= kinds, kinds
+    assert ("propose" in kinds) == (k > 1), kinds
+    assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
 
 
 @pytest.mark.parametrize("stop_at", [3, 9])
