@@ -11,7 +11,8 @@
 #         bench-attention-sweep bench-attention-quick
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
 #         bench-structured bench-chaos bench-prefix probe-decode
-#         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8 bench-spec bench-spec-e2e
+#         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8 bench-fp8-engine
+#         probe-scaled-mm tests-spec-gpu bench-spec bench-spec-e2e profile-spec
 #         bench-tp (2 GPUs)
 #         train-default-model (issue 38; carry .corpus as well as .whl).
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
@@ -77,16 +78,21 @@ for spec in "$@"; do
     tests-gpu)     run_stage "$stage" "$limit" $PYTEST -n 8 -vv --maxfail=1000 tests/kernels \
                      tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
                      tests/engine/test_structured_gpu.py tests/engine/test_speculative_gpu.py \
-                     tests/engine/test_draft_graphs_gpu.py \
+                     tests/engine/test_draft_graphs_gpu.py tests/engine/test_verify_graphs_gpu.py \
                      tests/model/test_gpu.py tests/model/test_fp8_gpu.py ;;
     # The engine's, the model's and the FP8 kernels' GPU tests alone (about 400 s): the
     # part of tests-gpu that changes most often.
     tests-gpu-engine) run_stage "$stage" "$limit" $PYTEST -n 6 -vv --maxfail=100 \
                      tests/engine/test_engine_gpu.py tests/engine/test_prefill_graphs_gpu.py \
                      tests/engine/test_structured_gpu.py tests/engine/test_speculative_gpu.py \
-                     tests/engine/test_draft_graphs_gpu.py \
+                     tests/engine/test_draft_graphs_gpu.py tests/engine/test_verify_graphs_gpu.py \
                      tests/model/test_gpu.py tests/model/test_fp8_gpu.py \
                      tests/kernels/test_fp8_linear_gpu.py ;;
+    # Speculative decoding's GPU tests alone (issue 39): verify, rollback and draft graphs
+    # against eager and plain decoding, the row-walking delta rule, no compile after warm-up.
+    tests-spec-gpu) run_stage "$stage" "$limit" $PYTEST -n 4 -vv --maxfail=50 \
+                     tests/engine/test_verify_graphs_gpu.py tests/engine/test_draft_graphs_gpu.py \
+                     tests/engine/test_speculative_gpu.py tests/kernels/test_gdn_triton.py ;;
     tests-kernels) run_stage "$stage" "$limit" $PYTEST tests/kernels/test_paged_decode_gpu.py \
                      tests/kernels/test_kv_write.py tests/kernels/test_paged_decode.py ;;
     # The same, in two parts (most of their time is Triton compiling each configuration
