@@ -10,51 +10,27 @@ compiles nothing during requests. Skipped without CUDA (run with
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import triton
 from near_tie import assert_equal_or_near_ties
+from spec_gpu_common import greedy_items, save_spec_checkpoint, spec_engine
 from test_engine import prompts, run_keeping_requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-
-from hybrid_checkpoints import build_hf_model  # noqa: E402
-from mtp_checkpoints import build_mtp, save_with_mtp  # noqa: E402
-
-from pagedserve.engine import compile_watch  # noqa: E402
-from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from pagedserve.engine.request import SamplingParams  # noqa: E402
+from pagedserve.engine import compile_watch
+from pagedserve.engine.request import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-SHAPE = "d256-gqa3-untied"  # head_dim 256: the library's kernels, not fallbacks
-NEW = 20
-
 
 @pytest.fixture(scope="module")
 def spec_dir(tmp_path_factory) -> Path:
-    hf = build_hf_model(SHAPE)
-    return save_with_mtp(hf, build_mtp(hf), tmp_path_factory.mktemp("draft-graphs"))
-
-
-def _engine(path: Path, k: int | None, **kw) -> LLMEngine:
-    spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
-    kw.setdefault("max_num_seqs", 8)
-    return LLMEngine(EngineConfig(
-        model=str(path), device="cuda", dtype="bfloat16", max_model_len=256,
-        check_integrity=True, progress=False, speculative_config=spec, **kw))
-
-
-def _items(batch: int) -> list:
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=5)
-    return [(0, f"r{i}", p, params)
-            for i, p in enumerate(prompts(11 + batch, [5 + 9 * i for i in range(batch)]))]
+    return save_spec_checkpoint(tmp_path_factory.mktemp("draft-graphs"))
 
 
 def _count_replays(graphs, log: list) -> None:
@@ -69,22 +45,22 @@ def _count_replays(graphs, log: list) -> None:
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_draft_graphs_match_eager_drafting_and_plain_decoding(spec_dir, k, batch):
-    graphed = _engine(spec_dir, k)
+    graphed = spec_engine(spec_dir, k)
     graphs = graphed.runner.draft_graphs
     assert graphs is not None and graphs.observe.sizes == [1, 2, 4, 8]
     assert (graphs.propose is None) == (k == 1)
     replays: list[tuple] = []
     _count_replays(graphs, replays)
-    got = run_keeping_requests(graphed, _items(batch))
+    got = run_keeping_requests(graphed, greedy_items(batch))
     assert ("observe", batch) in replays, replays
     if k > 1:
         assert any(r[0] == "propose" and r[1] >= batch for r in replays), replays
-    eager = _engine(spec_dir, k)
+    eager = spec_engine(spec_dir, k)
     eager.runner.draft_graphs = None  # the drafter's eager passes, verify graphs kept
-    assert_equal_or_near_ties(got, run_keeping_requests(eager, _items(batch)))
-    plain = _engine(spec_dir, None)
+    assert_equal_or_near_ties(got, run_keeping_requests(eager, greedy_items(batch)))
+    plain = spec_engine(spec_dir, None)
     assert plain.runner.draft_graphs is None
-    assert_equal_or_near_ties(run_keeping_requests(plain, _items(batch)), got)
+    assert_equal_or_near_ties(run_keeping_requests(plain, greedy_items(batch)), got)
     for engine in (graphed, eager):
         assert engine.kv.pool.num_used_blocks == 0
         assert engine.runner.state_pool.num_used_slots == 0
@@ -97,7 +73,7 @@ def test_warm_up_replays_every_draft_graph_and_nothing_compiles_after(spec_dir, 
     replay_all = DraftGraphs.replay_all
     monkeypatch.setattr(DraftGraphs, "replay_all",
                         lambda self: replayed.append(1) or replay_all(self))
-    engine = _engine(spec_dir, 3, max_num_seqs=4, cache_type_k="q8_0", cache_type_v="q4_0")
+    engine = spec_engine(spec_dir, 3, max_num_seqs=4, cache_type_k="q8_0", cache_type_v="q4_0")
     assert "warm_up" in engine.startup_seconds and engine.runner.draft_graphs is not None
     assert replayed == [1]
     compiled: list[str] = []

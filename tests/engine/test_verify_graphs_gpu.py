@@ -12,71 +12,48 @@ speculative engine compiles nothing during requests. Skipped without CUDA (run w
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import triton
 from near_tie import assert_equal_or_near_ties
+from spec_gpu_common import greedy_items, save_spec_checkpoint, spec_engine
 from test_engine import prompts, run_keeping_requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
-
-from hybrid_checkpoints import build_hf_model  # noqa: E402
-from mtp_checkpoints import build_mtp, save_with_mtp  # noqa: E402
-
-from pagedserve.engine import compile_watch  # noqa: E402
-from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch  # noqa: E402
-from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from pagedserve.engine.request import SamplingParams  # noqa: E402
+from pagedserve.engine import compile_watch
+from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch
+from pagedserve.engine.llm_engine import LLMEngine
+from pagedserve.engine.request import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-SHAPE = "d256-gqa3-untied"  # head_dim 256: the library's kernels, not fallbacks
-NEW = 20
-
 
 @pytest.fixture(scope="module")
 def spec_dir(tmp_path_factory) -> Path:
-    hf = build_hf_model(SHAPE)
-    return save_with_mtp(hf, build_mtp(hf), tmp_path_factory.mktemp("verify-graphs"))
-
-
-def _engine(path: Path, k: int | None, **kw) -> LLMEngine:
-    spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
-    kw.setdefault("max_num_seqs", 8)
-    return LLMEngine(EngineConfig(
-        model=str(path), device="cuda", dtype="bfloat16", max_model_len=256,
-        check_integrity=True, progress=False, speculative_config=spec, **kw))
-
-
-def _items(batch: int) -> list:
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True, logprobs=5)
-    return [(0, f"r{i}", p, params)
-            for i, p in enumerate(prompts(11 + batch, [5 + 9 * i for i in range(batch)]))]
+    return save_spec_checkpoint(tmp_path_factory.mktemp("verify-graphs"))
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_verify_graphs_match_eager_and_plain_decoding(spec_dir, k, batch):
-    graphed = _engine(spec_dir, k)
+    graphed = spec_engine(spec_dir, k)
     graphs = graphed.runner.verify_graphs
     assert graphs is not None and graphs.sizes == [1, 2, 4, 8]
     replays: list[int] = []
     run = graphs.run
     graphs.run = lambda b: replays.append(b.num_seqs) or run(b)
-    got = run_keeping_requests(graphed, _items(batch))
+    got = run_keeping_requests(graphed, greedy_items(batch))
     assert replays and max(replays) == batch, replays  # pure verify steps replayed
-    eager = _engine(spec_dir, k, cuda_graphs=False)
+    eager = spec_engine(spec_dir, k, cuda_graphs=False)
     assert eager.runner.verify_graphs is None
-    assert_equal_or_near_ties(got, run_keeping_requests(eager, _items(batch)))
-    plain = _engine(spec_dir, None)
+    assert_equal_or_near_ties(got, run_keeping_requests(eager, greedy_items(batch)))
+    plain = spec_engine(spec_dir, None)
     assert plain.runner.verify_graphs is None
-    assert_equal_or_near_ties(run_keeping_requests(plain, _items(batch)), got)
+    assert_equal_or_near_ties(run_keeping_requests(plain, greedy_items(batch)), got)
     for engine in (graphed, eager):
         assert engine.kv.pool.num_used_blocks == 0
         assert engine.runner.state_pool.num_used_slots == 0
@@ -95,18 +72,18 @@ def _count_rollbacks(engine: LLMEngine) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_rollback_graphs_match_eager_rollback_and_plain_decoding(spec_dir, k, batch):
-    graphed = _engine(spec_dir, k)
+    graphed = spec_engine(spec_dir, k)
     rollback = graphed.runner.rollback_graphs
     assert rollback is not None and rollback.sizes == [1, 2, 4, 8]
     replays = _count_rollbacks(graphed)
-    got = run_keeping_requests(graphed, _items(batch))
+    got = run_keeping_requests(graphed, greedy_items(batch))
     assert replays and max(len(r) for r in replays) == batch, replays
     assert all(any(0 < n <= k for n in r) for r in replays), replays
-    eager = _engine(spec_dir, k)  # the same verify graphs, rolled back eagerly
+    eager = spec_engine(spec_dir, k)  # the same verify graphs, rolled back eagerly
     eager.runner.rollback_graphs = None
-    assert_equal_or_near_ties(got, run_keeping_requests(eager, _items(batch)))
-    plain = _engine(spec_dir, None)
-    assert_equal_or_near_ties(run_keeping_requests(plain, _items(batch)), got)
+    assert_equal_or_near_ties(got, run_keeping_requests(eager, greedy_items(batch)))
+    plain = spec_engine(spec_dir, None)
+    assert_equal_or_near_ties(run_keeping_requests(plain, greedy_items(batch)), got)
     assert graphed.kv.pool.num_used_blocks == 0
     assert graphed.runner.state_pool.num_used_slots == 0
 
@@ -116,7 +93,7 @@ def test_rollback_graph_states_equal_the_eager_rollbacks(spec_dir, num_rows):
     """One verify replay of 3 sequences (padded to 4), then the rollback graph or the
     eager rollback from the same states: the slots agree to the rounding of the single-row
     kernels; the null slot and every other slot are untouched."""
-    engine = _engine(spec_dir, 3, max_num_seqs=4)
+    engine = spec_engine(spec_dir, 3, max_num_seqs=4)
     runner, kv = engine.runner, engine.kv
     verify, rollback = runner.verify_graphs, runner.rollback_graphs
     assert verify is not None and rollback is not None
@@ -165,7 +142,7 @@ def test_rollback_graph_states_equal_the_eager_rollbacks(spec_dir, num_rows):
 
 
 def test_no_compile_after_warm_up_with_speculation(spec_dir):
-    engine = _engine(spec_dir, 3, max_num_seqs=4, cache_type_k="q8_0", cache_type_v="q4_0")
+    engine = spec_engine(spec_dir, 3, max_num_seqs=4, cache_type_k="q8_0", cache_type_v="q4_0")
     assert "warm_up" in engine.startup_seconds and engine.runner.verify_graphs is not None
     assert engine.runner.rollback_graphs is not None
     rollbacks = _count_rollbacks(engine)
