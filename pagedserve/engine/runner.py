@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.config import CacheConfig
+from pagedserve.config import CacheConfig, ModelConfig
 from pagedserve.engine.decode_graphs import DecodeGraphs, graph_batch_sizes
 from pagedserve.engine.draft_graphs import DraftGraphs, ObserveGraphs, ProposeGraphs
 from pagedserve.engine.prefill_graphs import PrefillGraphs
@@ -53,6 +53,26 @@ log = logging.getLogger(__name__)
 
 # Memory kept free on CUDA for activations of the largest eager step and the allocator.
 DEFAULT_ACTIVATION_RESERVE = 2 << 30
+
+
+def speculative_graph_bytes(cfg: ModelConfig, rows_per_seq: int, max_seqs: int,
+                            dtype: torch.dtype) -> int:
+    """Bytes of the speculative graphs' static outputs and captured activations, counted
+    by the rows that dominate them, for verify steps of up to ``max_seqs`` sequences of
+    ``rows_per_seq`` (``k + 1``) rows. Each verify row holds a float32 logits row twice
+    (the output and the head's own), a hidden row and every GDN layer's recorded inputs;
+    each propose pass (``k``) and the observe pass's tail hold a logits and a hidden row
+    per sequence twice. Beyond the decode activations ``DEFAULT_ACTIVATION_RESERVE``
+    covers, they grow with ``max_seqs x rows_per_seq x vocabulary``: about 0.3 GB at 16
+    sequences and ``k = 3`` on the 27B shape, about 5 GB at 256."""
+    width = dtype.itemsize
+    logits_row = cfg.vocab_size * 4
+    hidden_row = cfg.hidden_size * width
+    record_row = cfg.num_linear_attention_layers * (
+        cfg.conv_dim + 2 * cfg.linear_num_value_heads) * width
+    verify = max_seqs * rows_per_seq * (2 * logits_row + hidden_row + record_row)
+    draft = rows_per_seq * max_seqs * 2 * (logits_row + hidden_row)
+    return verify + draft
 
 
 @dataclass(frozen=True)
@@ -296,6 +316,15 @@ class ModelRunner:
             self.cache_config.cache_type_k, self.cache_config.cache_type_v, block_size,
         )
 
+    def speculative_graph_bytes(self) -> int:
+        """Device memory the speculative graphs take beside the K/V pool (CUDA graphs
+        on, with speculation), set aside before the pool is sized."""
+        config = self.config
+        if not config.verify_rows or not config.cuda_graphs or self.device.type != "cuda":
+            return 0
+        seqs = min(config.max_graph_batch_size or config.max_num_seqs, config.max_num_seqs)
+        return speculative_graph_bytes(self.model_config, config.verify_rows, seqs, self.dtype)
+
     def _paged_num_blocks(self) -> int:
         enough = self.config.max_num_seqs * self.max_blocks_per_seq
         if self.config.num_blocks is not None:
@@ -305,7 +334,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
         budget = int(total * self.config.gpu_memory_utilization) - used
-        budget -= DEFAULT_ACTIVATION_RESERVE
+        budget -= DEFAULT_ACTIVATION_RESERVE + self.speculative_graph_bytes()
         per_block = self._kv_footprint(self.block_size).bytes_per_block
         # Every rank's pool must hold the same block ids: the smallest rank's size wins.
         blocks = self.tp.min_over_ranks(min(enough, max(budget, 0) // per_block), self.device)

@@ -31,6 +31,7 @@ from pagedserve.engine.drafter import Draft, DraftRequest, Observed  # noqa: E40
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams  # noqa: E402
 from pagedserve.engine.rollback_graphs import RollbackGraphs  # noqa: E402
+from pagedserve.engine.runner import speculative_graph_bytes  # noqa: E402
 from pagedserve.engine.verify_graphs import (  # noqa: E402
     VerifyGraphs,
     VerifyOutput,
@@ -352,6 +353,18 @@ def test_verify_rollback_and_draft_graphs_together(spec_model, k) -> None:
     assert {"verify", "rollback", "observe"} <= kinds, kinds
     assert ("propose" in kinds) == (k > 1), kinds
     assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
+    # The memory set aside for the graphs on CUDA covers their static buffers as built.
+    runner = engine.runner
+    verify_out = runner.verify_graphs.output
+    drafting = runner.draft_graphs
+    buffers = [verify_out.hidden, verify_out.logits, *(t for x in verify_out.gdn_inputs
+                                                        for t in x)]
+    for part in (drafting.propose, drafting.observe):
+        if part is not None:
+            buffers += list(part.buffers.values())
+    static = sum(t.numel() * t.element_size() for t in buffers)
+    reserved = speculative_graph_bytes(runner.model_config, k + 1, 3, runner.dtype)
+    assert static <= reserved < 4 * static, (static, reserved)
 
 
 @pytest.mark.parametrize("stop_at", [3, 9])
