@@ -54,9 +54,14 @@ Prefix caching (``prefix_cache.py``) stays exact under speculation:
 * **Zero-token chunks** (every token cached) forward nothing: they sample from the stored
   logits row like a plain completing chunk.
 
-Requests speculate only when each verify row's distribution is the plain sampler's: not
-with a grammar or penalties (their masks and counts follow the drafts), and not before
-``min_tokens`` outputs; such requests decode one token a step in the same batches.
+Requests speculate only when each verify row's distribution is the plain sampler's or
+one the step can form: not with penalties (their counts would follow the drafts), and not
+before ``min_tokens`` outputs; such requests decode one token a step in the same batches.
+A grammar's requests speculate: each verify row is masked by the grammar's state after
+the drafts before it (``StructuredOutputs.bitmask_along``), which is the plain sampler's
+mask at that row had the drafts been generated, so the kept tokens are the ones it allows
+and the first draft it refuses is replaced by an allowed token. The drafts themselves are
+unconstrained.
 
 Speculation needs synchronous scheduling (its default; the engine rejects async
 scheduling with it at start-up): the next step's rows start at the committed length,
@@ -97,7 +102,12 @@ from pagedserve.engine.drafter import Draft, Drafter, DraftRequest, Observed
 from pagedserve.engine.lookahead import InflightStep
 from pagedserve.engine.prefix_cache import logits_with_cached_rows
 from pagedserve.engine.request import Request, RequestStatus, TokenLogprob
-from pagedserve.engine.sampler import SamplingTensors, filtered_logits, sample
+from pagedserve.engine.sampler import (
+    SamplingTensors,
+    apply_token_bitmask,
+    filtered_logits,
+    sample,
+)
 from pagedserve.engine.scheduler import ScheduledChunk
 from pagedserve.engine.spec_verify import verify_greedy, verify_sampled
 from pagedserve.engine.speculative import SpeculativeConfig
@@ -155,9 +165,9 @@ class SpeculativeDecoding:
 
     def draft_limit(self, req: Request) -> int:
         """Drafts ``req`` verifies next step: ``k``, fewer near ``max_tokens`` or
-        ``max_model_len``, none when its rows would not be the plain sampler's."""
+        ``max_model_len``, none under penalties or before ``min_tokens`` (module doc)."""
         p = req.params
-        if (req.grammar is not None or p.presence_penalty or p.frequency_penalty
+        if (p.presence_penalty or p.frequency_penalty
                 or p.repetition_penalty != 1.0 or len(req.output_token_ids) < p.min_tokens
                 or not self.drafter.ready(req)):
             return 0
@@ -272,19 +282,25 @@ class SpeculativeDecoding:
 
     def _verify(self, e: LLMEngine, req: Request, target: torch.Tensor,
                 draft: Draft) -> _Verified:
-        """``target`` float32 ``[d + 1, V]``: the verify rows of ``req``."""
+        """``target`` float32 ``[d + 1, V]``: the verify rows of ``req``. Under a grammar
+        each row is first masked to what the grammar allows after the drafts before it
+        (``StructuredOutputs.bitmask_along``); logprobs stay the model's own."""
         d = len(draft.token_ids)
+        allowed = target
+        if req.grammar is not None:
+            allowed = apply_token_bitmask(
+                target, e.structured.bitmask_along(req.grammar, draft.token_ids))
         if req.params.greedy:
-            tokens = verify_greedy(target, draft.token_ids)
+            tokens = verify_greedy(allowed, draft.token_ids)
         else:
             st = SamplingTensors.from_requests([req] * (d + 1), e.vocab_size, target.device)
             st.step = st.step + torch.arange(d + 1, device=target.device)
-            p = torch.softmax(filtered_logits(target, st), dim=-1)  # [d + 1, V]
+            p = torch.softmax(filtered_logits(allowed, st), dim=-1)  # [d + 1, V]
             q = None
             if draft.logits is not None:
                 q = torch.softmax(filtered_logits(draft.logits, _first_rows(st, d)), dim=-1)
             tokens = verify_sampled(p, q, draft.token_ids, req.sample_seed,
-                                    len(req.output_token_ids), sample(target, st).token_ids)
+                                    len(req.output_token_ids), sample(allowed, st).token_ids)
         self.stats.record(d, len(tokens) - 1)
         logprobs: list[TokenLogprob | None] = [None] * len(tokens)
         n = req.params.logprobs

@@ -22,6 +22,11 @@ elementwise pass over the logits. With async scheduling a constrained step's for
 is launched ahead as any other; its sampling waits until the previous step's tokens have
 advanced the grammars (``lookahead.py``).
 
+A speculative verify step scores ``d + 1`` rows of one request: ``bitmask_along`` gives
+each row the mask of the grammar's state after the drafts before it, walking the matcher
+forward and rolling it back, so the verify decision keeps only drafts the grammar accepts
+and replaces the first it refuses by an allowed token (``engine/spec_step.py``).
+
 The tokenizer's special tokens that the detokenizer drops (``<|im_start|>``...) are never
 allowed inside a grammar, so the text the client sees is the text the grammar matched; the
 model's EOS ids are the grammar's stop tokens.
@@ -195,6 +200,33 @@ class StructuredOutputs:
         self._batch.batch_fill_next_token_bitmask(
             [grammars[i].matcher for i in rows], host, rows)  # type: ignore[union-attr]
         return self._masks.to_device(host)
+
+
+    def bitmask_along(self, grammar: RequestGrammar, token_ids: list[int]) -> torch.Tensor:
+        """What ``grammar`` allows before each of ``token_ids`` and after the last: int32
+        ``[n + 1, ceil(V / 32)]`` on the device, row ``j`` its mask after tokens
+        ``0 .. j - 1`` (a speculative verify step's rows, ``token_ids`` its drafts).
+
+        The matcher walks the tokens while it accepts them and is rolled back after, so it
+        ends where it began. Past a token it refuses (which the row before already
+        excludes) or past its termination, the rows repeat the last one filled: no
+        decision reads them. The host rows are a fresh tensor, so that no later fill can
+        overwrite them while their copy to the device is queued."""
+        n = len(token_ids)
+        host = torch.full((n + 1, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
+        matcher, walked = grammar.matcher, 0
+        for j in range(n + 1):
+            if j and matcher.is_terminated():
+                host[j:] = host[j - 1]
+                break
+            matcher.fill_next_token_bitmask(host, j)
+            if j == n or not matcher.accept_token(token_ids[j]):
+                host[j + 1:] = host[j]
+                break
+            walked += 1
+        if walked:
+            matcher.rollback(walked)
+        return host.to(self._masks.device)
 
 
 class BitmaskBuffers:
