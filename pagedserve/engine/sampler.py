@@ -105,6 +105,22 @@ class SamplingTensors:
         )
 
 
+    @classmethod
+    def along_drafts(cls, request: Request, drafts: list[int], vocab_size: int,
+                     device: torch.device | str) -> SamplingTensors:
+        """The ``d + 1`` rows of one speculative verify step of ``request``: row ``j``
+        samples output index ``len(outputs) + j`` as if ``drafts[:j]`` had been generated,
+        so its noise index and its penalties' counts are the plain sampler's there."""
+        n = len(drafts) + 1
+        st = cls.from_requests([request] * n, vocab_size, device)
+        st.step = st.step + torch.arange(n, device=st.step.device)
+        if st.output_ids is not None:
+            outputs = list(request.output_token_ids)
+            st.output_ids = _pad([outputs + list(drafts[:j]) for j in range(n)], vocab_size,
+                                 device)
+        return st
+
+
 def _any_penalty(ps: list[SamplingParams]) -> bool:
     return any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
                for p in ps)

@@ -54,14 +54,14 @@ Prefix caching (``prefix_cache.py``) stays exact under speculation:
 * **Zero-token chunks** (every token cached) forward nothing: they sample from the stored
   logits row like a plain completing chunk.
 
-Requests speculate only when each verify row's distribution is the plain sampler's or
-one the step can form: not with penalties (their counts would follow the drafts), and not
-before ``min_tokens`` outputs; such requests decode one token a step in the same batches.
-A grammar's requests speculate: each verify row is masked by the grammar's state after
-the drafts before it (``StructuredOutputs.bitmask_along``), which is the plain sampler's
-mask at that row had the drafts been generated, so the kept tokens are the ones it allows
-and the first draft it refuses is replaced by an allowed token. The drafts themselves are
-unconstrained.
+Each verify row is scored as the plain sampler would score that output index had the
+drafts before it been generated: its noise index, its penalties' counts
+(``SamplingTensors.along_drafts``) and its grammar mask (``StructuredOutputs.
+bitmask_along``: the matcher walks the drafts and rolls back). So under penalties and
+grammars the kept tokens are the ones the plain sampler allows, and the first draft the
+grammar refuses is replaced by an allowed token; the drafts themselves are unconstrained.
+Requests speculate only from ``min_tokens`` outputs on (before, the sampler bans EOS and
+stop ids by output count); such requests decode one token a step in the same batches.
 
 Speculation needs synchronous scheduling (its default; the engine rejects async
 scheduling with it at start-up): the next step's rows start at the committed length,
@@ -104,6 +104,7 @@ from pagedserve.engine.prefix_cache import logits_with_cached_rows
 from pagedserve.engine.request import Request, RequestStatus, TokenLogprob
 from pagedserve.engine.sampler import (
     SamplingTensors,
+    apply_penalties,
     apply_token_bitmask,
     filtered_logits,
     sample,
@@ -165,11 +166,9 @@ class SpeculativeDecoding:
 
     def draft_limit(self, req: Request) -> int:
         """Drafts ``req`` verifies next step: ``k``, fewer near ``max_tokens`` or
-        ``max_model_len``, none under penalties or before ``min_tokens`` (module doc)."""
+        ``max_model_len``, none before ``min_tokens`` (module doc)."""
         p = req.params
-        if (p.presence_penalty or p.frequency_penalty
-                or p.repetition_penalty != 1.0 or len(req.output_token_ids) < p.min_tokens
-                or not self.drafter.ready(req)):
+        if len(req.output_token_ids) < p.min_tokens or not self.drafter.ready(req):
             return 0
         return max(0, min(self.config.num_speculative_tokens,
                           p.max_tokens - len(req.output_token_ids) - 1,
@@ -290,12 +289,12 @@ class SpeculativeDecoding:
         if req.grammar is not None:
             allowed = apply_token_bitmask(
                 target, e.structured.bitmask_along(req.grammar, draft.token_ids))
+        st = SamplingTensors.along_drafts(req, draft.token_ids, e.vocab_size, target.device)
+        scores = apply_penalties(allowed, st) if st.any_penalty else allowed  # [d + 1, V]
         if req.params.greedy:
-            tokens = verify_greedy(allowed, draft.token_ids)
+            tokens = verify_greedy(scores, draft.token_ids)
         else:
-            st = SamplingTensors.from_requests([req] * (d + 1), e.vocab_size, target.device)
-            st.step = st.step + torch.arange(d + 1, device=target.device)
-            p = torch.softmax(filtered_logits(allowed, st), dim=-1)  # [d + 1, V]
+            p = torch.softmax(filtered_logits(scores, st), dim=-1)  # [d + 1, V]
             q = None
             if draft.logits is not None:
                 q = torch.softmax(filtered_logits(draft.logits, _first_rows(st, d)), dim=-1)

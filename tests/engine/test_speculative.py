@@ -367,6 +367,50 @@ def test_verify_rollback_and_draft_graphs_together(spec_model, k) -> None:
     assert static <= reserved < 4 * static, (static, reserved)
 
 
+@torch.no_grad()
+def hf_greedy_penalized(model, prompt: list[int], n: int, presence: float, frequency: float,
+                        repetition: float) -> list[int]:
+    """transformers' logits in float64 with the penalties applied by hand, in the
+    sampler's order: presence and frequency over the outputs, then the repetition
+    penalty over prompt and outputs (divide positive logits, multiply negative ones)."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = model(input_ids=torch.tensor([prompt + out])).logits[0, -1].double()
+        for t in set(out):
+            logits[t] -= frequency * out.count(t) + presence
+        for t in set(prompt + out):
+            x = logits[t]
+            logits[t] = x / repetition if x > 0 else x * repetition
+        out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("drafter", ["mtp", "forced"])
+def test_penalized_greedy_with_speculation_matches_the_oracle(spec_model, k, drafter) -> None:
+    """Presence, frequency and repetition penalties: each verify row counts the drafts
+    before it, so the kept tokens are the penalized greedy ones; the forced drafter's
+    corrupted drafts are replaced, its right ones kept."""
+    hf = build_hf_model(SHAPE)
+    pen = dict(presence=0.4, frequency=0.3, repetition=1.3)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True,
+                            presence_penalty=pen["presence"],
+                            frequency_penalty=pen["frequency"],
+                            repetition_penalty=pen["repetition"])
+    want = [hf_greedy_penalized(hf, p, NEW, **pen) for p in PROMPTS]
+    forced_drafter = None
+    if drafter == "forced":
+        forced_drafter = ForcedDrafter({str(i): w + [0] * 8 for i, w in enumerate(want)},
+                                       lambda i: i % 3 == 1, spec_model[1].config.vocab_size)
+    engine = make_engine(spec_model, k, forced_drafter, max_num_seqs=3)
+    got = run(engine, PROMPTS, params)
+    assert [got[str(i)] for i in range(len(PROMPTS))] == want
+    stats = engine.spec.stats
+    assert stats.num_drafts > 0
+    if drafter == "forced":
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
 @pytest.mark.parametrize("stop_at", [3, 9])
 def test_stop_inside_a_kept_run_truncates_exactly(spec_model, stop_at) -> None:
     """A stop id, a max_tokens cut and the plain engine's output agree, with every draft
@@ -424,9 +468,11 @@ def test_no_leaks_with_preemptions_and_aborts(spec_model) -> None:
     assert engine.runner.state_pool.num_used_slots == 0 and engine.kv.num_live_seqs == 0
 
 
-def test_seeded_sampling_with_speculation_repeats(spec_model) -> None:
+@pytest.mark.parametrize("penalty", [0.0, 0.5])
+def test_seeded_sampling_with_speculation_repeats(spec_model, penalty) -> None:
     params = SamplingParams(max_tokens=10, temperature=0.8, top_k=40, seed=1234,
-                            ignore_eos=True)
+                            ignore_eos=True, presence_penalty=penalty,
+                            repetition_penalty=1.0 + penalty)
     a = run(make_engine(spec_model, 3, max_num_seqs=3), PROMPTS, params)
     b = run(make_engine(spec_model, 3, max_num_seqs=1), PROMPTS, params)
     assert a == b
