@@ -5,8 +5,8 @@ A diagnostic, not a benchmark of record. One engine with ``--speculative-config`
 (``bench_spec_e2e.ImposedAcceptance``). Each phase of a step is wrapped with a device
 synchronize on both sides, so its wall time is its own host work plus the GPU work it
 issued: draft proposal, the verify forward pass, the logits, the verify decision, the
-drafter's observe pass, the rollback, the commit. A plain decode step of the same engine
-(a request that does not speculate) is timed beside it.
+drafter's observe pass, the rollback, the commit. Compare the step with a plain decode
+step of the same shape from ``bench_spec_e2e.py`` or ``bench_engine.py``.
 
     python benchmarks/tools/profile_spec.py [--batch 1] [--k 3] [--acceptance 0.7]
 
