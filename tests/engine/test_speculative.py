@@ -333,7 +333,7 @@ def test_seeded_sampled_drafts_through_the_graphs_repeat_the_eager_drafters(spec
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [3])  # k = 1's graphs: the rollback and drafter tests above
 def test_verify_rollback_and_draft_graphs_together(spec_model, k) -> None:
     """Every graph of a speculative step at once (stand-ins: verify, rollback, drafter
     passes), with the MTP head's own drafts, which the random target mostly rejects:
