@@ -56,12 +56,11 @@ Prefix caching (``prefix_cache.py``) stays exact under speculation:
 
 Each verify row is scored as the plain sampler would score that output index had the
 drafts before it been generated: its noise index, its penalties' counts
-(``SamplingTensors.along_drafts``) and its grammar mask (``StructuredOutputs.
-bitmask_along``: the matcher walks the drafts and rolls back). So under penalties and
-grammars the kept tokens are the ones the plain sampler allows, and the first draft the
-grammar refuses is replaced by an allowed token; the drafts themselves are unconstrained.
-Requests speculate only from ``min_tokens`` outputs on (before, the sampler bans EOS and
-stop ids by output count); such requests decode one token a step in the same batches.
+(``SamplingTensors.along_drafts``), its grammar mask (``StructuredOutputs.
+bitmask_along``: the matcher walks the drafts and rolls back) and, below ``min_tokens``
+outputs, its ban of EOS and stop ids. So the kept tokens are the ones the plain sampler
+allows, and the first draft it would not allow is replaced by an allowed token; the
+drafts themselves are unconstrained.
 
 Speculation needs synchronous scheduling (its default; the engine rejects async
 scheduling with it at start-up): the next step's rows start at the committed length,
@@ -106,6 +105,7 @@ from pagedserve.engine.sampler import (
     SamplingTensors,
     apply_penalties,
     apply_token_bitmask,
+    ban_tokens,
     filtered_logits,
     sample,
 )
@@ -166,9 +166,9 @@ class SpeculativeDecoding:
 
     def draft_limit(self, req: Request) -> int:
         """Drafts ``req`` verifies next step: ``k``, fewer near ``max_tokens`` or
-        ``max_model_len``, none before ``min_tokens`` (module doc)."""
+        ``max_model_len``."""
         p = req.params
-        if len(req.output_token_ids) < p.min_tokens or not self.drafter.ready(req):
+        if not self.drafter.ready(req):
             return 0
         return max(0, min(self.config.num_speculative_tokens,
                           p.max_tokens - len(req.output_token_ids) - 1,
@@ -285,10 +285,13 @@ class SpeculativeDecoding:
         each row is first masked to what the grammar allows after the drafts before it
         (``StructuredOutputs.bitmask_along``); logprobs stay the model's own."""
         d = len(draft.token_ids)
-        allowed = target
+        bitmask = None
         if req.grammar is not None:
-            allowed = apply_token_bitmask(
-                target, e.structured.bitmask_along(req.grammar, draft.token_ids))
+            bitmask = e.structured.bitmask_along(req.grammar, draft.token_ids)
+        done, stops = len(req.output_token_ids), [*req.eos_token_ids, *req.params.stop_token_ids]
+        bans = [(j, stops) for j in range(d + 1) if done + j < req.params.min_tokens and stops]
+        bitmask = ban_tokens(bitmask, bans, d + 1, e.vocab_size, target.device)
+        allowed = target if bitmask is None else apply_token_bitmask(target, bitmask)
         st = SamplingTensors.along_drafts(req, draft.token_ids, e.vocab_size, target.device)
         scores = apply_penalties(allowed, st) if st.any_penalty else allowed  # [d + 1, V]
         if req.params.greedy:

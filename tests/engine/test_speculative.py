@@ -411,6 +411,40 @@ def test_penalized_greedy_with_speculation_matches_the_oracle(spec_model, k, dra
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
+@pytest.mark.parametrize("drafter", ["mtp", "forced"])
+def test_min_tokens_with_speculation_bans_the_stop_id_until_then(spec_model, drafter) -> None:
+    """Below ``min_tokens`` outputs each verify row bans the stop id, so a draft of it is
+    replaced there (plain greedy decoding would stop at output 3). Oracle: transformers'
+    greedy tokens with the id banned by hand while fewer than ``min_tokens`` came out, and
+    a stop on it after."""
+    hf = build_hf_model(SHAPE)
+    prompt = PROMPTS[0]
+    stop = spec_model[2][0][2]
+    min_tokens = 9
+    want: list[int] = []
+    with torch.no_grad():
+        while len(want) < NEW:
+            logits = hf(input_ids=torch.tensor([prompt + want])).logits[0, -1]
+            if len(want) < min_tokens:
+                logits[stop] = float("-inf")
+            want.append(int(logits.argmax()))
+            if want[-1] == stop:
+                break
+    forced_drafter = None
+    if drafter == "forced":  # every draft the stop id: kept only from min_tokens on
+        forced_drafter = ForcedDrafter({"0": [stop] * (NEW + 8)}, lambda i: False,
+                                       spec_model[1].config.vocab_size)
+    engine = make_engine(spec_model, 3, forced_drafter)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, min_tokens=min_tokens,
+                            stop_token_ids=(stop,))
+    got = run(engine, [prompt], params)["0"]
+    assert got == want
+    stats = engine.spec.stats
+    assert stats.num_drafts > 0
+    if drafter == "forced":
+        assert stats.num_accepted_tokens < stats.num_draft_tokens  # the banned drafts
+
+
 @pytest.mark.parametrize("stop_at", [3, 9])
 def test_stop_inside_a_kept_run_truncates_exactly(spec_model, stop_at) -> None:
     """A stop id, a max_tokens cut and the plain engine's output agree, with every draft
