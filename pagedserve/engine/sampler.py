@@ -121,9 +121,13 @@ class SamplingTensors:
         return st
 
 
+def has_penalty(p: SamplingParams) -> bool:
+    """Whether ``p`` sets a presence, frequency or repetition penalty."""
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
+
+
 def _any_penalty(ps: list[SamplingParams]) -> bool:
-    return any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
-               for p in ps)
+    return any(has_penalty(p) for p in ps)
 
 
 def uses_host_history(requests: list[Request]) -> bool:

@@ -107,6 +107,7 @@ from pagedserve.engine.sampler import (
     apply_token_bitmask,
     ban_tokens,
     filtered_logits,
+    has_penalty,
     sample,
 )
 from pagedserve.engine.scheduler import ScheduledChunk
@@ -292,11 +293,16 @@ class SpeculativeDecoding:
         bans = [(j, stops) for j in range(d + 1) if done + j < req.params.min_tokens and stops]
         bitmask = ban_tokens(bitmask, bans, d + 1, e.vocab_size, target.device)
         allowed = target if bitmask is None else apply_token_bitmask(target, bitmask)
-        st = SamplingTensors.along_drafts(req, draft.token_ids, e.vocab_size, target.device)
-        scores = apply_penalties(allowed, st) if st.any_penalty else allowed  # [d + 1, V]
+        # Per-row settings cost host work: built only where penalties or sampling read them.
+        st = None
+        if has_penalty(req.params) or not req.params.greedy:
+            st = SamplingTensors.along_drafts(req, draft.token_ids, e.vocab_size,
+                                              target.device)
+        scores = allowed if st is None or not st.any_penalty else apply_penalties(allowed, st)
         if req.params.greedy:
-            tokens = verify_greedy(scores, draft.token_ids)
+            tokens = verify_greedy(scores, draft.token_ids)  # [d + 1, V] scores
         else:
+            assert st is not None
             p = torch.softmax(filtered_logits(scores, st), dim=-1)  # [d + 1, V]
             q = None
             if draft.logits is not None:
