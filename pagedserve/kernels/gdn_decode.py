@@ -162,12 +162,7 @@ def gated_delta_rule_decode_step(
     if n == 0:
         return
     hv, dv = v.shape[1:]
-    _require_unit_last_stride(q=q, k=k, v=v, out=out)
-    if recurrent_state.stride()[1:] != (dk * dv, dv, 1):
-        raise ValueError(
-            f"recurrent_state slots must be contiguous [Hv, Dk, Dv], got strides "
-            f"{recurrent_state.stride()}"
-        )
+    check_rule_operands(q, k, v, out, recurrent_state)
     block_v = min(RULE_BLOCK_V, triton.next_power_of_2(dv))
     grid = (n, hv, triton.cdiv(dv, block_v))
     _rule_decode_kernel[grid](
@@ -180,6 +175,19 @@ def gated_delta_rule_decode_step(
         BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
         num_warps=4,
     )
+
+
+def check_rule_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        recurrent_state: torch.Tensor) -> None:
+    """The layout the delta-rule kernels index: rows with a contiguous last dim, and each
+    state slot a contiguous ``[Hv, Dk, Dv]``."""
+    _require_unit_last_stride(q=q, k=k, v=v, out=out)
+    dk, dv = q.shape[-1], v.shape[-1]
+    if recurrent_state.stride()[1:] != (dk * dv, dv, 1):
+        raise ValueError(
+            f"recurrent_state slots must be contiguous [Hv, Dk, Dv], got strides "
+            f"{recurrent_state.stride()}"
+        )
 
 
 def _require_unit_last_stride(**tensors: torch.Tensor) -> None:

@@ -25,8 +25,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import gdn_reference as ref
-
-RULE_BLOCK_V = 32
+from pagedserve.kernels.gdn_decode import RULE_BLOCK_V, check_rule_operands
 
 
 @triton.jit(do_not_specialize=["seq_begin"])
@@ -104,14 +103,7 @@ def gated_delta_rule_recurrent(
         return
     hk, dk = q.shape[1:]
     hv, dv = v.shape[1:]
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dim, got strides {t.stride()}")
-    if recurrent_state.stride()[1:] != (dk * dv, dv, 1):
-        raise ValueError(
-            f"recurrent_state slots must be contiguous [Hv, Dk, Dv], got strides "
-            f"{recurrent_state.stride()}"
-        )
+    check_rule_operands(q, k, v, out, recurrent_state)
     block_v = min(RULE_BLOCK_V, triton.next_power_of_2(dv))
     grid = (num_seqs, hv, triton.cdiv(dv, block_v))
     _rule_recurrent_kernel[grid](
