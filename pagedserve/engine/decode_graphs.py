@@ -20,14 +20,12 @@ still dispatched on CUDA), capture fails and the runner falls back to eager deco
 from __future__ import annotations
 
 import bisect
-import logging
 from collections.abc import Callable
 
 import torch
 
+from pagedserve.engine.graph_capture import captured
 from pagedserve.model.forward_batch import ForwardBatch
-
-log = logging.getLogger(__name__)
 
 ForwardFn = Callable[[ForwardBatch], torch.Tensor]
 
@@ -77,11 +75,7 @@ class DecodeGraphs:
     ) -> DecodeGraphs | None:
         """Capture all sizes; on failure log why and return ``None`` (eager decode)."""
         graphs = cls(forward, device, max_batch_size, max_blocks_per_seq, null_slot)
-        try:
-            graphs.capture()
-        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
-            torch.cuda.synchronize(device)
-            log.warning("CUDA graph capture failed, decode runs eagerly: %s", exc)
+        if not captured(graphs.capture, "CUDA graph capture failed, decode runs eagerly"):
             return None
         return graphs
 

@@ -39,14 +39,12 @@ from __future__ import annotations
 
 import bisect
 import functools
-import logging
 from collections.abc import Callable
 
 import torch
 
+from pagedserve.engine.graph_capture import captured
 from pagedserve.model.forward_batch import ForwardBatch
-
-log = logging.getLogger(__name__)
 
 # (batch, hidden [T, H]) -> the MTP head's output [T, H], its K/V rows written.
 MTPPassFn = Callable[[ForwardBatch, torch.Tensor], torch.Tensor]
@@ -307,17 +305,17 @@ class DraftGraphs:
         """Capture every size of both; on failure log why and return ``None`` (the
         drafter runs eagerly)."""
         graphs = cls(propose, observe)
-        try:
-            with torch.inference_mode():
-                pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-                stream = torch.cuda.Stream()
-                for part in (propose, observe):
-                    if part is not None:
-                        part.capture(pool, stream)
-                torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
+
+        @torch.inference_mode()
+        def capture() -> None:
+            shared = pool if pool is not None else torch.cuda.graph_pool_handle()
+            stream = torch.cuda.Stream()
+            for part in (propose, observe):
+                if part is not None:
+                    part.capture(shared, stream)
             torch.cuda.synchronize()
-            log.warning("draft CUDA graph capture failed, the drafter runs eagerly: %s", exc)
+
+        if not captured(capture, "draft CUDA graph capture failed, the drafter runs eagerly"):
             return None
         return graphs
 

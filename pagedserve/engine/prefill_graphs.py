@@ -24,14 +24,12 @@ one memory pool, captured largest first; a capture failure leaves prefill eager.
 from __future__ import annotations
 
 import bisect
-import logging
 from collections.abc import Callable
 
 import torch
 
+from pagedserve.engine.graph_capture import captured
 from pagedserve.model.forward_batch import ForwardBatch
-
-log = logging.getLogger(__name__)
 
 ForwardFn = Callable[[ForwardBatch], torch.Tensor]
 # Row counts captured, up to the step's token budget. Past 512 rows the GPU's time per
@@ -87,11 +85,8 @@ class PrefillGraphs:
                      max_model_len)
         if not graphs.sizes:
             return None
-        try:
-            graphs.capture()
-        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
-            torch.cuda.synchronize(device)
-            log.warning("prefill CUDA graph capture failed, prefill runs eagerly: %s", exc)
+        if not captured(graphs.capture,
+                        "prefill CUDA graph capture failed, prefill runs eagerly"):
             return None
         return graphs
 

@@ -45,6 +45,7 @@ from dataclasses import replace
 
 import torch
 
+from pagedserve.engine.graph_capture import captured
 from pagedserve.engine.verify_graphs import VerifyGraphs
 from pagedserve.model.forward_batch import ForwardBatch
 from pagedserve.model.gated_deltanet import MAX_CAPTURED_ROWS
@@ -120,11 +121,8 @@ class RollbackGraphs:
         if not verify.sizes or verify.output is None:
             return None
         graphs = cls(rollback, verify, pool)
-        try:
-            graphs.capture()
-        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
-            torch.cuda.synchronize()
-            log.warning("rollback CUDA graph capture failed, rollback runs eagerly: %s", exc)
+        if not captured(graphs.capture,
+                        "rollback CUDA graph capture failed, rollback runs eagerly"):
             return None
         return graphs
 

@@ -39,16 +39,14 @@ slots and record.
 from __future__ import annotations
 
 import bisect
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagedserve.engine.decode_graphs import graph_batch_sizes
+from pagedserve.engine.graph_capture import captured
 from pagedserve.model.forward_batch import ForwardBatch
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,11 +139,8 @@ class VerifyGraphs:
             return None
         graphs = cls(forward, device, sizes, rows_per_seq, max_blocks_per_seq, null_slot,
                      max_model_len, pool)
-        try:
-            graphs.capture()
-        except Exception as exc:  # noqa: BLE001 - any capture failure means: run eagerly
-            torch.cuda.synchronize(device)
-            log.warning("verify CUDA graph capture failed, verify steps run eagerly: %s", exc)
+        if not captured(graphs.capture,
+                        "verify CUDA graph capture failed, verify steps run eagerly"):
             return None
         return graphs
 
