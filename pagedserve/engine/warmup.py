@@ -67,7 +67,7 @@ def warm_up(engine: LLMEngine) -> float:
 
     run([2 * idle_chunk + 3], stagger=False)
     budget = engine.scheduler.config.max_num_batched_tokens
-    together = min(engine.scheduler.config.max_num_seqs, -(-budget // len(prompt(longest))))
+    together = min(engine.scheduler.config.max_num_seqs, -(-budget // max(1, longest)))
     if together > 1:  # prompts shorter than a step: several fill one together
         run([longest] * together, stagger=False)
     run([5, 40, chunk + 1], stagger=True)
