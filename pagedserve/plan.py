@@ -142,9 +142,7 @@ def plan_capacity(
             f"the budget of {_fmt(budget_bytes)}; lower --max-model-len or raise the budget"
         )
     slots = max_num_seqs
-    hidden_row = model.hidden_size * state_dtype.itemsize if speculative else 0
-    per_checkpoint = checkpoint_bytes(model.state_shapes(state_dtype), model.vocab_size,
-                                      hidden_row)
+    per_checkpoint = bytes_per_checkpoint(model, state_dtype, speculative)
     all_checkpoints = num_checkpoints * per_checkpoint
     num_blocks = (budget_bytes - slots * state - all_checkpoints) // kv.bytes_per_block
     if num_blocks * cache.block_size < max_model_len:
@@ -171,6 +169,14 @@ def plan_capacity(
         bytes_per_checkpoint=per_checkpoint,
         speculative=speculative,
     )
+
+
+def bytes_per_checkpoint(model: ModelConfig, state_dtype: torch.dtype,
+                         speculative: bool = False) -> int:
+    """One prefix-cache checkpoint: a state slot and a float32 logits row, and with
+    speculation the last token's hidden row (the drafter resumes from it)."""
+    hidden_row = model.hidden_size * state_dtype.itemsize if speculative else 0
+    return checkpoint_bytes(model.state_shapes(state_dtype), model.vocab_size, hidden_row)
 
 
 def footprint(model: ModelConfig, cache: CacheConfig, mtp_layers: int = 0) -> KVFootprint:

@@ -103,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.engine.prefix_cache import num_checkpoints_for
     from pagedserve.engine.runner import DEFAULT_ACTIVATION_RESERVE
     from pagedserve.engine.speculative import SpeculativeConfig
-    from pagedserve.kv.checkpoint_pool import checkpoint_bytes
     from pagedserve.model.loader import parse_dtype
     from pagedserve.model.mtp import SUPPORTED_MTP_LAYERS
     from pagedserve.model.weight_footprint import weight_footprint
@@ -136,9 +135,7 @@ def run(args: argparse.Namespace) -> int:
             weights.total_bytes, DEFAULT_ACTIVATION_RESERVE)
     else:
         budget = planning.gpu_free_bytes(args.gpu_memory_fraction)
-    hidden_row = model.hidden_size * torch.bfloat16.itemsize if speculative else 0
-    per_checkpoint = checkpoint_bytes(model.state_shapes(torch.bfloat16), model.vocab_size,
-                                      hidden_row)
+    per_checkpoint = planning.bytes_per_checkpoint(model, torch.bfloat16, speculative)
     checkpoints = num_checkpoints_for(
         planning.parse_checkpoint_memory(args.prefix_checkpoint_memory), per_checkpoint,
         args.max_num_seqs)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pagedserve import plan as planning
 from pagedserve.engine import compile_watch
 from pagedserve.engine.batch_builder import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
@@ -44,7 +45,6 @@ from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConf
 from pagedserve.engine.spec_step import SpeculativeDecoding
 from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.warmup import warm_up
-from pagedserve.kv.checkpoint_pool import checkpoint_bytes
 from pagedserve.kv.memory import GiB
 from pagedserve.kv.prefix_hash import salt_of
 from pagedserve.model.fp8_linear import describe_weights
@@ -116,9 +116,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens)
         budget = sched_config.max_num_batched_tokens
         # With speculation a checkpoint keeps its last token's hidden state for the drafter.
-        hidden_bytes = cfg.hidden_size * dtype.itemsize if spec is not None else 0
-        bytes_per_checkpoint = checkpoint_bytes(cfg.state_shapes(dtype), cfg.vocab_size,
-                                                hidden_bytes)
+        bytes_per_checkpoint = planning.bytes_per_checkpoint(cfg, dtype, spec is not None)
         num_checkpoints = num_checkpoints_for(
             config.checkpoint_memory_bytes(), bytes_per_checkpoint, config.max_num_seqs)
         caching = config.prefix_caching and config.kv_layout == "paged" and num_checkpoints > 0
