@@ -8,7 +8,11 @@ issued: draft proposal, the verify forward pass, the logits, the verify decision
 drafter's observe pass, the rollback, the commit. Compare the step with a plain decode
 step of the same shape from ``bench_spec_e2e.py`` or ``bench_engine.py``.
 
-    python benchmarks/tools/profile_spec.py [--batch 1] [--k 3] [--acceptance 0.7]
+    python benchmarks/tools/profile_spec.py [--batch 1] [--k 3] [--acceptance 0.7] [--kernels]
+
+``--kernels`` adds the GPU side: the top kernels per step under torch.profiler (graph
+replays included), for the speculative engine and for a plain engine decoding the same
+prompts, so the verify pass's kernels can be set against the decode step's.
 
 Writes profile_spec.json to $OUT when set.
 """
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -25,10 +31,12 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
 from bench_spec_e2e import ImposedAcceptance  # noqa: E402
+from profile_engine import summarize  # noqa: E402
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.request import SamplingParams  # noqa: E402
@@ -48,6 +56,27 @@ def timed(times: dict, name: str, fn):
     return wrapper
 
 
+def start(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Add ``prompts`` and run the prefill and the first decode steps (untimed)."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, params)
+    for _ in range(4):
+        engine.step()
+
+
+def kernels(engine: LLMEngine, steps: int, top: int = 20) -> dict:
+    """GPU time per step of ``engine``'s next ``steps`` steps, by kernel, printed."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    out = summarize(prof, steps, top)
+    print(f"  GPU {out['gpu_kernel_ms']:.2f} ms/step in {out['kernels_per_step']:.0f} kernels")
+    for k in out["top_kernels"]:
+        print(f"    {k['ms']:7.3f} ms  x{k['calls']:<5.0f} {k['name'][:90]}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="preset:qwen3.5-27b")
@@ -55,13 +84,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--acceptance", type=float, default=0.7)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile the kernels of speculative and plain steps")
     args = ap.parse_args(argv)
     loaded = load_model(args.model, "cuda", torch.bfloat16, progress=False, mtp=True)
-    engine = LLMEngine(EngineConfig(
+    config = EngineConfig(
         model=args.model, device="cuda", dtype="bfloat16", max_model_len=2048,
-        max_num_seqs=args.batch, cache_type_k="q4_0", cache_type_v="q4_0", progress=False,
-        speculative_config={"method": "mtp", "num_speculative_tokens": args.k}),
-        loaded=loaded)
+        max_num_seqs=args.batch, cache_type_k="q4_0", cache_type_v="q4_0", progress=False)
+    engine = LLMEngine(dataclasses.replace(config, speculative_config={
+        "method": "mtp", "num_speculative_tokens": args.k}), loaded=loaded)
     spec = engine.spec
     assert spec is not None
     ImposedAcceptance(spec, args.acceptance, seed=1)
@@ -72,11 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     spec.drafter.observe = timed(times, "drafter.observe", spec.drafter.observe)
     params = SamplingParams(max_tokens=args.steps * (args.k + 1) + 64, temperature=0.0,
                             ignore_eos=True)
-    vocab = engine.vocab_size
-    for i in range(args.batch):
-        engine.add_request(str(i), torch.randint(0, vocab, (512,)).tolist(), params)
-    for _ in range(4):  # prefill and the first verify steps
-        engine.step()
+    prompts = [torch.randint(0, engine.vocab_size, (512,)).tolist() for _ in range(args.batch)]
+    start(engine, prompts, params)
     for v in times.values():
         v.clear()
     step_times = []
@@ -95,6 +123,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{spec.stats.mean_acceptance_length:.2f} tokens/verify")
     for name, v in sorted(ms.items(), key=lambda kv: -kv[1]):
         print(f"  {name:18s} {v:7.2f} ms/step")
+    if args.kernels:
+        print("speculative steps:")
+        result["kernels"] = {"speculative": kernels(engine, args.steps)}
+        engine.close()
+        del engine, spec
+        gc.collect()
+        torch.cuda.empty_cache()
+        plain = LLMEngine(config, loaded=loaded)
+        start(plain, prompts, params)
+        print("plain decode steps:")
+        result["kernels"]["plain"] = kernels(plain, args.steps)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "profile_spec.json").write_text(json.dumps(result, indent=1))
     return 0
