@@ -495,17 +495,15 @@ class ModelRunner:
     def save_states(self, slots: list[int]) -> None:
         """Copy the conv and recurrent state of each slot in ``slots`` to its spare."""
         conv, rec = self._spares()
-        index = torch.tensor(slots, dtype=torch.long, device=self.device)
-        conv.index_copy_(1, index, self.state_pool.conv_state.index_select(1, index))
-        rec.index_copy_(1, index, self.state_pool.recurrent_state.index_select(1, index))
+        _copy_slots(conv, self.state_pool.conv_state, slots)
+        _copy_slots(rec, self.state_pool.recurrent_state, slots)
 
     @torch.inference_mode()
     def restore_states(self, slots: list[int]) -> None:
         """Put back the states ``save_states`` copied for each slot in ``slots``."""
         conv, rec = self._spares()
-        index = torch.tensor(slots, dtype=torch.long, device=self.device)
-        self.state_pool.conv_state.index_copy_(1, index, conv.index_select(1, index))
-        self.state_pool.recurrent_state.index_copy_(1, index, rec.index_select(1, index))
+        _copy_slots(self.state_pool.conv_state, conv, slots)
+        _copy_slots(self.state_pool.recurrent_state, rec, slots)
 
     def _spares(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._snapshots is None:
@@ -539,3 +537,11 @@ class ModelRunner:
         """Run and clear the manager's pending copy-on-write copies."""
         self.copy_blocks(kv.pending_copies)
         kv.copies_done()
+
+
+def _copy_slots(dst: torch.Tensor, src: torch.Tensor, slots: list[int]) -> None:
+    """``dst[:, s] = src[:, s]`` for each slot ``s`` (states ``[layers, slots, ...]``): one
+    strided copy per slot, so nothing the size of the slots' states is gathered first (a
+    27B recurrent state is about 150 MB a slot)."""
+    for s in slots:
+        dst[:, s].copy_(src[:, s])
