@@ -199,6 +199,29 @@ def test_draft_vocab_size_is_checked_against_the_model_before_weights_load(spec_
         engine_config(args)
 
 
+def test_plan_takes_the_engines_draft_vocabulary(capsys) -> None:
+    """``pagedserve plan`` counts the draft vocabulary the engine builds: on the default
+    checkpoint, its first 1000 ids and its 26 added tokens (8166..8191, EOS among them)."""
+    import json
+
+    from pagedserve import cli
+    from pagedserve.model.default_model import default_model_path
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_size": 1000}
+    assert cli.main(["plan", "--model", str(default_model_path()), "--memory", "1GiB",
+                     "--max-model-len", "512", "--speculative-config", json.dumps(spec),
+                     "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["speculation"]
+    engine = LLMEngine(EngineConfig(progress=False, max_model_len=512, max_num_seqs=1,
+                                    enable_prefix_caching=False, speculative_config=spec))
+    head = engine.runner.draft_head
+    assert head.ids.tolist() == [*range(1000), *range(8166, 8192)]
+    assert planned["draft_vocab_rows"] == head.num_rows == 1026
+    hidden = engine.runner.model_config.hidden_size
+    assert planned["draft_head_bytes"] == 1026 * (hidden * 2 + 8)  # planned in bf16
+    assert head.nbytes == 1026 * (hidden * 4 + 8)  # float32 on the CPU
+
+
 class ForcedDrafter:
     """Proposes ``continuation[request][i]`` for output index ``i``, plus one (mod the
     vocabulary) wherever ``corrupt(i)``. Requests it has no continuation for (the engine's
