@@ -28,7 +28,7 @@ head its own previous output as the hidden state (as vLLM's MTP proposer does).
 
 Every draft comes from the runner's ``draft_head``: logits over the draft vocabulary
 (``N'`` ids, ``engine/draft_vocab.py``; all ``V`` without a subset), a tail's included. A
-greedy request's draft is the target id of their argmax (proposed deterministically:
+greedy request's draft is the target id of the logits' argmax (proposed deterministically:
 its ``Draft`` carries no distribution); a sampled request's is a draw, with its own
 temperature and filters, from ``q`` over the whole vocabulary with probability 0
 outside the draft vocabulary, and that ``q`` is what the verify step's rejection

@@ -59,13 +59,13 @@ DEFAULT_ACTIVATION_RESERVE = 2 << 30
 
 
 def speculative_graph_bytes(cfg: ModelConfig, rows_per_seq: int, max_seqs: int,
-                            dtype: torch.dtype, draft_vocab_size: int | None = None) -> int:
+                            dtype: torch.dtype, draft_rows: int | None = None) -> int:
     """Bytes of the speculative graphs' static outputs and captured activations, counted
     by the rows that dominate them, for verify steps of up to ``max_seqs`` sequences of
     ``rows_per_seq`` (``k + 1``) rows. Each verify row holds a float32 logits row over the
     vocabulary twice (the output and the head's own), a hidden row and every GDN layer's
     recorded inputs; each propose pass (``k``) and the observe pass's tail hold a draft
-    logits row (``draft_vocab_size`` columns, the draft vocabulary's ``N'``; ``None``: the
+    logits row (``draft_rows`` columns, the draft vocabulary's ``N'``; ``None``: the whole
     vocabulary) and a hidden row per sequence twice. Beyond the decode activations
     ``DEFAULT_ACTIVATION_RESERVE`` covers, they grow with ``max_seqs x rows_per_seq x
     vocabulary``: about 0.3 GB at 16 sequences and ``k = 3`` on the 27B shape, about 5 GB
@@ -73,7 +73,7 @@ def speculative_graph_bytes(cfg: ModelConfig, rows_per_seq: int, max_seqs: int,
     K/V pool is sized (``draft_vocab.subset_bytes``)."""
     width = dtype.itemsize
     logits_row = cfg.vocab_size * 4
-    draft_logits_row = (draft_vocab_size or cfg.vocab_size) * 4
+    draft_logits_row = (draft_rows or cfg.vocab_size) * 4
     hidden_row = cfg.hidden_size * width
     record_row = cfg.num_linear_attention_layers * (
         cfg.conv_dim + 2 * cfg.linear_num_value_heads) * width
