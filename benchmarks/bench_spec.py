@@ -11,7 +11,8 @@ they hold), timed side by side in one run:
 - **verify k**: k + 1 rows per sequence, eagerly (``forward_hidden``, then the head over
   every row), as ``engine/spec_step.py`` runs a verify step, for k = 1..4;
 - **draft k**: k passes of the MTP head over one row per sequence, each through the
-  shared lm_head, as ``MTPDrafter.propose`` chains them.
+  drafter's head (``ModelRunner.draft_logits``: the shared lm_head, or its rows of a draft
+  vocabulary with ``--draft-vocab-size``), as ``MTPDrafter.propose`` chains them.
 
 Reported per (B, k): each step's ms, ``(draft + verify) / decode``, and the speed-up that
 these costs predict at per-token acceptance a = 0.5, 0.7, 0.9: expected tokens per step
@@ -23,7 +24,8 @@ rollback runs only the Gated DeltaNet layers' conv and delta rule over the kept 
 
 ``--quick`` runs the tests' tiny random model with a random MTP head on the CPU (a smoke test;
 its numbers mean nothing). Writes ``spec.{md,json,png}`` (``spec_quick`` with
-``--quick``) to ``--out`` (default ``docs/benchmarks``; copies to ``$OUT``).
+``--quick``; ``_draft{N}`` appended with ``--draft-vocab-size N``) to ``--out`` (default
+``docs/benchmarks``; copies to ``$OUT``).
 """
 
 from __future__ import annotations
@@ -104,17 +106,21 @@ def run(args) -> dict:
     else:
         loaded = load_model(args.model, "cuda", torch.bfloat16, progress=False, mtp=True)
         device = "cuda"
+    spec = {"method": "mtp", "num_speculative_tokens": MAX_K}
+    if args.draft_vocab_size is not None:
+        spec["draft_vocab_size"] = args.draft_vocab_size
     engine = LLMEngine(EngineConfig(
         model=args.model, device=device, max_model_len=args.context + 64,
         max_num_seqs=max(args.batches), cache_type_k=args.kv_type, cache_type_v=args.kv_type,
-        speculative_config={"method": "mtp", "num_speculative_tokens": MAX_K},
-        warm_up=False, progress=False), loaded=loaded)
+        speculative_config=spec, warm_up=False, progress=False), loaded=loaded)
     runner = engine.runner
+    assert runner.draft_head is not None
     seqs = Sequences(engine, max(args.batches), args.context)
     hidden_size = loaded.config.hidden_size
     results = {"meta": meta, "model": "tiny random + random MTP (CPU quick run)"
                if args.quick else args.model, "context": args.context,
-               "kv_type": args.kv_type, "points": []}
+               "kv_type": args.kv_type, "draft_vocab_rows": runner.draft_head.num_rows,
+               "vocab_size": loaded.config.vocab_size, "points": []}
     for b in args.batches:
         decode = seqs.batch(b, 1)
         hidden = torch.zeros(b, hidden_size, dtype=next(loaded.model.parameters()).dtype,
@@ -126,7 +132,7 @@ def run(args) -> dict:
                 lambda v=verify: runner.compute_logits(runner.forward_hidden(v))]
             sides[f"draft {k}"] = [
                 lambda n=k, d=decode, h=hidden: [
-                    runner.compute_logits(runner.mtp_forward(d, h)) for _ in range(n)]]
+                    runner.draft_logits(runner.mtp_forward(d, h)) for _ in range(n)]]
         us = _common.time_sides(sides, "eager")
         ms = {name: t / 1e3 for name, t in us.items()}
         point = {"batch": b, "decode_ms": ms["decode"], "k": {}}
@@ -148,7 +154,8 @@ def markdown(res: dict) -> str:
         "# Speculative decoding: the cost side", "",
         _common.meta_line(m), "",
         f"Model {res['model']}, K/V {res['kv_type']}, every sequence at a "
-        f"{res['context']}-token context. Decode: the CUDA graph of a plain step; verify "
+        f"{res['context']}-token context; drafts over {res['draft_vocab_rows']} of "
+        f"{res['vocab_size']} token ids. Decode: the CUDA graph of a plain step; verify "
         "and draft: eager, as speculative steps run (see the script's docstring). "
         "Speed-ups are predicted from these costs, not measured end to end: without the "
         "rollback's cost (upper bound) / with a rollback costed as one more verify step "
@@ -193,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = _common.model_parser(__doc__, "the tiny random model on the CPU (a smoke test)")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--batches", default="1,8,16")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="draft over a vocabulary subset (speculative-config draft_vocab_size)")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in str(args.batches).split(",") if b]
     if args.quick:
@@ -202,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res = run(args)
     stem = "spec_quick" if args.quick else "spec"
+    if args.draft_vocab_size is not None:
+        stem += f"_draft{args.draft_vocab_size}"
     return _common.report(args.out, stem, res, markdown(res), lambda p: figure(res, p))
 
 

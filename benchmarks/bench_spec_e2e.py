@@ -8,7 +8,8 @@ acceptance is imposed where it is decided. ``ImposedAcceptance`` replaces the en
 verify decision only: of a sequence's ``d`` drafts it keeps the first ``m``, each kept
 with probability ``a`` once the one before it was (seeded), and emits them with the
 target's own token at row ``m``. Everything else runs as in production -- the MTP drafts
-through the shared lm_head, the verify forward over ``d + 1`` rows per sequence, the slot
+through the drafter's head (the shared lm_head, or its rows of a draft vocabulary with
+``--draft-vocab-size``), the verify forward over ``d + 1`` rows per sequence, the slot
 save, the restore and the GDN re-advance over the kept rows after a rejection, the K/V
 unreserve -- so the cost per emitted token is the one a real drafter of acceptance ``a``
 pays. The tokens themselves are not the model's greedy text.
@@ -18,7 +19,8 @@ each (``ignore_eos``), greedy. Plain: the engine's defaults (CUDA graphs, async
 scheduling). Speculative: k = 1..4 at a = 0.5, 0.7, 0.9. Decode tok/s counts the tokens
 generated after every request's first one, over the time from the last first token to
 the end. Writes ``spec_e2e.{md,json,png}`` (``spec_e2e_quick`` with ``--quick``, the
-tiny random model on the CPU: a smoke test whose figures mean nothing).
+tiny random model on the CPU: a smoke test whose figures mean nothing; ``_draft{N}``
+appended with ``--draft-vocab-size N``).
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ def run(args) -> dict:
                 cache_type_k=args.kv_type, cache_type_v=args.kv_type, progress=False)
     results = {"meta": meta, "model": "tiny random + random MTP (CPU quick run)"
                if args.quick else args.model, "kv_type": args.kv_type,
-               "prompt_len": args.prompt_len, "output_len": args.output_len, "points": []}
+               "prompt_len": args.prompt_len, "output_len": args.output_len,
+               "draft_vocab_size": args.draft_vocab_size, "points": []}
     for b in args.batches:
         prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
                    for _ in range(b)]
@@ -132,10 +135,11 @@ def run(args) -> dict:
         free_device_memory()
         print(f"B={b:2d} plain {point['plain']['decode_tok_s']:.1f} tok/s", flush=True)
         for k in args.ks:
-            spec = LLMEngine(EngineConfig(
-                max_num_seqs=b, speculative_config={"method": "mtp",
-                                                    "num_speculative_tokens": k}, **base),
-                loaded=loaded)
+            config = {"method": "mtp", "num_speculative_tokens": k}
+            if args.draft_vocab_size is not None:
+                config["draft_vocab_size"] = args.draft_vocab_size
+            spec = LLMEngine(EngineConfig(max_num_seqs=b, speculative_config=config, **base),
+                             loaded=loaded)
             assert spec.spec is not None
             decode_rate(spec, prompts[:1], 4)
             point["k"][str(k)] = {}
@@ -169,7 +173,10 @@ def markdown(res: dict) -> str:
         "decision (each draft kept with probability a after the one before it); every "
         "forward, draft and rollback runs as in production, so these are the costs "
         "of a drafter of acceptance a, not the model's text (see the script's docstring). "
-        "Plain decoding runs with the engine's defaults (CUDA graphs, async scheduling).", "",
+        "Plain decoding runs with the engine's defaults (CUDA graphs, async scheduling). "
+        "Drafts over " + ("the whole vocabulary." if res.get("draft_vocab_size") is None
+                          else f"the draft vocabulary of draft_vocab_size "
+                               f"{res['draft_vocab_size']}."), "",
         "| B | plain tok/s | k | " + " | ".join(
             f"a={a}: tok/s (speed-up, tokens/verify)" for a in ACCEPTANCE) + " |",
         "|---|---|---|" + "---|" * len(ACCEPTANCE),
@@ -213,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="draft counts k to run")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="draft over a vocabulary subset (speculative-config draft_vocab_size)")
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in str(args.batches).split(",") if b]
     args.ks = [int(k) for k in str(args.ks).split(",") if k]
@@ -224,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     res = run(args)
     stem = "spec_e2e_quick" if args.quick else "spec_e2e"
+    if args.draft_vocab_size is not None:
+        stem += f"_draft{args.draft_vocab_size}"
     return _common.report(args.out, stem, res, markdown(res), lambda p: figure(res, p))
 
 

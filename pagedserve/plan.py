@@ -3,7 +3,9 @@
 The budget covers K/V and recurrent state only (weights and activations are separate).
 State slots are taken first, one per concurrently running sequence (``max_num_seqs``),
 then the prefix cache's checkpoints (their own budget: a state slot's bytes and a float32
-logits row each); the rest of the budget becomes K/V blocks.
+logits row each); the rest of the budget becomes K/V blocks. Speculative decoding's
+allocations beside the weights and the pool (``SpeculativeFootprint``) come out of a
+device's memory before the budget, as the weights and the activation reserve do.
 """
 
 from __future__ import annotations
@@ -84,6 +86,30 @@ def budget_after_weights(device_bytes: int, utilization: float, weights_bytes: i
             f"leave nothing of {_fmt(device_bytes)} at utilization {utilization}"
         )
     return budget
+
+
+@dataclass(frozen=True)
+class SpeculativeFootprint:
+    """What speculative decoding allocates on a GPU beside the weights and the K/V pool.
+
+    Attributes:
+        draft_vocab_rows: ``N'``, the ids the drafter drafts over (``vocab_size``: all).
+        draft_head_bytes: a draft vocabulary subset's copy of the LM head's rows and its
+            ids (``engine/draft_vocab.py``; 0 without a subset).
+        graph_bytes: the speculative CUDA graphs' buffers for ``max_graph_seqs``
+            sequences (``engine/runner.speculative_graph_bytes``), reserved before the
+            K/V pool is sized.
+    """
+
+    num_speculative_tokens: int
+    vocab_size: int
+    draft_vocab_rows: int
+    draft_head_bytes: int
+    graph_bytes: int
+    max_graph_seqs: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -270,6 +296,14 @@ def format_plan(model: ModelConfig, cache: CacheConfig, plan: CapacityPlan) -> s
         f"slot and a logits row{', and a hidden row' if plan.speculative else ''})",
     ]
     return "\n".join(lines)
+
+
+def format_speculation(spec: SpeculativeFootprint) -> str:
+    head = f" (their LM-head rows {_fmt(spec.draft_head_bytes)})" \
+        if spec.draft_head_bytes else ""
+    return (f"speculation      k={spec.num_speculative_tokens}, drafts over "
+            f"{spec.draft_vocab_rows} of {spec.vocab_size} token ids{head}; graph buffers "
+            f"{_fmt(spec.graph_bytes)} for {spec.max_graph_seqs} sequences")
 
 
 def format_workload(rep: WorkloadReport) -> str:

@@ -50,7 +50,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
                    help='speculative decoding, vLLM\'s JSON: {"method": "mtp", '
                         '"num_speculative_tokens": K} with K in 1..4 (drafts with the '
                         'checkpoint\'s MTP head; needs synchronous scheduling, so async '
-                        'scheduling is then off)')
+                        'scheduling is then off); optional "draft_vocab_size": N in '
+                        '1..vocab_size drafts over the first N token ids plus the special '
+                        'and EOS ids only')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split every layer's heads over N devices, one process each "
                         "(NCCL on cuda, gloo on cpu; docs/tensor-parallel.md)")

@@ -16,7 +16,11 @@ from pagedserve.kv.type_names import KV_TYPES
 from pagedserve.quant.names import QUANTIZATIONS
 
 if TYPE_CHECKING:
+    import torch
+
     from pagedserve.config import ModelConfig
+    from pagedserve.engine.speculative import SpeculativeConfig
+    from pagedserve.plan import SpeculativeFootprint
 
 HELP = "capacity plan: K/V blocks and state slots that fit a memory budget"
 
@@ -56,9 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the engine's, at most 4 GiB and max(64, 8 x "
                         "max-num-seqs) checkpoints)")
     p.add_argument("--speculative-config", default=None,
-                   help='as serve\'s, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\': '
-                        "count the MTP head's weights and K/V, the spare state slots and the "
-                        "checkpoints' hidden rows")
+                   help='as serve\'s, e.g. \'{"method": "mtp", "num_speculative_tokens": 3, '
+                        '"draft_vocab_size": 32768}\': count the MTP head\'s weights and K/V, '
+                        "the spare state slots and the checkpoints' hidden rows; with "
+                        "--device-memory also the draft vocabulary's LM-head rows and the "
+                        "speculative CUDA graphs' buffers (for --max-num-seqs sequences)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -95,6 +101,41 @@ def check_lengths(max_model_len: int | None, max_position_embeddings: int,
     return max_len
 
 
+def checkpoint_dir(model: str) -> Path:
+    """The directory of ``--model``'s config.json (a preset's: the presets folder)."""
+    preset = presets.preset_name(model)
+    path = presets.config_path(preset) if preset is not None else Path(model)
+    return path if path.is_dir() else path.parent
+
+
+def speculation_footprint(model_arg: str, spec: SpeculativeConfig, model: ModelConfig,
+                          dtype: torch.dtype, max_num_seqs: int) -> SpeculativeFootprint:
+    """What the engine allocates for ``spec`` on a GPU with CUDA graphs: the draft
+    vocabulary as the engine takes it (the checkpoint's tokenizer and EOS ids; a preset
+    loads neither), its LM-head rows, and the speculative graphs' buffers."""
+    from pagedserve.engine.draft_vocab import draft_vocab, subset_bytes
+    from pagedserve.engine.runner import speculative_graph_bytes
+    from pagedserve.model.loader import generation_defaults, load_tokenizer
+    from pagedserve.plan import SpeculativeFootprint
+
+    ids = None
+    if spec.draft_vocab_size is not None:
+        tok: Any = None
+        eos: tuple[int, ...] = ()
+        if presets.preset_name(model_arg) is None:
+            path = checkpoint_dir(model_arg)
+            tok = load_tokenizer(path)
+            eos = generation_defaults(path, model, tok).eos_token_ids
+        ids = draft_vocab(spec.draft_vocab_size, model.vocab_size, tok, eos)
+    rows = model.vocab_size if ids is None else len(ids)
+    k = spec.num_speculative_tokens
+    return SpeculativeFootprint(
+        num_speculative_tokens=k, vocab_size=model.vocab_size, draft_vocab_rows=rows,
+        draft_head_bytes=0 if ids is None else subset_bytes(rows, model.hidden_size, dtype),
+        graph_bytes=speculative_graph_bytes(model, k + 1, max_num_seqs, dtype, rows),
+        max_graph_seqs=max_num_seqs)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -117,8 +158,10 @@ def run(args: argparse.Namespace) -> int:
     cache = CacheConfig(args.cache_type_k, args.cache_type_v, args.block_size)
     dtype = parse_dtype(args.dtype, torch.device("cuda"))
     speculative = args.speculative_config is not None
+    spec = None
     if speculative:
-        SpeculativeConfig.parse(args.speculative_config)  # errors name the bad field
+        spec = SpeculativeConfig.parse(args.speculative_config)  # errors name the bad field
+        spec.check_draft_vocab(model.vocab_size)
         if args.model.startswith("preset:"):  # a preset's random weights add the head
             model = dataclasses.replace(model, mtp_num_hidden_layers=SUPPORTED_MTP_LAYERS)
         elif model.mtp_num_hidden_layers != SUPPORTED_MTP_LAYERS:
@@ -127,12 +170,17 @@ def run(args: argparse.Namespace) -> int:
                              f"mtp_num_hidden_layers {model.mtp_num_hidden_layers}")
     weights = weight_footprint(model, dtype, parse_quantization(raw, args.quantization),
                                mtp=speculative)
+    spec_bytes = None
+    if spec is not None:
+        spec_bytes = speculation_footprint(args.model, spec, model, dtype, args.max_num_seqs)
     if args.memory is not None:
         budget = planning.parse_bytes(args.memory)
     elif args.device_memory is not None:
+        head, graphs = (0, 0) if spec_bytes is None else (spec_bytes.draft_head_bytes,
+                                                          spec_bytes.graph_bytes)
         budget = planning.budget_after_weights(
             planning.parse_bytes(args.device_memory), args.gpu_memory_utilization,
-            weights.total_bytes, DEFAULT_ACTIVATION_RESERVE)
+            weights.total_bytes + head, DEFAULT_ACTIVATION_RESERVE + graphs)
     else:
         budget = planning.gpu_free_bytes(args.gpu_memory_fraction)
     per_checkpoint = planning.bytes_per_checkpoint(model, torch.bfloat16, speculative)
@@ -146,12 +194,16 @@ def run(args: argparse.Namespace) -> int:
         report = planning.workload_report(planning.footprint(model, cache), seq_lens)
     if args.json:
         out = {"plan": result.as_dict(), "weights": weights.as_dict()}
+        if spec_bytes is not None:
+            out["speculation"] = spec_bytes.as_dict()
         if report is not None:
             out["workload"] = report.as_dict()
         print(json.dumps(out))
     else:
         print(planning.format_weights(weights, dtype))
         print(planning.format_plan(model, cache, result))
+        if spec_bytes is not None:
+            print(planning.format_speculation(spec_bytes))
         if report is not None:
             print(planning.format_workload(report))
     return 0

@@ -1,8 +1,10 @@
 """CUDA graphs for the MTP drafter's passes (``engine/drafter.py``), one per padded batch size.
 
-A pass of the one-layer MTP head and the shared lm_head, run eagerly, is bound by the host's
-launches, not by its reads (``docs/kernel-decisions.md``). Both passes of the drafter replay
-graphs of the smallest captured size ``P >= B``, padded as the decode and verify graphs pad.
+A pass of the one-layer MTP head and its logits over the draft vocabulary (``N'`` ids: the
+shared lm_head's rows of them, all ``V`` without a subset; ``engine/draft_vocab.py``), run
+eagerly, is bound by the host's launches, not by its reads (``docs/kernel-decisions.md``).
+Both passes of the drafter replay graphs of the smallest captured size ``P >= B``, padded
+as the decode and verify graphs pad.
 
 **Propose** (``ProposeGraphs``): draft ``j + 1`` of each sequence (``j = 1 .. k - 1``)
 comes from one row per sequence: the head's output behind draft ``j`` and draft ``j``
@@ -12,23 +14,24 @@ itself, at K/V row ``c + j - 1`` (``c`` the sequence's computed tokens). One gra
     buffer                 sequence 0 .. B-1, j < d (live)   B .. P-1, or j >= d (padding)
     ids [k, P]             draft j + 1 (row 0: the tail's)   what the pass computed
     hidden [k, P, H]       the head's output behind it       what the pass computed
-    logits [k, P, V]       its float32 logits                what the pass computed
+    logits [k, P, N']      its float32 draft logits          what the pass computed
     positions [k-1, P]     RoPE position c + j               0
     slot_mapping [k-1, P]  the slot of K/V row c + j - 1     -1   (kv_write skips the row)
     seq_lens [k-1, P]      c + j                             0    (decode attention: zeros)
     block_tables [P, w]    their tables                      stale (never read: seq_len 0)
 
-Each pass ends in the greedy draft, ``ids[j] = argmax logits[j]``, on the device. The
-passes are separate graphs, not one chain: a sampled draft's draw (its request's seed and
-filters, from the host) falls between two passes, where the drafter overwrites that
-sequence's id; with every request greedy the replays follow each other with no host sync.
+Each pass ends in the greedy draft on the device: ``ids[j]`` is the target id of column
+``argmax logits[j]`` (``DraftHead.token_ids``), which the next pass embeds. The passes are
+separate graphs, not one chain: a sampled draft's draw (its request's seed and filters,
+from the host) falls between two passes, where the drafter overwrites that sequence's id;
+with every request greedy the replays follow each other with no host sync.
 
 **Observe** (``ObserveGraphs``): the kept rows of each sequence, ``1 .. r`` of them
 (``r = k + 1``), packed as ``build_forward_batch`` packs them and padded to ``P r`` rows
 as ``verify_graphs.py`` pads a verify step (padding rows write no K/V row; the device
 ``query_start_loc`` holds each sequence's real row count, the captured host copy ``r``
 each); the head's output at each sequence's last kept row (its *tail*, row
-``logits_indices``) is gathered on the device, with its logits.
+``logits_indices``) is gathered on the device, with its draft logits ``[P, N']``.
 
 Every graph writes static buffers shared by all sizes, and they share one memory pool
 (the decode graphs' when given), captured largest first; a capture failure leaves the
@@ -40,6 +43,7 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -48,8 +52,18 @@ from pagedserve.model.forward_batch import ForwardBatch
 
 # (batch, hidden [T, H]) -> the MTP head's output [T, H], its K/V rows written.
 MTPPassFn = Callable[[ForwardBatch, torch.Tensor], torch.Tensor]
-# hidden [N, H] -> float32 logits [N, V] (the shared lm_head).
-LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class DraftLogits(Protocol):
+    """The drafter's head (``engine/draft_vocab.DraftHead``): float32 logits ``[N, N']``
+    over ``num_rows`` draft-vocabulary columns from ``[N, H]``, and each column's target
+    id."""
+
+    num_rows: int
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor: ...
 
 
 def _buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
@@ -80,23 +94,24 @@ class ProposeGraphs:
     """The propose passes ``j = 1 .. k - 1`` of every size, and their buffers (table above).
 
     Args:
-        mtp_pass, logits: the head's pass (``ModelRunner._mtp_pass``) and the lm_head.
+        mtp_pass, head: the MTP head's pass (``ModelRunner._mtp_pass``) and its logits
+            over the draft vocabulary (``ModelRunner.draft_head``).
         sizes: the padded batch sizes (``graph_batch_sizes``).
         num_drafts: ``k``, at least 2.
     """
 
-    def __init__(self, mtp_pass: MTPPassFn, logits: LogitsFn, device: torch.device,
+    def __init__(self, mtp_pass: MTPPassFn, head: DraftLogits, device: torch.device,
                  dtype: torch.dtype, sizes: list[int], num_drafts: int, hidden_size: int,
-                 vocab_size: int, max_blocks_per_seq: int, null_slot: int) -> None:
+                 max_blocks_per_seq: int, null_slot: int) -> None:
         if num_drafts < 2:
             raise ValueError(f"propose graphs need num_drafts >= 2, got {num_drafts}")
-        self.mtp_pass, self.logits_fn = mtp_pass, logits
+        self.mtp_pass, self.head = mtp_pass, head
         self.sizes, self.num_drafts = sizes, num_drafts
         n, k = sizes[-1], num_drafts
         self.buffers = {
             "ids": _buffer((k, n), torch.long, device),  # [k, P]
             "hidden": _buffer((k, n, hidden_size), dtype, device),  # [k, P, H]
-            "logits": _buffer((k, n, vocab_size), torch.float32, device),  # [k, P, V]
+            "logits": _buffer((k, n, head.num_rows), torch.float32, device),  # [k, P, N']
             "positions": _buffer((k - 1, n), torch.long, device),  # [k - 1, P]
             "slot_mapping": _buffer((k - 1, n), torch.long, device, -1),  # [k - 1, P]
             "seq_lens": _buffer((k - 1, n), torch.int32, device),  # [k - 1, P]
@@ -127,18 +142,18 @@ class ProposeGraphs:
         """Pass ``j`` of ``size`` sequences, eagerly (what its graph captures)."""
         b = self.buffers
         out = self.mtp_pass(self.static_batch(size, j), b["hidden"][j - 1, :size])  # [P, H]
-        logits = self.logits_fn(out)  # [P, V]
+        logits = self.head.logits(out)  # [P, N']
         b["hidden"][j, :size].copy_(out)
         b["logits"][j, :size].copy_(logits)
-        b["ids"][j, :size].copy_(logits.argmax(dim=-1))
+        b["ids"][j, :size].copy_(self.head.token_ids(logits.argmax(dim=-1)))
 
     def load(self, hidden: torch.Tensor, logits: torch.Tensor, kv_rows: list[list[int]],
              kv_slots: list[list[int]], block_tables: torch.Tensor) -> int:
         """Fill row 0 and the passes' inputs; return the padded size.
 
         Args:
-            hidden: ``[B, H]`` the tails' outputs; logits: float32 ``[B, V]`` theirs
-                (``ids[0]`` becomes their argmax).
+            hidden: ``[B, H]`` the tails' outputs; logits: float32 ``[B, N']`` their
+                draft logits (``ids[0]`` becomes their greedy drafts).
             kv_rows, kv_slots: per sequence, the K/V row pass ``j`` writes (its
                 ``j - 1``-th entry, ``c + j - 1``) and its slot, for ``j < d``.
             block_tables: int32 ``[B, w]``, ``w <= max_blocks_per_seq`` (host or device).
@@ -147,7 +162,7 @@ class ProposeGraphs:
         size = _smallest_holding(self.sizes, n)
         b["hidden"][0, :n].copy_(hidden)
         b["logits"][0, :n].copy_(logits)
-        b["ids"][0, :n].copy_(logits.argmax(dim=-1))
+        b["ids"][0, :n].copy_(self.head.token_ids(logits.argmax(dim=-1)))
         passes = self.num_drafts - 1
         host = [[[0] * size for _ in range(passes)], [[-1] * size for _ in range(passes)]]
         for i, (rows, slots) in enumerate(zip(kv_rows, kv_slots)):
@@ -183,18 +198,18 @@ class ObserveGraphs:
     and its buffers.
 
     Args:
-        mtp_pass, logits: the head's pass (``ModelRunner._mtp_pass``) and the lm_head.
+        mtp_pass, head: the MTP head's pass (``ModelRunner._mtp_pass``) and its logits
+            over the draft vocabulary (``ModelRunner.draft_head``).
         sizes: the padded batch sizes (``verify_graph_sizes``).
         rows_per_seq: ``r = k + 1``, the most rows a sequence keeps in one step.
         max_model_len: the captured host copy of ``seq_lens`` (the attention's split of
             the key range suits any context, as the verify graphs').
     """
 
-    def __init__(self, mtp_pass: MTPPassFn, logits: LogitsFn, device: torch.device,
+    def __init__(self, mtp_pass: MTPPassFn, head: DraftLogits, device: torch.device,
                  dtype: torch.dtype, sizes: list[int], rows_per_seq: int, hidden_size: int,
-                 vocab_size: int, max_blocks_per_seq: int, null_slot: int,
-                 max_model_len: int) -> None:
-        self.mtp_pass, self.logits_fn = mtp_pass, logits
+                 max_blocks_per_seq: int, null_slot: int, max_model_len: int) -> None:
+        self.mtp_pass, self.head = mtp_pass, head
         self.sizes, self.rows_per_seq = sizes, rows_per_seq
         self.null_slot, self.max_model_len = null_slot, max_model_len
         n, r = sizes[-1], rows_per_seq
@@ -210,7 +225,7 @@ class ObserveGraphs:
             "state_slots": _buffer((n,), torch.int32, device, null_slot),  # [P], unread
             "logits_indices": _buffer((n,), torch.long, device),  # [P]: the tails' rows
             "tail_hidden": _buffer((n, hidden_size), dtype, device),  # [P, H]
-            "tail_logits": _buffer((n, vocab_size), torch.float32, device),  # [P, V]
+            "tail_logits": _buffer((n, head.num_rows), torch.float32, device),  # [P, N']
         }
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -238,7 +253,7 @@ class ObserveGraphs:
         out = self.mtp_pass(self.static_batch(size), b["hidden"][: size * self.rows_per_seq])
         tail = out[b["logits_indices"][:size]]  # [P, H]
         b["tail_hidden"][:size].copy_(tail)
-        b["tail_logits"][:size].copy_(self.logits_fn(tail))
+        b["tail_logits"][:size].copy_(self.head.logits(tail))
 
     def load(self, batch: ForwardBatch, hidden: torch.Tensor) -> int:
         """Copy ``batch`` (``fits``; ``positions`` the RoPE positions, ``logits_indices``
@@ -270,7 +285,7 @@ class ObserveGraphs:
 
     def run(self, batch: ForwardBatch, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph for ``batch``; return copies of its tails' outputs ``[B, H]``
-        and logits float32 ``[B, V]``."""
+        and draft logits float32 ``[B, N']``."""
         size = self.load(batch, hidden)
         self.graphs[size].replay()
         n = batch.num_seqs

@@ -26,6 +26,14 @@ another next token.
 draft 1 comes from its logits, and drafts 2..d chain one-row passes, each feeding the
 head its own previous output as the hidden state (as vLLM's MTP proposer does).
 
+Every draft comes from the runner's ``draft_head``: logits over the draft vocabulary
+(``N'`` ids, ``engine/draft_vocab.py``; all ``V`` without a subset), a tail's included. A
+greedy request's draft is the target id of the logits' argmax (proposed deterministically:
+its ``Draft`` carries no distribution); a sampled request's is a draw, with its own
+temperature and filters, from ``q`` over the whole vocabulary with probability 0
+outside the draft vocabulary, and that ``q`` is what the verify step's rejection
+sampling reads, so the output keeps the target's distribution.
+
 On CUDA both run the runner's captured graphs (``engine/draft_graphs.py``) where one holds
 the batch: ``propose`` for up to the largest decode graph's sequences, and ``observe``
 where every sequence keeps ``1 .. k + 1`` rows ending at its frontier (the verify chunks
@@ -64,8 +72,8 @@ class DraftRequest:
 @dataclass(frozen=True)
 class Draft:
     """``token_ids`` proposed; ``logits`` float32 ``[d, V]`` of the distributions they were
-    drawn from (before the request's temperature and filters), or ``None``: proposed
-    deterministically (each ``q_j`` one-hot)."""
+    drawn from (before the request's temperature and filters; ``-inf`` at ids the drafter
+    cannot propose), or ``None``: proposed deterministically (each ``q_j`` one-hot)."""
 
     token_ids: list[int]
     logits: torch.Tensor | None = None
@@ -100,7 +108,7 @@ class _Tail:
 
     num_computed: int
     hidden: torch.Tensor  # [H]
-    logits: torch.Tensor  # [V] float32
+    logits: torch.Tensor  # [N'] float32, over the draft vocabulary
 
 
 class MTPDrafter:
@@ -109,8 +117,10 @@ class MTPDrafter:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager) -> None:
         if not runner.has_mtp:
             raise ValueError("MTPDrafter needs a model loaded with its MTP head")
+        assert runner.draft_head is not None
         self.runner = runner
         self.kv = kv
+        self.head = runner.draft_head
         self.vocab_size = runner.model_config.vocab_size
 
     def ready(self, req: Request) -> bool:
@@ -131,14 +141,14 @@ class MTPDrafter:
         frontier = [i for i, o in enumerate(kept) if o.frontier]
         if (observe is not None and len(frontier) == len(kept)
                 and observe.fits(batch.query_lens_cpu())):
-            last, logits = observe.run(batch, hidden)  # [B, H], [B, V]
+            last, logits = observe.run(batch, hidden)  # [B, H], [B, N']
         else:
             out = self.runner.mtp_forward(batch, hidden)  # [T, H]
             if not frontier:
                 return
             ends = [q - 1 for q in batch.query_start_loc_cpu[1:]]
             last = out[[ends[i] for i in frontier]]  # [F, H]
-            logits = self.runner.compute_logits(last)  # [F, V]
+            logits = self.runner.draft_logits(last)  # [F, N']
         for row, i in enumerate(frontier):
             o = kept[i]
             o.request.draft_tail = _Tail(o.start + len(o.next_ids), last[row], logits[row])
@@ -149,13 +159,13 @@ class MTPDrafter:
         tails = [w.request.draft_tail for w in wants]
         assert all(isinstance(t, _Tail) for t in tails)
         hidden = torch.stack([t.hidden for t in tails])  # [B, H]
-        first = torch.stack([t.logits for t in tails])  # [B, V]
+        first = torch.stack([t.logits for t in tails])  # [B, N']
         d_max = max(w.num_drafts for w in wants)
         graphs = self.runner.draft_graphs
         propose = graphs.propose if graphs is not None else None
         if d_max > 1 and propose is not None and propose.holds(len(wants), d_max):
             return self._propose_graphed(propose, wants, hidden, first)
-        logits = [first]  # d x [B, V]
+        logits = [first]  # d x [B, N']
         ids = [self._choose(logits[0], wants, 0)]
         for j in range(1, d_max):
             live = [i for i, w in enumerate(wants) if w.num_drafts > j]
@@ -167,17 +177,17 @@ class MTPDrafter:
             hidden = hidden.clone()
             hidden[live] = out
             step_logits = logits[-1].clone()
-            step_logits[live] = self.runner.compute_logits(out)
+            step_logits[live] = self.runner.draft_logits(out)
             logits.append(step_logits)
             ids.append(self._choose(step_logits, wants, j))
-        stacked = torch.stack(logits, dim=1)  # [B, d_max, V]
-        return [Draft([ids[j][i] for j in range(w.num_drafts)], stacked[i, :w.num_drafts])
+        stacked = torch.stack(logits, dim=1)  # [B, d_max, N']
+        return [Draft([ids[j][i] for j in range(w.num_drafts)], self._q(stacked[i], w))
                 for i, w in enumerate(wants)]
 
     def _propose_graphed(self, graphs: ProposeGraphs, wants: list[DraftRequest],
                          hidden: torch.Tensor, first: torch.Tensor) -> list[Draft]:
         """``propose`` through the captured passes: ``hidden`` ``[B, H]`` and ``first``
-        ``[B, V]`` the tails'. Pass ``j`` writes K/V row ``start + j - 1`` of each sequence
+        ``[B, N']`` the tails'. Pass ``j`` writes K/V row ``start + j - 1`` of each sequence
         that drafts more than ``j`` tokens; the greedy drafts stay on the device until
         the last pass, sampled ones are drawn between passes."""
         d_max = max(w.num_drafts for w in wants)
@@ -189,20 +199,29 @@ class MTPDrafter:
             max(len(self.kv.block_table(h)) for h in handles), self.kv.max_blocks_per_seq))
         size = graphs.load(hidden, first, rows, slots, tables)
         n = len(wants)
-        ids, logits = graphs.buffers["ids"], graphs.buffers["logits"]  # [k, P], [k, P, V]
+        ids, logits = graphs.buffers["ids"], graphs.buffers["logits"]  # [k, P], [k, P, N']
         self._draw_sampled(logits[0, :n], wants, 0, ids[0, :n])
         for j in range(1, d_max):
             graphs.replay(size, j)
             self._draw_sampled(logits[j, :n], wants, j, ids[j, :n])
         tokens = ids[:d_max, :n].T.tolist()  # [B][d_max]
-        stacked = logits[:d_max, :n].transpose(0, 1).clone()  # [B, d_max, V]
-        return [Draft(tokens[i][:w.num_drafts], stacked[i, :w.num_drafts])
+        stacked = logits[:d_max, :n].transpose(0, 1)  # [B, d_max, N'], the buffers
+        return [Draft(tokens[i][:w.num_drafts], self._q(stacked[i], w))
                 for i, w in enumerate(wants)]
 
+    def _q(self, logits: torch.Tensor, want: DraftRequest) -> torch.Tensor | None:
+        """What ``Draft.logits`` holds for ``want``'s drafts from their draft logits
+        ``[>= d, N']``: a new ``[d, V]`` (``-inf`` outside the draft vocabulary) for a
+        sampled request, ``None`` for a greedy one (its drafts are the argmax)."""
+        if want.request.params.greedy:
+            return None
+        return self.head.full_logits(logits[:want.num_drafts])
+
     def _choose(self, logits: torch.Tensor, wants: list[DraftRequest], j: int) -> list[int]:
-        """Draft ``j`` of each row: the argmax for greedy requests, else a draw from the
-        request's own filtered distribution with the draft stream's noise."""
-        ids = logits.argmax(dim=-1)  # [B]
+        """Draft ``j`` of each row from its draft logits ``[B, N']``: the argmax's target
+        id for greedy requests, else a draw from the request's own filtered distribution
+        with the draft stream's noise."""
+        ids = self.head.token_ids(logits.argmax(dim=-1))  # [B]
         self._draw_sampled(logits, wants, j, ids)
         return ids.tolist()
 
@@ -210,13 +229,15 @@ class MTPDrafter:
                       ids: torch.Tensor) -> None:
         """Overwrite ``ids`` int64 ``[B]`` (on the device, no sync) at each sampled
         request that drafts a token ``j``: its draw from its own filtered distribution
-        ``logits`` float32 ``[B, V]`` with the draft stream's noise."""
+        over the whole vocabulary, from the draft logits float32 ``[B, N']`` (probability
+        0 outside the draft vocabulary), with the draft stream's noise."""
         for i, w in enumerate(wants):
             req = w.request
             if req.params.greedy or j >= w.num_drafts:
                 continue
             st = SamplingTensors.from_requests([req], self.vocab_size, logits.device,
                                                tokens_ahead=j)
-            probs = torch.softmax(filtered_logits(logits[i:i + 1], st), dim=-1)
+            full = self.head.full_logits(logits[i:i + 1])  # [1, V]
+            probs = torch.softmax(filtered_logits(full, st), dim=-1)
             index = torch.tensor([len(req.output_token_ids) + j], device=logits.device)
             ids[i:i + 1].copy_(race(probs, req.sample_seed, index, DRAFT_STREAM))

@@ -22,6 +22,7 @@ from pagedserve import plan as planning
 from pagedserve.engine import compile_watch
 from pagedserve.engine.batch_builder import HostStaging, SeqChunk, build_forward_batch
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.draft_vocab import draft_vocab
 from pagedserve.engine.drafter import Drafter, MTPDrafter
 from pagedserve.engine.engine_config import EngineConfig
 from pagedserve.engine.failures import FINISH_ERROR, describe, is_fatal
@@ -48,7 +49,7 @@ from pagedserve.engine.warmup import warm_up
 from pagedserve.kv.memory import GiB
 from pagedserve.kv.prefix_hash import salt_of
 from pagedserve.model.fp8_linear import describe_weights
-from pagedserve.model.loader import LoadedModel, load_model
+from pagedserve.model.loader import LoadedModel, load_model, read_model_config
 from pagedserve.parallel.start import start_tensor_parallel, tensor_parallel_model
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,10 @@ class LLMEngine:
         spec = config.speculative()
         mtp = spec is not None and drafter is None
         tp_size = config.tensor_parallel_size
+        if spec is not None and spec.draft_vocab_size is not None:
+            # Its range is the model's vocabulary: checked before any weight loads.
+            spec.check_draft_vocab(loaded.config.vocab_size if loaded is not None
+                                   else read_model_config(config.model)[2].vocab_size)
         if tp_size > 1:
             if loaded is not None:
                 raise ValueError("a tensor-parallel engine loads its own weight shards on "
@@ -138,7 +143,12 @@ class LLMEngine:
             self.loaded, self.runner = start_tensor_parallel(config, runner_config,
                                                              self.startup_seconds)
         else:
-            self.runner = ModelRunner(self.loaded.model, config.cache_config(), runner_config)
+            subset = None
+            if mtp and spec is not None:
+                subset = draft_vocab(spec.draft_vocab_size, cfg.vocab_size,
+                                     self.loaded.tokenizer, self.loaded.generation.eos_token_ids)
+            self.runner = ModelRunner(self.loaded.model, config.cache_config(), runner_config,
+                                      draft_vocab=subset)
         self.startup_seconds["kv_cache_and_graphs"] = (
             time.perf_counter() - started - sum(self.startup_seconds.values()))
         log.info("weights loaded in %.1f s; K/V cache, compiles and CUDA graphs in %.1f s",
@@ -171,6 +181,14 @@ class LLMEngine:
                      spec.num_speculative_tokens, graphs.sizes[-1] if graphs else 0,
                      how[self.runner.rollback_graphs is not None],
                      how[self.runner.draft_graphs is not None])
+            head = self.runner.draft_head
+            if head is not None and head.ids is not None:
+                log.info("draft vocabulary: %d of %d token ids (draft_vocab_size %d, plus the "
+                         "tokenizer's special and EOS ids), their LM-head rows %.1f MiB",
+                         head.num_rows, cfg.vocab_size, spec.draft_vocab_size,
+                         head.nbytes / 2**20)
+            elif head is not None:
+                log.info("draft vocabulary: all %d token ids", cfg.vocab_size)
         self.scheduler = Scheduler(sched_config, self.kv, self.runner.state_pool, self.prefix,
                                    self.spec.draft_limit if self.spec is not None else None)
         cuda = self.runner.device.type == "cuda"

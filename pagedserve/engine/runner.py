@@ -10,7 +10,8 @@ own graph); everything else runs eagerly, and on the CPU everything is eager
 with the torch reference ops. With speculation, ``verify(batch)`` replays a captured
 graph for pure verify steps (``VerifyGraphs``), ``roll_back_verify`` rolls such a
 step's sequences back by another (``RollbackGraphs``), and the MTP drafter's passes
-replay theirs (``DraftGraphs``).
+replay theirs (``DraftGraphs``), with the drafter's logits over its draft vocabulary
+(``draft_head``, ``engine/draft_vocab.py``).
 
 Layouts (``CacheConfig.kv_layout``)::
 
@@ -26,6 +27,7 @@ The runner does not decide who runs; the engine builds batches with a ``KVCacheM
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,7 @@ import torch
 from pagedserve.config import CacheConfig, ModelConfig
 from pagedserve.engine.decode_graphs import DecodeGraphs, graph_batch_sizes
 from pagedserve.engine.draft_graphs import DraftGraphs, ObserveGraphs, ProposeGraphs
+from pagedserve.engine.draft_vocab import DraftHead
 from pagedserve.engine.prefill_graphs import PrefillGraphs
 from pagedserve.engine.rollback_graphs import RollbackGraphs
 from pagedserve.engine.verify_graphs import VerifyGraphs, VerifyOutput, verify_graph_sizes
@@ -56,22 +59,26 @@ DEFAULT_ACTIVATION_RESERVE = 2 << 30
 
 
 def speculative_graph_bytes(cfg: ModelConfig, rows_per_seq: int, max_seqs: int,
-                            dtype: torch.dtype) -> int:
+                            dtype: torch.dtype, draft_rows: int | None = None) -> int:
     """Bytes of the speculative graphs' static outputs and captured activations, counted
     by the rows that dominate them, for verify steps of up to ``max_seqs`` sequences of
-    ``rows_per_seq`` (``k + 1``) rows. Each verify row holds a float32 logits row twice
-    (the output and the head's own), a hidden row and every GDN layer's recorded inputs;
-    each propose pass (``k``) and the observe pass's tail hold a logits and a hidden row
-    per sequence twice. Beyond the decode activations ``DEFAULT_ACTIVATION_RESERVE``
-    covers, they grow with ``max_seqs x rows_per_seq x vocabulary``: about 0.3 GB at 16
-    sequences and ``k = 3`` on the 27B shape, about 5 GB at 256."""
+    ``rows_per_seq`` (``k + 1``) rows. Each verify row holds a float32 logits row over the
+    vocabulary twice (the output and the head's own), a hidden row and every GDN layer's
+    recorded inputs; each propose pass (``k``) and the observe pass's tail hold a draft
+    logits row (``draft_rows`` columns, the draft vocabulary's ``N'``; ``None``: the whole
+    vocabulary) and a hidden row per sequence twice. Beyond the decode activations
+    ``DEFAULT_ACTIVATION_RESERVE`` covers, they grow with ``max_seqs x rows_per_seq x
+    vocabulary``: about 0.3 GB at 16 sequences and ``k = 3`` on the 27B shape, about 5 GB
+    at 256. A draft head's own rows are not here: the runner gathers them before the
+    K/V pool is sized (``draft_vocab.subset_bytes``)."""
     width = dtype.itemsize
     logits_row = cfg.vocab_size * 4
+    draft_logits_row = (draft_rows or cfg.vocab_size) * 4
     hidden_row = cfg.hidden_size * width
     record_row = cfg.num_linear_attention_layers * (
         cfg.conv_dim + 2 * cfg.linear_num_value_heads) * width
     verify = max_seqs * rows_per_seq * (2 * logits_row + hidden_row + record_row)
-    draft = rows_per_seq * max_seqs * 2 * (logits_row + hidden_row)
+    draft = rows_per_seq * max_seqs * 2 * (draft_logits_row + hidden_row)
     return verify + draft
 
 
@@ -164,10 +171,14 @@ class ModelRunner:
         model: the decoder with its weights loaded (``loader.load_model(...).model``).
         cache_config: K/V types, block size and layout.
         config: capacity (``RunnerConfig``).
+        draft_vocab: with the MTP head, the ids it drafts over (``draft_vocab.draft_vocab``;
+            ``None``: the whole vocabulary). Their LM-head rows are gathered before the K/V
+            pool is sized, so its free-memory reading counts them.
     """
 
     def __init__(
         self, model: Qwen3_5Model, cache_config: CacheConfig, config: RunnerConfig | None = None,
+        draft_vocab: Sequence[int] | None = None,
     ) -> None:
         self.model = model
         self.model_config = cfg = model.config
@@ -183,7 +194,12 @@ class ModelRunner:
                 f"max_model_len {config.max_model_len} exceeds the model's "
                 f"max_position_embeddings {cfg.max_position_embeddings}"
             )
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if draft_vocab is not None and not self.has_mtp:
+            raise ValueError("a draft vocabulary needs a model loaded with its MTP head")
+        # The drafter's logits (``engine/draft_vocab.py``): a subset's rows are a copy.
+        self.draft_head = DraftHead(model, draft_vocab) if self.has_mtp else None
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) \
+            + (self.draft_head.nbytes if self.draft_head is not None else 0)
         # Under tensor parallelism (``model.tp``) this rank's storage holds its own heads.
         self.tp = model.tp
         self.num_heads = cfg.num_attention_heads // self.tp.size
@@ -286,15 +302,15 @@ class ModelRunner:
         (none for ``k = 1``), observe passes of the verify graphs' sizes."""
         config, cfg = self.config, self.model_config
         r = config.verify_rows
-        shapes = (cfg.hidden_size, cfg.vocab_size, self.max_blocks_per_seq,
-                  self.state_pool.null_slot)
+        head = self.draft_head
+        assert head is not None
+        shapes = (cfg.hidden_size, self.max_blocks_per_seq, self.state_pool.null_slot)
         propose = None
         if r > 2:
-            propose = ProposeGraphs(self._mtp_pass, self.model.compute_logits, self.device,
-                                    self.dtype, graph_batch_sizes(max_graph_batch), r - 1,
-                                    *shapes)
+            propose = ProposeGraphs(self._mtp_pass, head, self.device, self.dtype,
+                                    graph_batch_sizes(max_graph_batch), r - 1, *shapes)
         observe = ObserveGraphs(
-            self._mtp_pass, self.model.compute_logits, self.device, self.dtype,
+            self._mtp_pass, head, self.device, self.dtype,
             verify_graph_sizes(max_graph_batch, r, config.verify_graph_tokens), r, *shapes,
             config.max_model_len)
         return propose, observe
@@ -323,7 +339,9 @@ class ModelRunner:
         if not config.verify_rows or not config.cuda_graphs or self.device.type != "cuda":
             return 0
         seqs = min(config.max_graph_batch_size or config.max_num_seqs, config.max_num_seqs)
-        return speculative_graph_bytes(self.model_config, config.verify_rows, seqs, self.dtype)
+        draft_rows = self.draft_head.num_rows if self.draft_head is not None else None
+        return speculative_graph_bytes(self.model_config, config.verify_rows, seqs, self.dtype,
+                                       draft_rows)
 
     def _paged_num_blocks(self) -> int:
         enough = self.config.max_num_seqs * self.max_blocks_per_seq
@@ -477,6 +495,14 @@ class ModelRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, H]`` -> float32 logits ``[N, vocab]`` (the shared head)."""
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, H]`` -> float32 draft logits ``[N, N']`` over the draft
+        vocabulary (``draft_head``; ``N' = vocab`` without a subset)."""
+        if self.draft_head is None:
+            raise ValueError("this model was loaded without its MTP head")
+        return self.draft_head.logits(hidden)
 
     @torch.inference_mode()
     def mtp_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,10 @@ drafts before it been generated: its noise index, its penalties' counts
 bitmask_along``: the matcher walks the drafts and rolls back) and, below ``min_tokens``
 outputs, its ban of EOS and stop ids. So the kept tokens are the ones the plain sampler
 allows, and the first draft it would not allow is replaced by an allowed token; the
-drafts themselves are unconstrained.
+drafts themselves are unconstrained. The drafter may propose from a vocabulary subset
+(``draft_vocab_size``, ``engine/draft_vocab.py``): a sampled draft's ``q`` is then 0
+outside it, and every verify row still scores the whole vocabulary, so the kept tokens
+do not depend on the subset, only how many drafts are kept does.
 
 Speculation needs synchronous scheduling (its default; the engine rejects async
 scheduling with it at start-up): the next step's rows start at the committed length,

@@ -184,12 +184,17 @@ def load_model(
     decoder.eval()
 
     tok = load_tokenizer(path) if tokenizer else None
+    return LoadedModel(path, cfg, decoder, tok, generation_defaults(path, cfg, tok),
+                       weights_bytes, device, dtype, None if quant is None else "fp8")
+
+
+def generation_defaults(path: Path, cfg: ModelConfig, tok: Any) -> GenerationDefaults:
+    """The checkpoint's sampling defaults, whose ``eos_token_ids`` merge
+    generation_config.json's, config.json's and the tokenizer's EOS (``tok``, or ``None``)."""
     generation = GenerationDefaults.from_checkpoint(path)
     tok_eos = () if tok is None or tok.eos_token_id is None else (tok.eos_token_id,)
     eos = merge_ids(generation.eos_token_ids, cfg.eos_token_ids, tok_eos)
-    generation = dataclasses.replace(generation, eos_token_ids=eos)
-    return LoadedModel(path, cfg, decoder, tok, generation, weights_bytes, device, dtype,
-                       None if quant is None else "fp8")
+    return dataclasses.replace(generation, eos_token_ids=eos)
 
 
 def read_model_config(model: str | Path | None,

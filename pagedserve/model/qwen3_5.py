@@ -24,11 +24,13 @@ from pagedserve.kv.formats import KVBlockStorage
 from pagedserve.model.attention import GatedAttention
 from pagedserve.model.elementwise import ElementwiseOps
 from pagedserve.model.forward_batch import ForwardBatch
+from pagedserve.model.fp8_linear import Fp8Linear
 from pagedserve.model.gated_deltanet import GatedDeltaNet
 from pagedserve.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from pagedserve.parallel.group import SINGLE, TensorParallel
 from pagedserve.parallel.sharding import vocab_rows
 from pagedserve.parallel.vocab import VocabParallelEmbedding
+from pagedserve.quant import fp8
 
 
 @dataclass
@@ -163,6 +165,25 @@ class Qwen3_5Model(nn.Module):
         for module in self.modules():
             if hasattr(module, "ew"):
                 setattr(module, "ew", ops)  # noqa: B010 (nn.Module's attribute type is narrower)
+
+    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's rows of token ids ``ids`` (int64 ``[N']``), a new ``[N', H]``
+        tensor in the model dtype: ``compute_logits`` restricted to those ids is
+        ``hidden @ rows.T``. The embedding's rows when tied; an FP8 head's rows
+        dequantized (only those rows are read)."""
+        if self.tp.size > 1:
+            raise ValueError("the LM head's rows of a vocabulary subset are not gathered "
+                             "under tensor parallelism")
+        dtype = self.embed_tokens.weight.dtype
+        head = self.lm_head
+        if head is None:
+            return self.embed_tokens.weight[ids]  # advanced indexing copies
+        if isinstance(head, Fp8Linear):
+            return fp8.dequantize_rows(head.weight, head.weight_scale_inv, ids, head.parts,
+                                       dtype)
+        if isinstance(head, nn.Linear):
+            return head.weight[ids]
+        raise ValueError(f"no rows of an LM head of type {type(head).__name__}")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden``: ``[N, H]`` -> float32 logits ``[N, vocab]``."""

@@ -84,4 +84,5 @@ class TensorParallelRunner(ModelRunner):
         raise ValueError(f"speculative decoding does not support {FLAG} yet")
 
     forward_hidden = advance_linear_states = compute_logits = verify = _unsupported  # type: ignore[assignment]
-    mtp_forward = save_states = restore_states = roll_back_verify = _unsupported  # type: ignore[assignment]
+    mtp_forward = draft_logits = save_states = restore_states = _unsupported  # type: ignore[assignment]
+    roll_back_verify = _unsupported  # type: ignore[assignment]

@@ -92,9 +92,27 @@ def dequantize(
     then rounded to ``dtype``. The scales multiply in place, block column by block column as
     a broadcast, so the only temporary is the float32 weight.
     """
+    parts = (data.shape[0],) if parts is None else parts
+    return _scaled(data, scale.float()[scale_rows(parts, scale.device)], dtype)
+
+
+def dequantize_rows(
+    data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
+    parts: tuple[int, ...] | None = None, dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows ``rows`` (int64 ``[M]``) of what ``dequantize`` gives, ``[M, K]`` in ``dtype``:
+    only those rows are read and widened (a vocabulary subset of an FP8 LM head)."""
+    parts = (data.shape[0],) if parts is None else parts
+    per_row = scale.float()[scale_rows(parts, scale.device)[rows.to(scale.device)]]  # [M, KB]
+    # Gathered as bytes: indexing float8 tensors is not implemented on every device.
+    picked = data.view(torch.uint8)[rows.to(data.device)].view(data.dtype)  # [M, K]
+    return _scaled(picked, per_row, dtype)
+
+
+def _scaled(data: torch.Tensor, per_row: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data`` fp8 ``[N, K]`` times ``per_row`` float32 ``[N, ceil(K/128)]`` (each row's
+    block-column scales), in float32, rounded to ``dtype``."""
     n, k = data.shape
-    parts = (n,) if parts is None else parts
-    per_row = scale.float()[scale_rows(parts, scale.device)]  # [N, KB]
     w = data.float()  # [N, K]
     full = k // BLOCK * BLOCK
     if full:

@@ -1,6 +1,7 @@
 """pagedserve's figures on a trained default-model checkpoint, for its model card.
 
-    python scripts/default_model/measure.py DIR [--write-card]
+    python scripts/default_model/measure.py DIR [--write-card] [--draft-vocab-size N]
+                                                [--speculation-only]
 
 On the CPU, float32:
 
@@ -9,7 +10,9 @@ On the CPU, float32:
   and free-running (positions equal; after a first difference the texts part ways);
 - **MTP speculation**: ``LLMEngine`` at batch 1, greedy, without speculation and with the
   checkpoint's MTP head drafting k = 1..3 tokens: tok/s, tokens per verify step, and the
-  outputs, which must equal the plain run's.
+  outputs, which must equal the plain run's. ``--draft-vocab-size N`` drafts over a
+  vocabulary subset (``engine/draft_vocab.py``) instead of the whole vocabulary;
+  ``--speculation-only`` skips the K/V agreement.
 
 ``--write-card`` stores the figures in ``train_log.json`` (key ``pagedserve``) and renders
 ``MODEL_CARD.md`` again from it.
@@ -90,14 +93,19 @@ def generate(engine: LLMEngine, prompts: list[str], n: int) -> tuple[list[list[i
     return outputs, sum(map(len, outputs)) / seconds
 
 
-def speculation(path: Path, lm: LoadedModel, n: int) -> dict[str, Any]:
+def speculation(path: Path, lm: LoadedModel, n: int,
+                draft_vocab_size: int | None = None) -> dict[str, Any]:
     base = dict(model=str(path), device="cpu", dtype="float32", max_model_len=512,
                 max_num_seqs=1, progress=False)
     plain, plain_rate = generate(LLMEngine(EngineConfig(**base), loaded=lm), list(PROMPTS), n)
     out: dict[str, Any] = {"plain_tok_s": plain_rate, "mtp": {}}
+    if draft_vocab_size is not None:
+        out["draft_vocab_size"] = draft_vocab_size
     for k in (1, 2, 3):
-        engine = LLMEngine(EngineConfig(**base, speculative_config={
-            "method": "mtp", "num_speculative_tokens": k}), loaded=lm)
+        spec: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": k}
+        if draft_vocab_size is not None:
+            spec["draft_vocab_size"] = draft_vocab_size
+        engine = LLMEngine(EngineConfig(**base, speculative_config=spec), loaded=lm)
         got, rate = generate(engine, list(PROMPTS), n)
         assert engine.spec is not None
         out["mtp"][str(k)] = {"tok_s": rate,
@@ -115,18 +123,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-tokens", type=int, default=64)
     ap.add_argument("--spec-tokens", type=int, default=96)
     ap.add_argument("--write-card", action="store_true")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="draft over the first N ids and the special ones")
+    ap.add_argument("--speculation-only", action="store_true",
+                    help="skip the K/V agreement (not with --write-card)")
     args = ap.parse_args(argv)
+    if args.write_card and (args.speculation_only or args.draft_vocab_size is not None):
+        ap.error("--write-card stores the card's figures: the whole vocabulary and the K/V "
+                 "agreement")
     torch.manual_seed(0)
     lm = load_model(args.checkpoint, device="cpu", dtype=torch.float32, progress=False,
                     mtp=True)
-    figures = {
+    figures: dict[str, Any] = {
         "device": f"CPU ({platform.processor() or platform.machine()}, "
                   f"{torch.get_num_threads()} threads), torch {torch.__version__}",
-        "kv_agreement": kv_agreement(lm, ("q8_0", "q4_0"), PROMPTS, args.kv_tokens),
-        "speculative": speculation(args.checkpoint, lm, args.spec_tokens),
-        "kv_tokens": args.kv_tokens, "kv_prompts": len(PROMPTS),
-        "spec_tokens": args.spec_tokens,
     }
+    if not args.speculation_only:
+        figures["kv_agreement"] = kv_agreement(lm, ("q8_0", "q4_0"), PROMPTS, args.kv_tokens)
+        figures.update(kv_tokens=args.kv_tokens, kv_prompts=len(PROMPTS))
+    figures["speculative"] = speculation(args.checkpoint, lm, args.spec_tokens,
+                                         args.draft_vocab_size)
+    figures["spec_tokens"] = args.spec_tokens
     print(json.dumps(figures, indent=2))
     if args.write_card:
         log_path = args.checkpoint / "train_log.json"

@@ -32,3 +32,17 @@ def test_quick_run_writes_every_point(tmp_path, monkeypatch):
             assert pred["speedup_with_replay"] < pred["speedup_no_replay"]
     md = (tmp_path / "spec_quick.md").read_text()
     assert "(verify + draft) / decode" in md and (tmp_path / "spec_quick.png").is_file()
+
+
+def test_quick_run_over_a_draft_vocabulary(tmp_path, monkeypatch):
+    """``--draft-vocab-size``: the drafts run through the subset head, and the report says
+    how many ids it drafts over."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("bench_spec", None)
+    import bench_spec
+
+    assert bench_spec.main(["--quick", "--out", str(tmp_path), "--draft-vocab-size", "64"]) == 0
+    res = json.loads((tmp_path / "spec_quick_draft64.json").read_text())
+    assert 64 <= res["draft_vocab_rows"] < res["vocab_size"]
+    assert f"drafts over {res['draft_vocab_rows']} of" in \
+        (tmp_path / "spec_quick_draft64.md").read_text()

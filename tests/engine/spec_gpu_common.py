@@ -27,9 +27,13 @@ def save_spec_checkpoint(directory: Path) -> Path:
     return save_with_mtp(hf, build_mtp(hf), directory)
 
 
-def spec_engine(path: Path, k: int | None, **kw) -> LLMEngine:
-    """A bf16 CUDA engine on ``path``, speculating ``k`` tokens (``None``: plain)."""
+def spec_engine(path: Path, k: int | None, draft_vocab_size: int | None = None,
+                **kw) -> LLMEngine:
+    """A bf16 CUDA engine on ``path``, speculating ``k`` tokens (``None``: plain), over a
+    draft vocabulary of ``draft_vocab_size`` when given."""
     spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
+    if spec is not None and draft_vocab_size is not None:
+        spec["draft_vocab_size"] = draft_vocab_size
     kw.setdefault("max_num_seqs", 8)
     return LLMEngine(EngineConfig(
         model=str(path), device="cuda", dtype="bfloat16", max_model_len=256,

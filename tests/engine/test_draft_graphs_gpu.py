@@ -66,6 +66,34 @@ def test_draft_graphs_match_eager_drafting_and_plain_decoding(spec_dir, k, batch
         assert engine.runner.state_pool.num_used_slots == 0
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_draft_graphs_over_a_draft_vocabulary(spec_dir, batch):
+    """A subset head (ids below 100 and the three special ids, 103 of 320): the graphs'
+    draft buffers are 103 wide, every draft lies in the subset, and the output is the
+    eager drafter's and plain decoding's (or parts from them at a near-tie)."""
+    graphed = spec_engine(spec_dir, 3, draft_vocab_size=100)
+    head, graphs = graphed.runner.draft_head, graphed.runner.draft_graphs
+    assert head is not None and graphs is not None and graphs.propose is not None
+    subset = set(head.ids.tolist())
+    assert subset == set(range(100)) | {256, 257, 258}
+    assert graphs.propose.buffers["logits"].shape[-1] == 103
+    assert graphs.observe.buffers["tail_logits"].shape[-1] == 103
+    drafted: list[int] = []
+    propose = graphed.spec.drafter.propose
+    graphed.spec.drafter.propose = lambda wants: [
+        drafted.extend(d.token_ids) or d for d in propose(wants)]
+    replays: list[tuple] = []
+    _count_replays(graphs, replays)
+    got = run_keeping_requests(graphed, greedy_items(batch))
+    assert any(r[0] == "propose" for r in replays), replays
+    assert drafted and set(drafted) <= subset
+    eager = spec_engine(spec_dir, 3, draft_vocab_size=100)
+    eager.runner.draft_graphs = None
+    assert_equal_or_near_ties(got, run_keeping_requests(eager, greedy_items(batch)))
+    plain = spec_engine(spec_dir, None)
+    assert_equal_or_near_ties(run_keeping_requests(plain, greedy_items(batch)), got)
+
+
 def test_warm_up_replays_every_draft_graph_and_nothing_compiles_after(spec_dir, monkeypatch):
     from pagedserve.engine.draft_graphs import DraftGraphs
 

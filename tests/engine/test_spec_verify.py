@@ -1,12 +1,14 @@
 """The rejection sampler emits the target's distribution, whatever the drafts' (chi-square
-over many seeded draws on a six-token vocabulary), and greedy verification keeps exactly
-the drafts plain greedy decoding would choose."""
+over many seeded draws on a six-token vocabulary), a draft head's over a vocabulary subset
+(q zero outside it) included, and greedy verification keeps exactly the drafts plain
+greedy decoding would choose."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pagedserve.engine.draft_vocab import scatter_to_vocab
 from pagedserve.engine.spec_verify import DRAFT_STREAM, race, verify_greedy, verify_sampled
 
 # The 0.999 quantile of chi-square with 5 degrees of freedom: a correct sampler fails this
@@ -20,6 +22,11 @@ P = torch.tensor([[0.30, 0.05, 0.25, 0.0, 0.10, 0.30],
                   [0.20, 0.20, 0.20, 0.20, 0.10, 0.10]])  # [d + 1, V]
 Q = torch.tensor([[0.05, 0.40, 0.05, 0.30, 0.20, 0.0],
                   [0.30, 0.10, 0.30, 0.10, 0.10, 0.10]])  # [d, V]
+# A draft head over ids 0, 2 and 5 only: its logits [d, N'] at those ids, -inf elsewhere.
+# P puts 0.15 (row 0) and 0.7 (row 1) of its mass outside them.
+SUBSET = torch.tensor([0, 2, 5])
+Q_SUBSET = torch.softmax(scatter_to_vocab(torch.tensor([[0.0, 1.5, -1.0], [2.0, 0.0, 0.5]]),
+                                          SUBSET, 6), dim=-1)  # [d, V]
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -35,11 +42,13 @@ def draw(seed: int, q: torch.Tensor | None) -> list[int]:
         drafts = [1, 3]
     else:
         drafts = race(q, seed, index[:2], DRAFT_STREAM).tolist()
+        assert all(float(q[j, t]) > 0 for j, t in enumerate(drafts))  # in q's support
     bonus = race(P, seed, index, 0)
     return verify_sampled(P, q, drafts, seed, 0, bonus)
 
 
-@pytest.mark.parametrize("q", [Q, None], ids=["sampled-drafts", "one-hot-drafts"])
+@pytest.mark.parametrize("q", [Q, Q_SUBSET, None],
+                         ids=["sampled-drafts", "subset-drafts", "one-hot-drafts"])
 def test_first_token_follows_the_target(q) -> None:
     counts = torch.zeros(6)
     second = torch.zeros(6)
@@ -51,6 +60,18 @@ def test_first_token_follows_the_target(q) -> None:
     assert chi_square(counts, P[0]) < CHI2_5_999
     assert second.sum() > N / 25
     assert chi_square(second, P[1]) < CHI2_5_999
+
+
+def test_subset_drafts_never_leave_the_subset_but_the_output_does() -> None:
+    """q is exactly 0 outside the subset: no draft lands there, while the emitted first
+    tokens (checked against p above) do."""
+    assert Q_SUBSET[:, [1, 3, 4]].eq(0).all()
+    drafts, firsts = set(), set()
+    for seed in range(300):
+        drafts.update(race(Q_SUBSET, seed, torch.arange(2), DRAFT_STREAM).tolist())
+        firsts.add(draw(seed, Q_SUBSET)[0])
+    assert drafts == {0, 2, 5}
+    assert firsts & {1, 4}
 
 
 def test_sampler_is_not_the_draft_distribution() -> None:

@@ -3,9 +3,10 @@ transformers', every rollback branch, stops inside a kept run, no leaks under pr
 and aborts, reproducible seeded sampling, and the start-up checks.
 
 Two drafters: the checkpoint's own MTP head with random weights (drafts are mostly
-rejected, so rollback runs nearly every step) and a forced drafter that proposes
-transformers' own greedy continuation, corrupted at chosen output indices, so that every
-number of kept drafts occurs.
+rejected, so rollback runs nearly every step), over the whole vocabulary or a draft
+vocabulary subset, and a forced drafter that proposes transformers' own greedy
+continuation, corrupted at chosen output indices, so that every number of kept drafts
+occurs.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ from pagedserve.model.loader import load_model  # noqa: E402
 SHAPE = "d64-gqa3-untied"
 NEW = 24
 PROMPTS = [prompt_ids(0, 37), prompt_ids(1, 5), prompt_ids(2, 18)]
+# A draft vocabulary of ids 0..99 and the byte tokenizer's special ids 256..258 (of 320):
+# most of transformers' greedy tokens fall outside it.
+SUBSET_SIZE = 100
+SPECIAL_IDS = {256, 257, 258}
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +73,14 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def make_engine(spec_model, k: int | None, drafter=None, **kw) -> LLMEngine:
+def make_engine(spec_model, k: int | None, drafter=None, draft_vocab_size: int | None = None,
+                **kw) -> LLMEngine:
     path, loaded, _ = spec_model
     kw.setdefault("check_integrity", True)
     kw.setdefault("max_model_len", 128)
     spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
+    if draft_vocab_size is not None:
+        spec["draft_vocab_size"] = draft_vocab_size
     # Speculative engines take the default: prefix caching on (test_spec_prefix_cache.py).
     kw.setdefault("enable_prefix_caching", False if k is None else None)
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", progress=False,
@@ -104,6 +112,114 @@ def test_mtp_greedy_equals_plain_decoding_and_transformers(spec_model, k) -> Non
     s = engine.spec.stats
     assert s.num_drafts > 0 and s.num_draft_tokens >= s.num_drafts
     assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
+
+
+def recorded_drafts(engine: LLMEngine) -> list[Draft]:
+    """Every ``Draft`` the engine's drafter proposes from now on, as it proposes it."""
+    drafts: list[Draft] = []
+    propose = engine.spec.drafter.propose
+
+    def proposing(wants):
+        out = propose(wants)
+        drafts.extend(out)
+        return out
+
+    engine.spec.drafter.propose = proposing
+    return drafts
+
+
+def assert_drafts_in(drafts: list[Draft], subset: set[int], vocab: int) -> None:
+    """Every drafted id lies in ``subset``, and each sampled draft's distribution is 0
+    (logits -inf) outside it."""
+    assert drafts and all(t in subset for d in drafts for t in d.token_ids)
+    outside = sorted(set(range(vocab)) - subset)
+    for d in drafts:
+        if d.logits is not None:
+            assert bool((d.logits[:, outside] == float("-inf")).all())
+
+
+@pytest.mark.parametrize("k, size", [(1, SUBSET_SIZE), (3, SUBSET_SIZE), (2, 1)])
+def test_subset_draft_head_greedy_equals_transformers(spec_model, k, size, caplog) -> None:
+    """Drafting over a draft vocabulary (ids below ``size`` and the special ids) that most
+    of transformers' greedy tokens lie outside: transformers' tokens still, and every
+    draft inside the subset."""
+    refs = spec_model[2]
+    with caplog.at_level("INFO", logger="pagedserve.engine.llm_engine"):
+        engine = make_engine(spec_model, k, draft_vocab_size=size, max_num_seqs=3)
+    subset = set(range(size)) | SPECIAL_IDS
+    assert set(engine.runner.draft_head.ids.tolist()) == subset
+    assert f"draft vocabulary: {len(subset)} of 320 token ids" in caplog.text
+    assert sum(t not in subset for r in refs for t in r) > len(PROMPTS) * NEW / 4
+    drafts = recorded_drafts(engine)
+    got = run(engine, PROMPTS, GREEDY)
+    assert [got[str(i)] for i in range(len(PROMPTS))] == refs
+    assert_drafts_in(drafts, subset, 320)
+    assert all(d.logits is None for d in drafts)  # greedy: the argmax, no distribution
+    assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
+
+
+def test_sampled_drafts_of_a_subset_head_stay_in_it(spec_model) -> None:
+    """Sampled requests draw their drafts from q over the whole vocabulary, 0 outside the
+    draft vocabulary; a seeded run repeats itself."""
+    params = SamplingParams(max_tokens=NEW, temperature=1.0, seed=11, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        engine = make_engine(spec_model, 3, draft_vocab_size=SUBSET_SIZE, max_num_seqs=3)
+        drafts = recorded_drafts(engine)
+        outs.append(run(engine, PROMPTS, params))
+        assert_drafts_in(drafts, set(range(SUBSET_SIZE)) | SPECIAL_IDS, 320)
+        assert all(d.logits is not None and d.logits.shape == (len(d.token_ids), 320)
+                   for d in drafts)
+    assert outs[0] == outs[1] and all(len(v) == NEW for v in outs[0].values())
+    outside = [t for v in outs[0].values() for t in v if t >= SUBSET_SIZE]
+    assert outside  # the target's own draws reach past the subset
+
+
+def test_draft_vocab_size_is_checked_against_the_model_before_weights_load(spec_model) -> None:
+    path = spec_model[0]
+    message = r"draft_vocab_size must be an integer in \[1, 320\] \(the model's vocab_size\), " \
+              r"got 321"
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "draft_vocab_size": 321}
+    with mock.patch("pagedserve.engine.llm_engine.load_model",
+                    side_effect=AssertionError("weights loaded")), \
+            pytest.raises(ValueError, match=message):
+        LLMEngine(EngineConfig(model=str(path), dtype="float32", progress=False,
+                               enable_prefix_caching=False, speculative_config=spec))
+    with pytest.raises(ValueError, match=message):
+        make_engine(spec_model, 3, draft_vocab_size=321)  # a LoadedModel passed in
+    assert make_engine(spec_model, 1, draft_vocab_size=320).runner.draft_head.ids is None
+
+    from pagedserve.commands.engine_args import add_engine_arguments, engine_config
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "mtp", '
+                              '"num_speculative_tokens": 3, "draft_vocab_size": 0}'])
+    with pytest.raises(ValueError, match=r"draft_vocab_size must be an integer in "
+                                         r"\[1, vocab_size\].*got 0"):
+        engine_config(args)
+
+
+def test_plan_takes_the_engines_draft_vocabulary(capsys) -> None:
+    """``pagedserve plan`` counts the draft vocabulary the engine builds: on the default
+    checkpoint, its first 1000 ids and its 26 added tokens (8166..8191, EOS among them)."""
+    import json
+
+    from pagedserve import cli
+    from pagedserve.model.default_model import default_model_path
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_vocab_size": 1000}
+    assert cli.main(["plan", "--model", str(default_model_path()), "--memory", "1GiB",
+                     "--max-model-len", "512", "--speculative-config", json.dumps(spec),
+                     "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["speculation"]
+    engine = LLMEngine(EngineConfig(progress=False, max_model_len=512, max_num_seqs=1,
+                                    enable_prefix_caching=False, speculative_config=spec))
+    head = engine.runner.draft_head
+    assert head.ids.tolist() == [*range(1000), *range(8166, 8192)]
+    assert planned["draft_vocab_rows"] == head.num_rows == 1026
+    hidden = engine.runner.model_config.hidden_size
+    assert planned["draft_head_bytes"] == 1026 * (hidden * 2 + 8)  # planned in bf16
+    assert head.nbytes == 1026 * (hidden * 4 + 8)  # float32 on the CPU
 
 
 class ForcedDrafter:
@@ -281,14 +397,16 @@ def test_pure_verify_steps_roll_back_by_graph(spec_model, k) -> None:
     assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
 
 
+@pytest.mark.parametrize("size", [None, SUBSET_SIZE])
 @pytest.mark.parametrize("k", [1, 3])
-def test_draft_graph_passes_give_transformers_tokens(spec_model, k) -> None:
+def test_draft_graph_passes_give_transformers_tokens(spec_model, k, size) -> None:
     """The drafter through its graph passes (stand-ins replaying the captured passes over
     the padded static batches) beside the verify graph's path: transformers' tokens, with
     propose passes (k > 1) and observe passes of every batch size replayed, and the
-    prompts' observes eager."""
+    prompts' observes eager; with a draft vocabulary (``size``), every draft in it."""
     refs = spec_model[2]
-    engine = make_engine(spec_model, k, max_num_seqs=3)
+    engine = make_engine(spec_model, k, draft_vocab_size=size, max_num_seqs=3)
+    drafts = recorded_drafts(engine)
     stand_in_verify_graph(engine, k, [])
     calls: list[tuple] = []
     engine.runner.draft_graphs = stand_in_draft_graphs(engine.runner, 3, calls)
@@ -308,17 +426,21 @@ def test_draft_graph_passes_give_transformers_tokens(spec_model, k) -> None:
     else:
         assert not [c for c in calls if c[0] == "propose"]
     assert any(max(lens) > k + 1 for lens in observed)  # prompts: eager
+    if size is not None:
+        assert_drafts_in(drafts, set(range(size)) | SPECIAL_IDS, 320)
     assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
 
 
-def test_seeded_sampled_drafts_through_the_graphs_repeat_the_eager_drafters(spec_model) -> None:
+@pytest.mark.parametrize("size", [None, SUBSET_SIZE])
+def test_seeded_sampled_drafts_through_the_graphs_repeat_the_eager_drafters(spec_model,
+                                                                           size) -> None:
     """Sampled drafts are drawn between the graph passes with the eager drafter's noise:
-    a seeded batch gives the eager drafter's tokens."""
+    a seeded batch gives the eager drafter's tokens, over a draft vocabulary too."""
     params = [SamplingParams(max_tokens=NEW, temperature=0.9, top_k=20, seed=7 + i,
                              ignore_eos=True) if i != 1 else GREEDY for i in range(3)]
     outs = []
     for graphs in (False, True):
-        engine = make_engine(spec_model, 3, max_num_seqs=3)
+        engine = make_engine(spec_model, 3, draft_vocab_size=size, max_num_seqs=3)
         calls: list[tuple] = []
         if graphs:
             engine.runner.draft_graphs = stand_in_draft_graphs(engine.runner, 3, calls)
@@ -333,13 +455,15 @@ def test_seeded_sampled_drafts_through_the_graphs_repeat_the_eager_drafters(spec
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("size", [None, SUBSET_SIZE])
 @pytest.mark.parametrize("k", [3])  # k = 1's graphs: the rollback and drafter tests above
-def test_verify_rollback_and_draft_graphs_together(spec_model, k) -> None:
+def test_verify_rollback_and_draft_graphs_together(spec_model, k, size) -> None:
     """Every graph of a speculative step at once (stand-ins: verify, rollback, drafter
     passes), with the MTP head's own drafts, which the random target mostly rejects:
-    transformers' tokens, each kind of graph replayed, nothing leaked."""
+    transformers' tokens, each kind of graph replayed, nothing leaked; the drafter's
+    buffers are as wide as its draft vocabulary, and the reserve covers them."""
     refs = spec_model[2]
-    engine = make_engine(spec_model, k, max_num_seqs=3)
+    engine = make_engine(spec_model, k, draft_vocab_size=size, max_num_seqs=3)
     calls: list[tuple] = []
     stand_in_graphs(engine, k, calls)
     engine.runner.draft_graphs = stand_in_draft_graphs(engine.runner, 3, calls)
@@ -363,8 +487,14 @@ def test_verify_rollback_and_draft_graphs_together(spec_model, k) -> None:
         if part is not None:
             buffers += list(part.buffers.values())
     static = sum(t.numel() * t.element_size() for t in buffers)
-    reserved = speculative_graph_bytes(runner.model_config, k + 1, 3, runner.dtype)
+    columns = runner.draft_head.num_rows
+    assert columns == (320 if size is None else size + len(SPECIAL_IDS))
+    assert drafting.propose.buffers["logits"].shape[-1] == columns
+    assert drafting.observe.buffers["tail_logits"].shape[-1] == columns
+    reserved = speculative_graph_bytes(runner.model_config, k + 1, 3, runner.dtype, columns)
     assert static <= reserved < 4 * static, (static, reserved)
+    if size is not None:  # the draft rows are narrower: the reserve is smaller
+        assert reserved < speculative_graph_bytes(runner.model_config, k + 1, 3, runner.dtype)
 
 
 @torch.no_grad()

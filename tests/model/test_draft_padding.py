@@ -1,6 +1,6 @@
 """The drafter's graph passes on their padded static batches, on the GPU kernels (Triton
-interpreter, CPU): the same drafts, MTP K/V rows and tails as the eager drafter, and
-padding writes no K/V row.
+interpreter, CPU): the same drafts, MTP K/V rows and tails as the eager drafter, over the
+whole vocabulary and over a draft vocabulary subset, and padding writes no K/V row.
 
 The graphs replay exactly these passes (``draft_stand_in.py``); what a capture adds (no
 host syncs, fixed launches) only a GPU can check (tests/engine/test_draft_graphs_gpu.py).
@@ -18,6 +18,7 @@ from mtp_checkpoints import build_mtp, save_with_mtp
 
 from pagedserve.config import CacheConfig
 from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch
+from pagedserve.engine.draft_vocab import draft_vocab_ids
 from pagedserve.engine.drafter import DraftRequest, MTPDrafter, Observed
 from pagedserve.engine.request import SamplingParams
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.skipif(
 K = 3
 R = K + 1
 CONTEXTS = [10, 17, 30]  # kept rows and drafts cross block edges (block size 16)
+# Ids below 100 and the byte tokenizer's three special ids (256..258) of 320.
+SUBSET = draft_vocab_ids(100, 320, [256, 257, 258])
 
 
 def mtp_storage(runner: ModelRunner) -> list[torch.Tensor]:
@@ -50,13 +53,16 @@ def restore(runner: ModelRunner, saved: list[torch.Tensor]) -> None:
 @pytest.fixture
 def setup(checkpoints, tmp_path, monkeypatch, request):
     """Three sequences past their prompts (the MTP rows and tails of the prompts written
-    eagerly) and ``R`` more target rows each, with the target's hidden states there."""
-    kv_type = request.param
+    eagerly) and ``R`` more target rows each, with the target's hidden states there.
+    ``request.param``: the K/V type, or (K/V type, draft vocabulary)."""
+    kv_type, subset = request.param if isinstance(request.param, tuple) \
+        else (request.param, None)
     ckpt = checkpoints("d64-gqa3-untied")
     path = save_with_mtp(ckpt.hf_model, build_mtp(ckpt.hf_model), tmp_path)
     loaded = load_model(path, device="cpu", dtype=torch.float32, progress=False, mtp=True)
     runner = ModelRunner(loaded.model, CacheConfig(kv_type, kv_type, block_size=16),
-                         RunnerConfig(max_model_len=128, max_num_seqs=8, verify_rows=R))
+                         RunnerConfig(max_model_len=128, max_num_seqs=8, verify_rows=R),
+                         draft_vocab=subset)
     kv = runner.create_kv_manager()
     drafter = MTPDrafter(runner, kv)
     # The CUDA branches of every op, on CPU tensors, under the interpreter.
@@ -102,7 +108,7 @@ def assert_same_storage(got: list[torch.Tensor], want: list[torch.Tensor],
         assert int(((g != b) & (w == b)).sum()) < 8
 
 
-@pytest.mark.parametrize("setup", ["f16", "q8_0"], indirect=True)
+@pytest.mark.parametrize("setup", ["f16", "q8_0", ("f16", SUBSET)], indirect=True)
 def test_observe_graph_gives_the_eager_tails_and_mtp_rows(setup):
     runner, drafter, seqs = setup
     kept_rows = [1, 3, R]  # every kept count of a verify step: 1 .. k + 1
@@ -119,13 +125,14 @@ def test_observe_graph_gives_the_eager_tails_and_mtp_rows(setup):
     assert calls == [("observe", 4)]
     for (n_g, h_g, l_g), (n_e, h_e, l_e), c, m in zip(tails(seqs), eager, CONTEXTS, kept_rows):
         assert n_g == n_e == c + m
+        assert l_g.shape == (runner.draft_head.num_rows,)
         # A one-row run is a decode row eagerly (the decode kernel), a prefill row here.
         torch.testing.assert_close(h_g, h_e, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(l_g, l_e, atol=1e-4, rtol=1e-5)
     assert_same_storage(snapshot(runner), after_eager, before)
 
 
-@pytest.mark.parametrize("setup", ["f16"], indirect=True)
+@pytest.mark.parametrize("setup", ["f16", ("f16", SUBSET)], indirect=True)
 def test_propose_graphs_give_the_eager_drafts_and_mtp_rows(setup):
     runner, drafter, seqs = setup
     num_drafts = [K, 2, K]  # one request drafts fewer (its last pass is padding)
@@ -138,8 +145,15 @@ def test_propose_graphs_give_the_eager_drafts_and_mtp_rows(setup):
     runner.draft_graphs = graphed(runner, calls)
     got = drafter.propose(wants)
     assert calls == [("propose", 4, 1), ("propose", 4, 2)]
-    for g, e, d in zip(got, eager, num_drafts):
+    allowed = set(SUBSET) if runner.draft_head.ids is not None else set(range(320))
+    for g, e, d, s in zip(got, eager, num_drafts, seqs):
         assert g.token_ids == e.token_ids and len(g.token_ids) == d
+        assert set(g.token_ids) <= allowed
+        if s.req.params.greedy:  # the argmax: no distribution
+            assert g.logits is None and e.logits is None
+            continue
         assert g.logits is not None and e.logits is not None
+        assert g.logits.shape == (d, 320)
+        assert bool((g.logits[:, sorted(set(range(320)) - allowed)] == float("-inf")).all())
         torch.testing.assert_close(g.logits, e.logits, atol=1e-4, rtol=1e-5)
     assert_same_storage(snapshot(runner), after_eager, before)

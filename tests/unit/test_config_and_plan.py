@@ -181,3 +181,52 @@ def test_plan_with_speculation_counts_what_the_engine_adds(capsys):
     eagle = '{"method": "eagle", "num_speculative_tokens": 2}'
     assert cli.main(base + ["--speculative-config", eagle]) != 0
     assert "method 'eagle' is not supported" in capsys.readouterr().err
+
+
+def test_plan_counts_a_draft_vocabularys_head_rows_and_narrower_buffers(capsys):
+    """With --device-memory the speculative graphs' buffers (draft logits rows of N'
+    columns) and a subset's LM-head rows come out of the budget; a preset has no
+    tokenizer, so its draft vocabulary is exactly the first draft_vocab_size ids."""
+    cfg = qwen27b()
+    v, h, k, seqs = cfg.vocab_size, cfg.hidden_size, 3, 8
+    assert (v, h) == (248_320, 5120)
+    base = ["plan", "--model", "preset:qwen3.5-27b", "--device-memory", "141GiB",
+            "--max-model-len", "32768", "--max-num-seqs", str(seqs), "--json"]
+
+    def plan(spec: str | None) -> dict:
+        assert cli.main(base + ([] if spec is None else ["--speculative-config", spec])) == 0
+        return json.loads(capsys.readouterr().out)
+
+    mtp = '{"method": "mtp", "num_speculative_tokens": 3'
+    without, whole, subset = plan(None), plan(mtp + "}"), plan(mtp + ', "draft_vocab_size": 32768}')
+    assert "speculation" not in without
+    w, s = whole["speculation"], subset["speculation"]
+    assert (w["draft_vocab_rows"], w["draft_head_bytes"]) == (v, 0)
+    assert s["draft_vocab_rows"] == 32768
+    assert s["draft_head_bytes"] == 32768 * (h * 2 + 8)  # bf16 rows and int64 ids
+    # The draft logits rows shrink from V to N' columns: (k + 1) x seqs x 2 rows of them.
+    assert w["graph_bytes"] - s["graph_bytes"] == (k + 1) * seqs * 2 * (v - 32768) * 4
+    # The subset's rows are a copy beside the checkpoint's weights, not one of them.
+    assert subset["weights"]["total_bytes"] == whole["weights"]["total_bytes"]
+    mtp_weights = whole["weights"]["total_bytes"] - without["weights"]["total_bytes"]
+    assert without["plan"]["budget_bytes"] - whole["plan"]["budget_bytes"] == \
+        mtp_weights + w["graph_bytes"]
+    assert whole["plan"]["budget_bytes"] - subset["plan"]["budget_bytes"] == \
+        s["draft_head_bytes"] - (w["graph_bytes"] - s["graph_bytes"])
+    assert cli.main(base[:-1] + ["--speculative-config", mtp + ', "draft_vocab_size": 32768}']) \
+        == 0
+    assert "drafts over 32768 of 248320 token ids (their LM-head rows 320.2 MiB)" \
+        in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("size, message", [
+    (0, r"draft_vocab_size must be an integer in [1, vocab_size] (the model's vocabulary), "
+        r"got 0"),
+    (248_321, r"draft_vocab_size must be an integer in [1, 248320] (the model's vocab_size), "
+              r"got 248321"),
+])
+def test_plan_rejects_a_draft_vocab_size_outside_the_vocabulary(capsys, size, message):
+    spec = f'{{"method": "mtp", "num_speculative_tokens": 3, "draft_vocab_size": {size}}}'
+    assert cli.main(["plan", "--model", "preset:qwen3.5-27b", "--memory", "40GiB",
+                     "--speculative-config", spec]) != 0
+    assert message in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """The drafter's graphs' buffers, padding, size choice and tails (``engine/draft_graphs.py``),
-on the CPU with stand-in graphs whose replay runs a fake pass over the static batch."""
+on the CPU with stand-in graphs whose replay runs a fake pass over the static batch, and a
+fake head over the whole vocabulary or a subset of it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pagedserve.model.forward_batch import ForwardBatch
 NULL_SLOT = 9
 K = 3  # drafts: passes 1 and 2 chain
 R = K + 1
-HIDDEN, VOCAB = 2, 50
+HIDDEN, VOCAB = 2, 50  # VOCAB: the draft logits' columns
 SIZES = [1, 2, 4, 8]
 
 
@@ -30,22 +31,37 @@ def fake_pass(seen: list[ForwardBatch]):
 
 
 def fake_logits(h: torch.Tensor) -> torch.Tensor:
-    """float32 ``[N, V]`` peaking at column ``h[:, 0] mod V``."""
+    """float32 ``[N, VOCAB]`` peaking at column ``h[:, 0] mod VOCAB``."""
     peak = h[:, 0].long() % VOCAB
     return -(torch.arange(VOCAB)[None, :] - peak[:, None]).abs().float()
 
 
-def stand_in_propose(seen: list[ForwardBatch]) -> ProposeGraphs:
-    graphs = ProposeGraphs(fake_pass(seen), fake_logits, torch.device("cpu"), torch.float32,
-                           SIZES, K, HIDDEN, VOCAB, max_blocks_per_seq=4, null_slot=NULL_SLOT)
+class FakeHead:
+    """``fake_logits`` over ``VOCAB`` columns; column ``c`` scores target id
+    ``stride * c`` (``stride`` 1: the whole vocabulary)."""
+
+    def __init__(self, stride: int = 1) -> None:
+        self.num_rows, self.stride = VOCAB, stride
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return fake_logits(h)
+
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        return columns * self.stride
+
+
+def stand_in_propose(seen: list[ForwardBatch], stride: int = 1) -> ProposeGraphs:
+    graphs = ProposeGraphs(fake_pass(seen), FakeHead(stride), torch.device("cpu"),
+                           torch.float32, SIZES, K, HIDDEN, max_blocks_per_seq=4,
+                           null_slot=NULL_SLOT)
     graphs.graphs = {(s, j): SimpleNamespace(replay=partial(graphs.run_pass, s, j))
                      for s in SIZES for j in range(1, K)}
     return graphs
 
 
 def stand_in_observe(seen: list[ForwardBatch]) -> ObserveGraphs:
-    graphs = ObserveGraphs(fake_pass(seen), fake_logits, torch.device("cpu"), torch.float32,
-                           SIZES, R, HIDDEN, VOCAB, max_blocks_per_seq=4, null_slot=NULL_SLOT,
+    graphs = ObserveGraphs(fake_pass(seen), FakeHead(), torch.device("cpu"), torch.float32,
+                           SIZES, R, HIDDEN, max_blocks_per_seq=4, null_slot=NULL_SLOT,
                            max_model_len=64)
     graphs.graphs = {s: SimpleNamespace(replay=partial(graphs.run_pass, s)) for s in SIZES}
     return graphs
@@ -68,8 +84,8 @@ def test_propose_holds_batches_up_to_the_largest_size_and_k_drafts():
     assert graphs.holds(8, K) and graphs.holds(1, 2)
     assert not graphs.holds(9, K) and not graphs.holds(3, K + 1)
     with pytest.raises(ValueError, match="num_drafts >= 2"):
-        ProposeGraphs(fake_pass([]), fake_logits, torch.device("cpu"), torch.float32, SIZES, 1,
-                      HIDDEN, VOCAB, 4, NULL_SLOT)
+        ProposeGraphs(fake_pass([]), FakeHead(), torch.device("cpu"), torch.float32, SIZES, 1,
+                      HIDDEN, 4, NULL_SLOT)
 
 
 @pytest.mark.parametrize("n, size", [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8)])
@@ -125,6 +141,22 @@ def test_each_pass_chains_on_the_previous_ones_output_and_draft():
     b["ids"][1, 0] = 20
     graphs.replay(size, 2)
     assert b["ids"][2, 0] == 26
+
+
+def test_passes_over_a_vocabulary_subset_draft_target_ids():
+    """Each pass's greedy draft is the target id of its argmax column, and the next pass
+    embeds that id: the head's columns are ids 0, 3, 6, ... here."""
+    seen: list[ForwardBatch] = []
+    graphs = stand_in_propose(seen, stride=3)
+    size = load_three(graphs)
+    b = graphs.buffers
+    assert b["logits"].shape == (K, SIZES[-1], VOCAB)  # [k, P, N']
+    assert b["ids"][0, :3].tolist() == [15, 21, 27]  # columns 5, 7, 9
+    graphs.replay(size, 1)
+    assert seen[-1].input_ids[:3].tolist() == [15, 21, 27]
+    # hidden 1 + id 15 = 16: column 16, id 48 (likewise 2 + 21, 3 + 27)
+    assert b["ids"][1, :3].tolist() == [48, 69, 90]
+    assert b["logits"][1, :3].argmax(dim=-1).tolist() == [16, 23, 30]
 
 
 def observe_batch(query_lens: list[int]) -> ForwardBatch:
