@@ -205,7 +205,8 @@ def test_rollback_matches_the_float64_oracle(dtype, bound, shape):
 def test_rollback_matches_the_path_it_replaces(monkeypatch, dtype, tol):
     """The same states as restoring and running the forward pass's kernels over the kept
     rows: conv states bit for bit; recurrent states to the gates' rounding (Triton's
-    exp and log here, torch's there)."""
+    exp and log here, torch's there; in bf16 under the interpreter also beta's rounding,
+    which the interpreter truncates where torch and the GPU round to nearest)."""
     monkeypatch.setattr(gdn, "_on_gpu", lambda t: True)  # the Triton kernels, on any device
     case = make_case(*CASE, dtype=dtype, seed=1, **SMALL)
     eager = make_case(*CASE, dtype=dtype, seed=1, **SMALL)
