@@ -68,8 +68,6 @@ from pagedserve.kernels.gdn_decode import RULE_BLOCK_V
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
               torch.float32: tl.float32}
-# Rows of ``RollbackLayers.addresses``.
-_MIXED, _B, _A, _CONV_W, _A_LOG, _DT_BIAS = range(6)
 # torch's softplus returns x itself past this (``F.softplus``'s default threshold).
 SOFTPLUS_THRESHOLD = 20.0
 
@@ -183,7 +181,8 @@ def _softplus(x, THRESHOLD: tl.constexpr):
     return tl.where(x > THRESHOLD, x, log1p)
 
 
-@triton.jit(do_not_specialize=["rows_per_seq"])
+# The sequence count (a graph's size) and r are not specialized: one compile serves all.
+@triton.jit(do_not_specialize=["num_seqs", "rows_per_seq"])
 def _rollback_kernel(
     layers_ptr, num_rows_ptr, slots_ptr,
     conv_ptr, conv_spare_ptr, rec_ptr, rec_spare_ptr,
@@ -206,8 +205,8 @@ def _rollback_kernel(
         hk = hv // GROUP  # value head hv reads key head hv // (Hv // Hk)
         slot = tl.load(slots_ptr + seq).to(tl.int64)
         row0 = seq.to(tl.int64) * rows_per_seq  # 64-bit rows: row * stride cannot overflow
-        entry = layers_ptr + layer
-        x_ptr = tl.load(entry + 0 * num_layers).to(tl.pointer_type(X_DTYPE))  # mixed
+        entry = layers_ptr + layer  # rows: mixed, b, a, conv weight, A_log, dt_bias
+        x_ptr = tl.load(entry).to(tl.pointer_type(X_DTYPE))  # mixed
         b_ptr = tl.load(entry + 1 * num_layers).to(tl.pointer_type(X_DTYPE))
         a_ptr = tl.load(entry + 2 * num_layers).to(tl.pointer_type(X_DTYPE))
         w_ptr = tl.load(entry + 3 * num_layers).to(tl.pointer_type(W_DTYPE))
