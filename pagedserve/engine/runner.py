@@ -39,6 +39,7 @@ from pagedserve.engine.draft_vocab import DraftHead
 from pagedserve.engine.prefill_graphs import PrefillGraphs
 from pagedserve.engine.rollback_graphs import RollbackGraphs
 from pagedserve.engine.verify_graphs import VerifyGraphs, VerifyOutput, verify_graph_sizes
+from pagedserve.kernels import gdn_rollback
 from pagedserve.kernels.ops import DecodeWorkspace, default_occupancy
 from pagedserve.kv import formats
 from pagedserve.kv.block_pool import BlockPool
@@ -253,6 +254,9 @@ class ModelRunner:
         self.verify_graphs: VerifyGraphs | None = None
         self.draft_graphs: DraftGraphs | None = None
         self.rollback_graphs: RollbackGraphs | None = None
+        # The rollback's table of a record's and the GDN layers' addresses, with the
+        # record's key (``_rollback_layers``).
+        self._rollback_table: tuple[tuple, gdn_rollback.RollbackLayers] | None = None
         if self.device.type == "cuda":
             self._prepare_cuda()
 
@@ -459,20 +463,36 @@ class ModelRunner:
         return True
 
     def _rollback_pass(
-        self, restore_slots: torch.Tensor, batch: ForwardBatch,
-        inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], rows: torch.Tensor,
+        self, num_rows: torch.Tensor, state_slots: torch.Tensor, rows_per_seq: int,
+        inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     ) -> None:
-        """The pass a rollback graph captures: each slot of ``restore_slots`` (int32
-        ``[P]``, on the device) back from its spare, then every Gated DeltaNet layer
-        advanced over rows ``rows`` (int64 ``[T]``) of ``inputs``. The copies go one layer
-        at a time, so that a graph's pool holds one layer's gathered slots, not all."""
+        """The pass a rollback graph captures, one launch (``kernels/gdn_rollback.py``):
+        in every Gated DeltaNet layer, each sequence's slot of ``state_slots`` (int32
+        ``[P]``) set to its spare advanced over the sequence's first ``num_rows`` (int32
+        ``[P]``, on the device; 0: the slot is left as it is) of its ``rows_per_seq``
+        rows of ``inputs``, a verify step's ``GdnRecord.inputs`` (sequence ``s``'s from
+        row ``s rows_per_seq``). What ``restore_states`` and ``advance_linear_states``
+        over those rows do."""
         conv, rec = self._spares()
-        index = restore_slots.long()
-        for states, spares in ((self.state_pool.conv_state, conv),
-                               (self.state_pool.recurrent_state, rec)):
-            for layer in range(states.shape[0]):
-                states[layer].index_copy_(0, index, spares[layer].index_select(0, index))
-        self.model.advance_linear_states(batch, self.caches, inputs, rows)
+        gdn_rollback.roll_back(self._rollback_layers(inputs), num_rows, rows_per_seq,
+                               state_slots, self.state_pool.conv_state,
+                               self.state_pool.recurrent_state, conv, rec)
+
+    def _rollback_layers(
+        self, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> gdn_rollback.RollbackLayers:
+        """The rollback's table of ``inputs`` and the GDN layers' parameters, built when
+        the record first comes (a graph's record buffers stay put): building it copies
+        addresses to the device, which a capture cannot, and a capture's warm-up builds
+        it first."""
+        key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for x in inputs for t in x)
+        if self._rollback_table is None or self._rollback_table[0] != key:
+            gdn = self.model.linear_attention_layers()
+            layers = gdn_rollback.rollback_layers(
+                inputs, [m.conv1d.weight[:, 0] for m in gdn], [m.A_log for m in gdn],
+                [m.dt_bias for m in gdn])
+            self._rollback_table = (key, layers)
+        return self._rollback_table[1]
 
     @torch.inference_mode()
     def forward_hidden(self, batch: ForwardBatch) -> torch.Tensor:

@@ -16,9 +16,9 @@ One step (synchronous: its tokens are read back before the next is scheduled)::
     roll back       where m < d: the slot back from its spare, then each Gated DeltaNet
                     layer's conv and delta rule advanced over the m + 1 kept rows' recorded
                     inputs (their attention K/V rows, written by the verify pass, stand);
-                    after a verify graph, one replay of a rollback graph does it for the
-                    whole step; the reservation past the kept rows is dropped, which
-                    frees the blocks only rejected rows used
+                    after a verify graph, one replay of a rollback graph (one kernel
+                    launch) does it for the whole step; the reservation past the kept
+                    rows is dropped, which frees the blocks only rejected rows used
     append          a row committed, then its token appended, one at a time: a stop
                     (EOS, stop id or string, max_tokens, max_model_len) inside the kept
                     run ends it there, with the rows below the stop committed
@@ -84,11 +84,12 @@ largest decode graph's sequences, ``observe`` where every kept run is ``1 .. k +
 ending at its sequence's frontier, as in every pure verify step.
 
 A pure verify step in which some sequence rejected a draft rolls back by one replay of
-the rollback graph of the same size (``engine/rollback_graphs.py``): each sequence that
-rejected one restored and advanced over its first ``m + 1`` rows of the verify graph's
+the rollback graph of the same size (``engine/rollback_graphs.py``): a single kernel
+launch (``kernels/gdn_rollback.py``) sets each sequence that rejected one, in every Gated
+DeltaNet layer, to its spare advanced over its first ``m + 1`` rows of the verify graph's
 record, with the row counts (0 for the others) the only thing the host writes. Eagerly, a
-rollback is a handful of launches per Gated DeltaNet layer, which the host issues slower
-than the GPU runs them. Other steps roll back eagerly.
+rollback is a restore and a handful of launches per Gated DeltaNet layer, which the host
+issues slower than the GPU runs them. Other steps roll back eagerly.
 """
 
 from __future__ import annotations
@@ -365,8 +366,8 @@ class SpeculativeDecoding:
         again over their kept rows from the verify step's recorded Gated DeltaNet inputs:
         the state ends at the last kept token. The kept rows' attention K/V, written by
         the verify pass, is already right. After a verify graph (``graphed``) the rollback
-        graph of its size does it in one replay (the other sequences count 0 rows: left
-        as they are); otherwise it runs eagerly."""
+        graph of its size does it in one replay of one kernel launch (the other sequences
+        count 0 rows: left as they are); otherwise it runs eagerly."""
         redo = [i for i, v in verified.items() if len(v.tokens) - 1 < chunks[i].num_draft]
         if not redo:
             return

@@ -152,13 +152,17 @@ class Qwen3_5Model(nn.Module):
         ``rows`` (int64 ``[T]``, ``batch``'s rows in order) of ``inputs``, a step's
         ``GdnRecord.inputs``. The states end where a forward pass of those rows would
         leave them; attention K/V and every other layer are untouched."""
-        linear = [layer for layer in self.layers
-                  if isinstance(layer, DecoderLayer) and not layer.is_full_attention]
+        linear = self.linear_attention_layers()
         assert len(linear) == len(inputs), (len(linear), len(inputs))
-        for layer, (mixed, b, a) in zip(linear, inputs):
-            i = layer.cache_index
-            layer.linear_attn.advance(mixed[rows], b[rows], a[rows], caches.conv_state[i],
-                                      caches.recurrent_state[i], batch)
+        for i, (gdn, (mixed, b, a)) in enumerate(zip(linear, inputs)):
+            gdn.advance(mixed[rows], b[rows], a[rows], caches.conv_state[i],
+                        caches.recurrent_state[i], batch)
+
+    def linear_attention_layers(self) -> list[GatedDeltaNet]:
+        """The Gated DeltaNet modules in layer order, which is their ``cache_index``
+        order: the i-th holds layer i of the state pool and of a ``GdnRecord``."""
+        return [layer.linear_attn for layer in self.layers
+                if isinstance(layer, DecoderLayer) and not layer.is_full_attention]
 
     def use_compiled_elementwise(self, ops: ElementwiseOps) -> None:
         """Route every module's elementwise math through ``ops`` (e.g. compiled twins)."""

@@ -16,7 +16,6 @@ import random
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 import torch
@@ -39,7 +38,6 @@ from pagedserve.engine.verify_graphs import (  # noqa: E402
     is_pure_verify,
     verify_graph_sizes,
 )
-from pagedserve.kernels import gdn  # noqa: E402
 from pagedserve.model.loader import load_model  # noqa: E402
 
 SHAPE = "d64-gqa3-untied"
@@ -318,9 +316,9 @@ def stand_in_graphs(engine: LLMEngine, k: int, calls: list[tuple]) -> None:
     """Give ``engine.runner`` stand-in verify and rollback graphs on the CPU: a verify
     "replay" runs the captured pass eagerly over the live batch and leaves its rows in
     the shared record buffers (``VerifyGraphs.run`` does the rest: padding, state slots,
-    the size replayed); a rollback "replay" runs ``RollbackGraphs.step`` of that size on
-    the Gated DeltaNet ops' GPU branches (the Triton interpreter), which read the packed
-    rows' bounds on the device as a captured graph does. ``calls`` logs each replay."""
+    the size replayed); a rollback "replay" runs ``RollbackGraphs.step`` of that size: the
+    one-launch rollback kernel (the Triton interpreter), which reads the counts on the
+    device as a captured graph does. ``calls`` logs each replay."""
     runner, r = engine.runner, k + 1
     graphs = VerifyGraphs(runner._verify_pass, runner.device,
                           verify_graph_sizes(runner.config.max_num_seqs, r, None), r,
@@ -353,8 +351,7 @@ def stand_in_graphs(engine: LLMEngine, k: int, calls: list[tuple]) -> None:
 
     def rollback_replay(size: int) -> None:
         calls.append(("rollback", size, tuple(rollback.buffers["num_rows"][:size].tolist())))
-        with mock.patch.object(gdn, "_on_gpu", lambda t: True):
-            rollback.step(size)
+        rollback.step(size)
 
     graphs.load = loading
     graphs.graphs = {s: SimpleNamespace(replay=lambda s=s: verify_replay(s))
