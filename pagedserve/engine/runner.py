@@ -39,8 +39,13 @@ from pagedserve.engine.draft_vocab import DraftHead
 from pagedserve.engine.prefill_graphs import PrefillGraphs
 from pagedserve.engine.rollback_graphs import RollbackGraphs
 from pagedserve.engine.verify_graphs import VerifyGraphs, VerifyOutput, verify_graph_sizes
-from pagedserve.kernels import gdn_rollback
-from pagedserve.kernels.ops import DecodeWorkspace, default_occupancy
+from pagedserve.kernels.ops import (
+    DecodeWorkspace,
+    RollbackLayers,
+    default_occupancy,
+    gdn_roll_back,
+    rollback_layers,
+)
 from pagedserve.kv import formats
 from pagedserve.kv.block_pool import BlockPool
 from pagedserve.kv.checkpoint_pool import CheckpointPool
@@ -256,7 +261,7 @@ class ModelRunner:
         self.rollback_graphs: RollbackGraphs | None = None
         # The rollback's table of a record's and the GDN layers' addresses, with the
         # record's key (``_rollback_layers``).
-        self._rollback_table: tuple[tuple, gdn_rollback.RollbackLayers] | None = None
+        self._rollback_table: tuple[tuple, RollbackLayers] | None = None
         if self.device.type == "cuda":
             self._prepare_cuda()
 
@@ -474,13 +479,12 @@ class ModelRunner:
         row ``s rows_per_seq``). What ``restore_states`` and ``advance_linear_states``
         over those rows do."""
         conv, rec = self._spares()
-        gdn_rollback.roll_back(self._rollback_layers(inputs), num_rows, rows_per_seq,
-                               state_slots, self.state_pool.conv_state,
-                               self.state_pool.recurrent_state, conv, rec)
+        gdn_roll_back(self._rollback_layers(inputs), num_rows, rows_per_seq, state_slots,
+                      self.state_pool.conv_state, self.state_pool.recurrent_state, conv, rec)
 
     def _rollback_layers(
         self, inputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    ) -> gdn_rollback.RollbackLayers:
+    ) -> RollbackLayers:
         """The rollback's table of ``inputs`` and the GDN layers' parameters, built when
         the record first comes (a graph's record buffers stay put): building it copies
         addresses to the device, which a capture cannot, and a capture's warm-up builds
@@ -488,7 +492,7 @@ class ModelRunner:
         key = tuple((t.data_ptr(), t.shape, t.stride(), t.dtype) for x in inputs for t in x)
         if self._rollback_table is None or self._rollback_table[0] != key:
             gdn = self.model.linear_attention_layers()
-            layers = gdn_rollback.rollback_layers(
+            layers = rollback_layers(
                 inputs, [m.conv1d.weight[:, 0] for m in gdn], [m.A_log for m in gdn],
                 [m.dt_bias for m in gdn])
             self._rollback_table = (key, layers)

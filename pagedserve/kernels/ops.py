@@ -15,15 +15,16 @@ import torch.nn.functional as F
 
 from pagedserve.kernels import guards, reference
 from pagedserve.kernels.decode_plan import DecodeConfig, DecodeWorkspace, default_occupancy
+from pagedserve.kernels.gdn_rollback import RollbackLayers, roll_back, rollback_layers
 from pagedserve.kv import formats
 from pagedserve.kv.formats import KVBlockStorage
 from pagedserve.quant import fp8
 
 # The public op API: the engine and the model import kernels only through this module.
 __all__ = [
-    "BACKENDS", "DecodeConfig", "DecodeWorkspace", "default_occupancy", "fp8_counters",
-    "fp8_linear", "kv_write", "paged_decode_attention", "paged_prefill_attention",
-    "prefill_method",
+    "BACKENDS", "DecodeConfig", "DecodeWorkspace", "RollbackLayers", "default_occupancy",
+    "fp8_counters", "fp8_linear", "gdn_roll_back", "kv_write", "paged_decode_attention",
+    "paged_prefill_attention", "prefill_method", "rollback_layers",
 ]
 
 BACKENDS = ("triton", "reference")
@@ -235,3 +236,19 @@ def fp8_linear(
         return fp8_matmul.fp8_linear(x, weight, scale_inv, parts, counters, method)
     fp8_matmul.check_args(x, weight, scale_inv, parts)
     return F.linear(x, fp8.dequantize(weight, scale_inv, parts, x.dtype))
+
+
+def gdn_roll_back(
+    layers: RollbackLayers, num_rows: torch.Tensor, rows_per_seq: int,
+    state_slots: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+    conv_spare: torch.Tensor, recurrent_spare: torch.Tensor,
+) -> None:
+    """Every GDN layer's state of each sequence set to its spare advanced over its first
+    ``num_rows`` (int32 ``[P]``; 0: left as it is) of its ``rows_per_seq`` rows of a
+    verify record, in one launch (``kernels.gdn_rollback.roll_back``, which gives the
+    shapes; ``layers`` from ``rollback_layers``). Triton only: CUDA tensors, or CPU
+    tensors under ``TRITON_INTERPRET=1``; elsewhere a rollback runs the model's own ops
+    (``Qwen3_5Model.advance_linear_states``)."""
+    _pick("triton", conv_state.device)
+    roll_back(layers, num_rows, rows_per_seq, state_slots, conv_state, recurrent_state,
+              conv_spare, recurrent_spare)
