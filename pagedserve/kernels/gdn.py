@@ -130,6 +130,9 @@ def gated_delta_rule_varlen(
     )
     if len(qsl) - 1 > nd:
         if max(qsl[b + 1] - qsl[b] for b in range(nd, len(qsl) - 1)) <= RECURRENT_MAX_ROWS:
+            # The rows past the device's last sequence (a graph's padding) belong to no
+            # program: zeroed, so that their outputs stay finite.
+            o[nd:].zero_()
             gdn_recurrent.gated_delta_rule_recurrent(
                 q, k, v, g, beta, recurrent_state, query_start_loc, state_slots, nd, o)
         elif gdn_prefill.fla_available():
