@@ -58,12 +58,13 @@ class ImposedAcceptance:
         self.rng = random.Random(seed)
         spec._verify = self._verify  # type: ignore[method-assign]
 
-    def _verify(self, e, req, target: torch.Tensor, draft) -> _Verified:
+    def _verify(self, e, req, target: torch.Tensor, draft, best=None) -> _Verified:
         d = len(draft.token_ids)
         m = 0
         while m < d and self.rng.random() < self.acceptance:
             m += 1
-        tokens = [*draft.token_ids[:m], int(target[m].argmax())]
+        last = best[m] if best is not None else int(target[m].argmax())
+        tokens = [*draft.token_ids[:m], last]
         self.spec.stats.record(d, m)
         return _Verified(tokens, [None] * len(tokens))
 

@@ -10,6 +10,10 @@ step of the same shape from ``bench_spec_e2e.py`` or ``bench_engine.py``.
 
     python benchmarks/tools/profile_spec.py [--batch 1] [--k 3] [--acceptance 0.7] [--kernels]
 
+The step's own wall time is measured first, with nothing wrapped. ``--syncs`` lists where
+the host waits for the device in a step (``torch.cuda.set_sync_debug_mode``), by the
+innermost pagedserve frame.
+
 ``--kernels`` adds the GPU side: the top kernels per step under torch.profiler (graph
 replays included), for the speculative engine and for a plain engine decoding the same
 prompts, so the verify pass's kernels can be set against the decode step's.
@@ -28,6 +32,8 @@ import os
 import statistics
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -64,6 +70,49 @@ def start(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -
         engine.step()
 
 
+def step_wall_ms(engine: LLMEngine, steps: int) -> float:
+    """Median wall time of ``engine``'s next ``steps`` steps, each fenced by a sync."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def sync_census(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """Host waits per step over ``engine``'s next ``steps`` steps, by the innermost frame
+    under ``pagedserve/`` (torch's sync debug mode warns at each synchronizing call)."""
+    sites: collections.Counter[str] = collections.Counter()
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/pagedserve/" in f.filename.replace("\\", "/")]
+        where = (f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}"
+                 if frames else f"{Path(filename).name}:{lineno}")
+        sites[where] += 1
+
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            for _ in range(steps):
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = show
+    per_step = {k: v / steps for k, v in sites.most_common()}
+    print(f"  host waits per step: {sum(per_step.values()):.1f}")
+    for where, n in per_step.items():
+        print(f"    {n:5.2f}  {where}")
+    return per_step
+
+
 def kernels(engine: LLMEngine, steps: int, top: int = 20) -> dict:
     """GPU time per step of ``engine``'s next ``steps`` steps, by kernel, printed."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -86,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kernels", action="store_true",
                     help="also profile the kernels of speculative and plain steps")
+    ap.add_argument("--syncs", action="store_true",
+                    help="also list where a step waits for the device")
     args = ap.parse_args(argv)
     loaded = load_model(args.model, "cuda", torch.bfloat16, progress=False, mtp=True)
     config = EngineConfig(
@@ -96,17 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     spec = engine.spec
     assert spec is not None
     ImposedAcceptance(spec, args.acceptance, seed=1)
+    params = SamplingParams(max_tokens=3 * args.steps * (args.k + 1) + 64, temperature=0.0,
+                            ignore_eos=True)
+    prompts = [torch.randint(0, engine.vocab_size, (512,)).tolist() for _ in range(args.batch)]
+    start(engine, prompts, params)
+    bare_ms = step_wall_ms(engine, args.steps)  # nothing wrapped
+    census = sync_census(engine, min(args.steps, 5)) if args.syncs else None
     times: dict[str, list[float]] = collections.defaultdict(list)
     for name in PHASES:
         setattr(spec, name, timed(times, name, getattr(spec, name)))
     spec.drafter.propose = timed(times, "drafter.propose", spec.drafter.propose)
     spec.drafter.observe = timed(times, "drafter.observe", spec.drafter.observe)
-    params = SamplingParams(max_tokens=args.steps * (args.k + 1) + 64, temperature=0.0,
-                            ignore_eos=True)
-    prompts = [torch.randint(0, engine.vocab_size, (512,)).tolist() for _ in range(args.batch)]
-    start(engine, prompts, params)
-    for v in times.values():
-        v.clear()
     step_times = []
     for _ in range(args.steps):
         torch.cuda.synchronize()
@@ -117,9 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     ms = {name: 1e3 * sum(v) / args.steps for name, v in times.items()}
     step_ms = 1e3 * statistics.median(step_times)
     result = {"batch": args.batch, "k": args.k, "acceptance": args.acceptance,
-              "step_ms_p50": step_ms, "phase_ms_per_step": ms,
+              "step_ms_p50": bare_ms, "phased_step_ms_p50": step_ms,
+              "phase_ms_per_step": ms, "host_waits_per_step": census,
               "mean_acceptance_length": spec.stats.mean_acceptance_length}
-    print(f"B={args.batch} k={args.k} a={args.acceptance}: step {step_ms:.2f} ms (p50), "
+    print(f"B={args.batch} k={args.k} a={args.acceptance}: step {bare_ms:.2f} ms (p50), "
+          f"{step_ms:.2f} ms with each phase fenced, "
           f"{spec.stats.mean_acceptance_length:.2f} tokens/verify")
     for name, v in sorted(ms.items(), key=lambda kv: -kv[1]):
         print(f"  {name:18s} {v:7.2f} ms/step")
@@ -132,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         plain = LLMEngine(config, loaded=loaded)
         start(plain, prompts, params)
-        print("plain decode steps:")
+        result["plain_step_ms_p50"] = step_wall_ms(plain, args.steps)
+        print(f"plain decode steps: {result['plain_step_ms_p50']:.2f} ms (p50)")
         result["kernels"]["plain"] = kernels(plain, args.steps)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "profile_spec.json").write_text(json.dumps(result, indent=1))

@@ -5,6 +5,9 @@ The engine talks to a drafter at two points of every speculative step:
 - ``propose``, after scheduling: for each sequence that speculates, ``d`` draft tokens
   (and their distributions, or ``None`` for a deterministic drafter). The K/V rows
   ``[c, c + d]`` of such a sequence (``c`` its computed tokens) are reserved by then.
+  A drafter that computes its drafts on the device may hand them over there
+  (``Proposal.device_ids``): the engine then queues the verify pass on them before the
+  host reads them, so the device does not wait for the host between the two.
 - ``observe``, after verifying: the rows of the step that the target keeps, with their
   final hidden states and the token that follows each row.
 
@@ -94,10 +97,44 @@ class Observed:
     frontier: bool
 
 
+class Proposal:
+    """The drafts of one ``propose`` call, in its requests' order.
+
+    ``device_ids``: int64 ``[B, d_max]`` on the device, row ``i``'s first ``d_i`` entries
+    request ``i``'s drafts, or ``None`` (the drafts are on the host only). A view of the
+    drafter's buffers, valid until its next ``propose``. ``drafts()`` reads the ids to the
+    host once, when first asked.
+    """
+
+    def __init__(self, drafts: list[Draft] | None = None, *,
+                 device_ids: torch.Tensor | None = None, num_drafts: list[int] | None = None,
+                 logits: list[torch.Tensor | None] | None = None) -> None:
+        if (drafts is None) == (device_ids is None):
+            raise ValueError("a proposal holds either host drafts or device ids")
+        self._drafts = drafts
+        self.device_ids = device_ids
+        self._num_drafts = num_drafts or []
+        self._logits = logits or [None] * len(self._num_drafts)
+
+    @property
+    def num_drafts(self) -> list[int]:
+        if self._drafts is not None:
+            return [len(d.token_ids) for d in self._drafts]
+        return self._num_drafts
+
+    def drafts(self) -> list[Draft]:
+        if self._drafts is None:
+            assert self.device_ids is not None
+            rows = self.device_ids.tolist()  # [B][d_max]: the one host read
+            self._drafts = [Draft(r[:d], q)
+                            for r, d, q in zip(rows, self._num_drafts, self._logits)]
+        return self._drafts
+
+
 class Drafter(Protocol):
     def ready(self, req: Request) -> bool: ...
 
-    def propose(self, wants: list[DraftRequest]) -> list[Draft]: ...
+    def propose(self, wants: list[DraftRequest]) -> Proposal: ...
 
     def observe(self, kept: list[Observed]) -> None: ...
 
@@ -153,9 +190,9 @@ class MTPDrafter:
             o = kept[i]
             o.request.draft_tail = _Tail(o.start + len(o.next_ids), last[row], logits[row])
 
-    def propose(self, wants: list[DraftRequest]) -> list[Draft]:
+    def propose(self, wants: list[DraftRequest]) -> Proposal:
         if not wants:
-            return []
+            return Proposal([])
         tails = [w.request.draft_tail for w in wants]
         assert all(isinstance(t, _Tail) for t in tails)
         hidden = torch.stack([t.hidden for t in tails])  # [B, H]
@@ -181,15 +218,15 @@ class MTPDrafter:
             logits.append(step_logits)
             ids.append(self._choose(step_logits, wants, j))
         stacked = torch.stack(logits, dim=1)  # [B, d_max, N']
-        return [Draft([ids[j][i] for j in range(w.num_drafts)], self._q(stacked[i], w))
-                for i, w in enumerate(wants)]
+        return Proposal([Draft([ids[j][i] for j in range(w.num_drafts)], self._q(stacked[i], w))
+                         for i, w in enumerate(wants)])
 
     def _propose_graphed(self, graphs: ProposeGraphs, wants: list[DraftRequest],
-                         hidden: torch.Tensor, first: torch.Tensor) -> list[Draft]:
+                         hidden: torch.Tensor, first: torch.Tensor) -> Proposal:
         """``propose`` through the captured passes: ``hidden`` ``[B, H]`` and ``first``
         ``[B, N']`` the tails'. Pass ``j`` writes K/V row ``start + j - 1`` of each sequence
-        that drafts more than ``j`` tokens; the greedy drafts stay on the device until
-        the last pass, sampled ones are drawn between passes."""
+        that drafts more than ``j`` tokens; the greedy drafts stay on the device (sampled
+        ones are drawn between passes, there too), and so does the proposal."""
         d_max = max(w.num_drafts for w in wants)
         rows = [[w.start + j for j in range(w.num_drafts - 1)] for w in wants]
         slots = [[self.kv.slot_of(w.request.live_kv_handle, r) for r in rs]
@@ -204,10 +241,10 @@ class MTPDrafter:
         for j in range(1, d_max):
             graphs.replay(size, j)
             self._draw_sampled(logits[j, :n], wants, j, ids[j, :n])
-        tokens = ids[:d_max, :n].T.tolist()  # [B][d_max]
         stacked = logits[:d_max, :n].transpose(0, 1)  # [B, d_max, N'], the buffers
-        return [Draft(tokens[i][:w.num_drafts], self._q(stacked[i], w))
-                for i, w in enumerate(wants)]
+        return Proposal(device_ids=ids[:d_max, :n].T,  # [B, d_max]
+                        num_drafts=[w.num_drafts for w in wants],
+                        logits=[self._q(stacked[i], w) for i, w in enumerate(wants)])
 
     def _q(self, logits: torch.Tensor, want: DraftRequest) -> torch.Tensor | None:
         """What ``Draft.logits`` holds for ``want``'s drafts from their draft logits

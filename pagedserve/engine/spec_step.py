@@ -101,7 +101,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch
-from pagedserve.engine.drafter import Draft, Drafter, DraftRequest, Observed
+from pagedserve.engine.drafter import Draft, Drafter, DraftRequest, Observed, Proposal
 from pagedserve.engine.lookahead import InflightStep
 from pagedserve.engine.prefix_cache import logits_with_cached_rows
 from pagedserve.engine.request import Request, RequestStatus, TokenLogprob
@@ -190,21 +190,20 @@ class SpeculativeDecoding:
         forwarded = [i for i, c in enumerate(chunks) if c.num_tokens]  # a leading run
         spec = [i for i, c in enumerate(chunks) if c.num_draft]
         slots = [e.runner.state_pool.slot(c.request.live_state_handle) for c in chunks]
-        drafts = dict(zip(spec, self.drafter.propose(
+        proposal = self.drafter.propose(
             [DraftRequest(chunks[i].request, slots[i], chunks[i].start_pos,
-                          chunks[i].num_draft) for i in spec])))
-        seq_chunks = []
-        for i in forwarded:
-            c = chunks[i]
-            ids = c.request.token_slice(c.start_pos, c.start_pos + c.num_tokens - c.num_draft)
-            if c.num_draft:
-                ids += drafts[i].token_ids
-            seq_chunks.append(SeqChunk(c.request.live_kv_handle, slots[i], tuple(ids),
-                                       c.start_pos))
+                          chunks[i].num_draft) for i in spec])
+        pure = len(spec) == len(chunks)  # every chunk verifies (the graph may hold it)
+        # Drafts left on the device go into the batch there (``_forward``), when every
+        # chunk is one pending token and as many drafts; the host reads them after.
+        on_device = (pure and proposal.device_ids is not None
+                     and len(set(proposal.num_drafts)) == 1)
+        drafts = None if on_device else dict(zip(spec, proposal.drafts()))
+        seq_chunks = self._seq_chunks(chunks, forwarded, slots, drafts)
         if spec:
             e.runner.save_states([slots[i] for i in spec])
-        pure = len(spec) == len(chunks)  # every chunk verifies (the graph may hold it)
-        hidden, qsl, record, all_logits = self._forward(e, seq_chunks, spec, pure)
+        hidden, qsl, record, all_logits = self._forward(
+            e, seq_chunks, spec, pure, proposal if on_device else None)
         plain = [i for i, c in enumerate(chunks) if c.completes and not c.num_draft]
         saving = [i for i in forwarded if e.prefix is not None and not chunks[i].num_draft
                   and e.prefix.wants_checkpoint(chunks[i].request, chunks[i].start_pos,
@@ -225,32 +224,60 @@ class SpeculativeDecoding:
             e.prefix.save(c.request, c.start_pos + c.num_tokens, end_logits[i],
                           hidden[qsl[i + 1] - 1])
         sampled = self._sample_plain(e, chunks, plain, end_logits)
+        best = self._verify_argmax(chunks, spec, logits, len(ends))
+        if drafts is None:
+            drafts = dict(zip(spec, proposal.drafts()))
+            seq_chunks = self._seq_chunks(chunks, forwarded, slots, drafts)
         verified: dict[int, _Verified] = {}
         offset = len(ends)
         for i in spec:
             d = chunks[i].num_draft
             assert logits is not None
+            rows = best[offset - len(ends):offset - len(ends) + d + 1] if best else None
             verified[i] = self._verify(e, chunks[i].request, logits[offset:offset + d + 1],
-                                       drafts[i])
+                                       drafts[i], rows)
             offset += d + 1
         self._observe(chunks, slots, qsl, hidden, sampled, verified)
         self._roll_back(e, chunks, slots, verified, seq_chunks, spec, record,
                         graphed=all_logits is not None)
         return self._apply(e, chunks, qsl, hidden, sampled, verified)
 
+    @staticmethod
+    def _seq_chunks(chunks: list[ScheduledChunk], forwarded: list[int], slots: list[int],
+                    drafts: dict[int, Draft] | None) -> list[SeqChunk]:
+        """What the forward pass writes for each forwarded chunk: its tokens, then its
+        drafts (``drafts`` ``None``: zeros in their place, the drafts still on the
+        device)."""
+        seq_chunks = []
+        for i in forwarded:
+            c = chunks[i]
+            ids = c.request.token_slice(c.start_pos, c.start_pos + c.num_tokens - c.num_draft)
+            if c.num_draft:
+                ids += drafts[i].token_ids if drafts is not None else [0] * c.num_draft
+            seq_chunks.append(SeqChunk(c.request.live_kv_handle, slots[i], tuple(ids),
+                                       c.start_pos))
+        return seq_chunks
+
     def _forward(self, e: LLMEngine, seq_chunks: list[SeqChunk], spec: list[int],
-                 pure: bool) -> tuple[torch.Tensor, list[int], GdnRecord | None,
-                                      torch.Tensor | None]:
+                 pure: bool, proposal: Proposal | None,
+                 ) -> tuple[torch.Tensor, list[int], GdnRecord | None, torch.Tensor | None]:
         """The forward pass of ``seq_chunks``: every row's final hidden state ``[T, H]``,
         the rows' ``query_start_loc``, the verify rows' recorded Gated DeltaNet inputs
         (for ``_roll_back``), and, when a verify graph ran the step (``pure``: every chunk
-        verifies), every row's logits ``[T, V]`` (else ``None``). A step of only
-        zero-token chunks forwards nothing."""
+        verifies), every row's logits ``[T, V]`` (else ``None``). With ``proposal``, every
+        chunk is one token and ``d`` drafts, which come from its ``device_ids``. A step of
+        only zero-token chunks forwards nothing."""
         if not seq_chunks:
             return torch.empty(0, e.runner.model_config.hidden_size, device=e.runner.device,
                                dtype=e.runner.dtype), [0], None, None
         batch = build_forward_batch(seq_chunks, e.kv, e.runner.device, staging=e._staging)
         qsl = batch.query_start_loc_cpu
+        if proposal is not None:
+            assert proposal.device_ids is not None
+            d = proposal.num_drafts[0]
+            rows = batch.input_ids.view(batch.num_seqs, d + 1)  # [B, 1 + d]
+            rows[:, 1:].copy_(proposal.device_ids[:, :d])
+            batch.host = None  # its host form holds placeholder ids now
         graphed = e.runner.verify(batch) if pure else None
         if graphed is not None:  # every row is a verify row
             return graphed.hidden, qsl, GdnRecord(None, graphed.gdn_inputs), graphed.logits
@@ -284,11 +311,22 @@ class SpeculativeDecoding:
         return {i: _row(out, k, chunks[i].request.params.logprobs)
                 for k, i in enumerate(plain) if chunks[i].request.status is RequestStatus.RUNNING}
 
+    @staticmethod
+    def _verify_argmax(chunks: list[ScheduledChunk], spec: list[int],
+                       logits: torch.Tensor | None, first: int) -> list[int] | None:
+        """The argmax of every verify row (rows ``first ..`` of ``logits``), read to the
+        host in one transfer, when some speculating request is greedy (``_verify`` takes
+        its rows' from it where nothing changes its scores); else ``None``."""
+        if logits is None or not any(chunks[i].request.params.greedy for i in spec):
+            return None
+        return logits[first:].argmax(dim=-1).tolist()
+
     def _verify(self, e: LLMEngine, req: Request, target: torch.Tensor,
-                draft: Draft) -> _Verified:
-        """``target`` float32 ``[d + 1, V]``: the verify rows of ``req``. Under a grammar
-        each row is first masked to what the grammar allows after the drafts before it
-        (``StructuredOutputs.bitmask_along``); logprobs stay the model's own."""
+                draft: Draft, best: list[int] | None = None) -> _Verified:
+        """``target`` float32 ``[d + 1, V]``: the verify rows of ``req``; ``best``: their
+        argmax, when read already. Under a grammar each row is first masked to what the
+        grammar allows after the drafts before it (``StructuredOutputs.bitmask_along``);
+        logprobs stay the model's own."""
         d = len(draft.token_ids)
         bitmask = None
         if req.grammar is not None:
@@ -304,7 +342,8 @@ class SpeculativeDecoding:
                                               target.device)
         scores = allowed if st is None or not st.any_penalty else apply_penalties(allowed, st)
         if req.params.greedy:
-            tokens = verify_greedy(scores, draft.token_ids)  # [d + 1, V] scores
+            unchanged = scores is target  # no mask, ban or penalty: ``best`` holds
+            tokens = verify_greedy(scores, draft.token_ids, best if unchanged else None)
         else:
             assert st is not None
             p = torch.softmax(filtered_logits(scores, st), dim=-1)  # [d + 1, V]

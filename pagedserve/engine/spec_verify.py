@@ -64,10 +64,13 @@ def _seed_halves(seed: int, stream: int, index: torch.Tensor) -> tuple[torch.Ten
     return lo, _fmix32(_fmix32(hi + s) ^ lo)
 
 
-def verify_greedy(target_logits: torch.Tensor, draft_ids: list[int]) -> list[int]:
-    """``target_logits`` ``[d + 1, V]``; returns the ``m + 1`` tokens emitted (``m`` drafts
-    kept, then the target's own choice)."""
-    best = target_logits.argmax(dim=-1).tolist()  # [d + 1]
+def verify_greedy(target_logits: torch.Tensor, draft_ids: list[int],
+                  best: list[int] | None = None) -> list[int]:
+    """``target_logits`` ``[d + 1, V]`` (``best``: their argmax, when the caller has read
+    it already); returns the ``m + 1`` tokens emitted (``m`` drafts kept, then the
+    target's own choice)."""
+    if best is None:
+        best = target_logits.argmax(dim=-1).tolist()  # [d + 1]
     out = []
     for j, t in enumerate(draft_ids):
         if t != best[j]:

@@ -80,8 +80,14 @@ def test_draft_graphs_over_a_draft_vocabulary(spec_dir, batch):
     assert graphs.observe.buffers["tail_logits"].shape[-1] == 103
     drafted: list[int] = []
     propose = graphed.spec.drafter.propose
-    graphed.spec.drafter.propose = lambda wants: [
-        drafted.extend(d.token_ids) or d for d in propose(wants)]
+
+    def proposing(wants):
+        out = propose(wants)
+        for d in out.drafts():
+            drafted.extend(d.token_ids)
+        return out
+
+    graphed.spec.drafter.propose = proposing
     replays: list[tuple] = []
     _count_replays(graphs, replays)
     got = run_keeping_requests(graphed, greedy_items(batch))

@@ -74,7 +74,7 @@ def record_drafts(engine: LLMEngine) -> dict[str, list[tuple[list[int], torch.Te
 
     def recording(wants):
         out = propose(wants)
-        for w, d in zip(wants, out):
+        for w, d in zip(wants, out.drafts()):
             drafts.setdefault(w.request.request_id, []).append((d.token_ids, d.logits))
         return out
 

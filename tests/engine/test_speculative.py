@@ -28,7 +28,7 @@ from hybrid_checkpoints import build_hf_model, prompt_ids  # noqa: E402
 from mtp_checkpoints import build_mtp, save_with_mtp  # noqa: E402
 from test_engine import run_keeping_requests  # noqa: E402
 
-from pagedserve.engine.drafter import Draft, DraftRequest, Observed  # noqa: E402
+from pagedserve.engine.drafter import Draft, DraftRequest, Observed, Proposal  # noqa: E402
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams  # noqa: E402
 from pagedserve.engine.rollback_graphs import RollbackGraphs  # noqa: E402
@@ -120,7 +120,7 @@ def recorded_drafts(engine: LLMEngine) -> list[Draft]:
 
     def proposing(wants):
         out = propose(wants)
-        drafts.extend(out)
+        drafts.extend(out.drafts())
         return out
 
     engine.spec.drafter.propose = proposing
@@ -224,15 +224,19 @@ def test_plan_takes_the_engines_draft_vocabulary(capsys) -> None:
 class ForcedDrafter:
     """Proposes ``continuation[request][i]`` for output index ``i``, plus one (mod the
     vocabulary) wherever ``corrupt(i)``. Requests it has no continuation for (the engine's
-    own warm-up on CUDA) get token 0 at every index."""
+    own warm-up on CUDA) get token 0 at every index. ``on_device``: the proposal holds
+    the ids as a tensor (``Proposal.device_ids``, padded with -1), as the MTP drafter's
+    graphs leave them."""
 
-    def __init__(self, continuation: dict[str, list[int]], corrupt, vocab: int) -> None:
+    def __init__(self, continuation: dict[str, list[int]], corrupt, vocab: int,
+                 on_device: bool = False) -> None:
         self.continuation, self.corrupt, self.vocab = continuation, corrupt, vocab
+        self.on_device = on_device
 
     def ready(self, req: Request) -> bool:
         return True
 
-    def propose(self, wants: list[DraftRequest]) -> list[Draft]:
+    def propose(self, wants: list[DraftRequest]) -> Proposal:
         drafts = []
         for w in wants:
             first = len(w.request.output_token_ids)
@@ -240,16 +244,20 @@ class ForcedDrafter:
             ids = [(ref[i] + 1) % self.vocab if self.corrupt(i) else ref[i]
                    for i in range(first, first + w.num_drafts)]
             drafts.append(Draft(ids))
-        return drafts
+        if not self.on_device or not drafts:
+            return Proposal(drafts)
+        width = max(w.num_drafts for w in wants)
+        ids = torch.tensor([d.token_ids + [-1] * (width - len(d.token_ids)) for d in drafts])
+        return Proposal(device_ids=ids, num_drafts=[w.num_drafts for w in wants])
 
     def observe(self, kept: list[Observed]) -> None:
         pass
 
 
-def forced(spec_model, corrupt) -> ForcedDrafter:
+def forced(spec_model, corrupt, on_device: bool = False) -> ForcedDrafter:
     refs = spec_model[2]
     return ForcedDrafter({str(i): r for i, r in enumerate(refs)}, corrupt,
-                         spec_model[1].config.vocab_size)
+                         spec_model[1].config.vocab_size, on_device)
 
 
 def test_forced_drafts_hit_every_rollback_branch(spec_model) -> None:
@@ -286,14 +294,17 @@ def stand_in_verify_graph(engine: LLMEngine, k: int, calls: list[tuple]) -> None
     runner.forward_hidden = forward_hidden
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_pure_verify_steps_take_the_graph_path(spec_model, k) -> None:
+@pytest.mark.parametrize("k,on_device", [(1, False), (3, False), (3, True)])
+def test_pure_verify_steps_take_the_graph_path(spec_model, k, on_device) -> None:
     """The step's graph branch (all logits from the pass, the record of every row, the
     rollback from it) gives transformers' tokens; a step with a prompt chunk, a plain
-    decode row or fewer drafts than k runs eagerly."""
+    decode row or fewer drafts than k runs eagerly. ``on_device``: the drafts reach the
+    batch as a tensor (a wrong id there, such as the proposal's -1 padding or the
+    placeholders' 0, changes the tokens)."""
     refs = spec_model[2]
     corrupt = (lambda i: i % 5 == 1 or i % 7 == 2) if k == 3 else (lambda i: i % 3 == 1)
-    engine = make_engine(spec_model, k, forced(spec_model, corrupt), max_num_seqs=3)
+    engine = make_engine(spec_model, k, forced(spec_model, corrupt, on_device),
+                         max_num_seqs=3)
     calls: list[tuple] = []
     stand_in_verify_graph(engine, k, calls)
     lengths = [NEW, NEW - 7, NEW - 3]  # finishing apart: batches of 3, 2 and 1

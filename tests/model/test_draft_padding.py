@@ -138,13 +138,15 @@ def test_propose_graphs_give_the_eager_drafts_and_mtp_rows(setup):
     num_drafts = [K, 2, K]  # one request drafts fewer (its last pass is padding)
     wants = [DraftRequest(s.req, s.slot, c, d) for s, c, d in zip(seqs, CONTEXTS, num_drafts)]
     before = snapshot(runner)
-    eager, after_eager = drafter.propose(wants), snapshot(runner)
+    eager, after_eager = drafter.propose(wants).drafts(), snapshot(runner)
     restore(runner, before)
 
     calls: list[tuple] = []
     runner.draft_graphs = graphed(runner, calls)
-    got = drafter.propose(wants)
+    proposal = drafter.propose(wants)
     assert calls == [("propose", 4, 1), ("propose", 4, 2)]
+    assert proposal.device_ids is not None  # the graphs' drafts stay on the device
+    got = proposal.drafts()
     allowed = set(SUBSET) if runner.draft_head.ids is not None else set(range(320))
     for g, e, d, s in zip(got, eager, num_drafts, seqs):
         assert g.token_ids == e.token_ids and len(g.token_ids) == d
