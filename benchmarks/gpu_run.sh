@@ -13,6 +13,7 @@
 #         bench-structured bench-chaos bench-prefix probe-decode
 #         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8 bench-fp8-engine
 #         probe-scaled-mm tests-spec-gpu bench-spec bench-spec-e2e profile-spec
+#         spec-default-model
 #         bench-tp (2 GPUs)
 #         train-default-model (issue 38; carry .corpus as well as .whl).
 # Each stage has its own time limit, logs to $OUT/<stage>.log, and a one-line status goes
@@ -203,6 +204,9 @@ for spec in "$@"; do
     # one loaded model). $SPEC_E2E_ARGS: more bench_spec_e2e.py arguments.
     bench-spec-e2e) run_stage "$stage" "$limit" python3 benchmarks/bench_spec_e2e.py \
                      ${SPEC_E2E_ARGS:-} --out "$OUT" ;;
+    # Real acceptance (issue 39): the trained default model's MTP head at batch 1, bf16.
+    spec-default-model) run_stage "$stage" "$limit" python3 scripts/default_model/measure.py \
+                     pagedserve/model/default_checkpoint --device cuda ${MEASURE_ARGS:-} ;;
     # Wall time per phase of a speculative step (issue 39). $PROFILE_SPEC_ARGS: --batch, --k.
     profile-spec)  run_stage "$stage" "$limit" python3 benchmarks/tools/profile_spec.py \
                      ${PROFILE_SPEC_ARGS:-} ;;
