@@ -32,6 +32,26 @@ CONV_BLOCK_C = 256
 RULE_BLOCK_V = 32
 
 
+# The row step of the gated delta rule, shared by every kernel that runs it (decode here,
+# the row walk of short chunks in ``gdn_recurrent``, the rollback in ``gdn_rollback``), so
+# that all of them round alike: a sequence's state is the same whichever kernel advanced it.
+@triton.jit
+def l2_normalized(x, eps):
+    """``x / sqrt(sum(x^2) + eps)`` over a 1-D float32 block (masked lanes 0)."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=0) + eps)
+
+
+@triton.jit
+def delta_rule_row(s, k, v, g, beta):
+    """One row of the rule on a ``[BLOCK_K, BLOCK_V]`` float32 state tile ``s``: decay by
+    ``exp(g)``, then the delta write of ``v`` at key ``k`` (L2-normalized) with rate
+    ``beta``. Returns the new tile."""
+    s = s * tl.exp(g)
+    pred = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V] S^T k: what the state recalls
+    delta = (v - pred) * beta
+    return s + k[:, None] * delta[None, :]
+
+
 @triton.jit
 def _conv_decode_kernel(
     x_ptr, w_ptr, state_ptr, slots_ptr, y_ptr,
@@ -117,8 +137,8 @@ def _rule_decode_kernel(
     k = tl.load(k_ptr + b * stride_k_t + hk * stride_k_h + offs_k, mask=mask_k, other=0.0)
     q = q.to(tl.float32)
     k = k.to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    q = l2_normalized(q, eps) * scale
+    k = l2_normalized(k, eps)
     v = tl.load(v_ptr + b * stride_v_t + hv * stride_v_h + offs_v, mask=mask_v, other=0.0)
     v = v.to(tl.float32)
     g = tl.load(g_ptr + b * stride_g_t + hv * stride_g_h).to(tl.float32)
@@ -131,10 +151,7 @@ def _rule_decode_kernel(
     )
     mask_s = mask_k[:, None] & mask_v[None, :]
     s = tl.load(s_ptrs, mask=mask_s, other=0.0)
-    s = s * tl.exp(g)
-    pred = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V] S^T k: what the state recalls
-    delta = (v - pred) * beta
-    s = s + k[:, None] * delta[None, :]
+    s = delta_rule_row(s, k, v, g, beta)
     o = tl.sum(s * q[:, None], axis=0)  # [BLOCK_V]
     tl.store(s_ptrs, s, mask=mask_s)
     tl.store(

@@ -25,7 +25,12 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import gdn_reference as ref
-from pagedserve.kernels.gdn_decode import RULE_BLOCK_V, check_rule_operands
+from pagedserve.kernels.gdn_decode import (
+    RULE_BLOCK_V,
+    check_rule_operands,
+    delta_rule_row,
+    l2_normalized,
+)
 
 
 @triton.jit(do_not_specialize=["seq_begin"])
@@ -62,16 +67,13 @@ def _rule_recurrent_kernel(
                     other=0.0).to(tl.float32)
         k = tl.load(k_ptr + row * stride_k_t + hk * stride_k_h + offs_k, mask=mask_k,
                     other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+        q = l2_normalized(q, eps) * scale
+        k = l2_normalized(k, eps)
         v = tl.load(v_ptr + row * stride_v_t + hv * stride_v_h + offs_v, mask=mask_v,
                     other=0.0).to(tl.float32)
         g = tl.load(g_ptr + row * stride_g_t + hv * stride_g_h).to(tl.float32)
         beta = tl.load(beta_ptr + row * stride_b_t + hv * stride_b_h).to(tl.float32)
-        s = s * tl.exp(g)
-        pred = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V] S^T k: what the state recalls
-        delta = (v - pred) * beta
-        s = s + k[:, None] * delta[None, :]
+        s = delta_rule_row(s, k, v, g, beta)
         o = tl.sum(s * q[:, None], axis=0)  # [BLOCK_V]
         tl.store(o_ptr + row * stride_o_t + hv * stride_o_h + offs_v,
                  o.to(o_ptr.dtype.element_ty), mask=mask_v)

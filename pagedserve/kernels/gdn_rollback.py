@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels import gdn_reference as ref
-from pagedserve.kernels.gdn_decode import RULE_BLOCK_V
+from pagedserve.kernels.gdn_decode import RULE_BLOCK_V, delta_rule_row, l2_normalized
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
               torch.float32: tl.float32}
@@ -239,15 +239,12 @@ def _rollback_kernel(
             v = _conv_row(x_ptr, w_ptr, conv_spare, ch_v, mask_v, row0, t,
                           stride_x_t, stride_w_c, stride_w_k, stride_c_c, stride_c_k,
                           KW, BLOCK_V)
-            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+            k = l2_normalized(k, eps)
             a = tl.load(a_ptr + row * stride_a_t + hv).to(tl.float32)
             g = -tl.exp(a_log) * _softplus(a + dt_bias, THRESHOLD)
             b = tl.load(b_ptr + row * stride_b_t + hv).to(tl.float32)
             beta = tl.sigmoid(b).to(X_DTYPE).to(tl.float32)
-            s = s * tl.exp(g)
-            pred = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V] S^T k: what the state recalls
-            delta = (v - pred) * beta
-            s = s + k[:, None] * delta[None, :]
+            s = delta_rule_row(s, k, v, g, beta)
         tl.store(rec_ptr + s_at, s, mask=mask_s)
 
         _write_conv_state(x_ptr, conv_spare, conv_live, ch_v, mask_v, row0, c,
