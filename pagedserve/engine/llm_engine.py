@@ -282,6 +282,8 @@ class LLMEngine:
         compile_watch.arm()
         self.startup_seconds["warm_up"] = seconds
         self.stats = EngineStats()
+        if self.spec is not None:
+            self.spec.reset_stats()
         self.reset_prefix_cache()
         log.info("warm-up (every kind of step compiled and tuned) in %.1f s", seconds)
         return seconds

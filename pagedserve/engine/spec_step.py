@@ -166,7 +166,11 @@ class SpeculativeDecoding:
         self.config = config
         self.drafter = drafter
         self.max_model_len = max_model_len
-        k = config.num_speculative_tokens
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        """Counters from zero (after the warm-up, whose verifies are not the server's)."""
+        k = self.config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_pos=[0] * k, num_by_accepted=[0] * (k + 1))
 
     def draft_limit(self, req: Request) -> int:

@@ -21,24 +21,62 @@ launch of each kind covers all of them. The kinds:
   then one replay of every draft graph the runner captured (``DraftGraphs.replay_all``,
   over padding: a graph's first launch uploads it) and of each rollback graph once no
   request is live (it keeps no rows, so it writes only a free slot:
-  ``RollbackGraphs.replay_idle``).
+  ``RollbackGraphs.replay_idle``). A warm-up drafter rarely guesses right (the MTP head
+  of random or unrelated prompts), yet a rollback's shapes are its kept-row counts: the
+  greedy requests keep ``0, 1, .., d`` drafts in turn (``_keeping_in_turn``), so that
+  every count reaches the rollback's graph, its eager ops and the compiled ones among
+  them. Their tokens are the warm-up's own and are discarded.
 
 Every warm-up request runs to its end, so the pools are empty again afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.request import SamplingParams
+from pagedserve.engine.spec_step import _Verified
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.spec_step import SpeculativeDecoding
 
 WARMUP_PREFIX = "__warmup"
+
+
+@contextlib.contextmanager
+def _keeping_in_turn(spec: SpeculativeDecoding) -> Iterator[None]:
+    """Within: a greedy request's verify keeps ``0, 1, .., d`` of its ``d`` drafts in
+    turn, then the target's own token at the first one not kept (what a drafter that
+    guessed that many would give); sampled requests are decided as always."""
+    decide = spec._verify
+    patched = "_verify" in vars(spec)  # already replaced on the instance (a benchmark's)
+    turn = itertools.count()
+
+    def keep_in_turn(e, req, target, draft, best=None):  # noqa: ANN001 - ``_verify``'s
+        if not req.params.greedy:
+            return decide(e, req, target, draft, best)
+        d = len(draft.token_ids)
+        m = next(turn) % (d + 1)
+        last = best[m] if best is not None else int(target[m].argmax())
+        spec.stats.record(d, m)
+        tokens = [*draft.token_ids[:m], last]
+        return _Verified(tokens, [None] * len(tokens))
+
+    spec._verify = keep_in_turn  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if patched:
+            spec._verify = decide  # type: ignore[method-assign]
+        else:
+            del spec._verify  # the class's own again
 
 
 def warm_up(engine: LLMEngine) -> float:
@@ -74,7 +112,9 @@ def warm_up(engine: LLMEngine) -> float:
     run([1, 17, 300], stagger=False)
     if engine.spec is not None:
         k = engine.spec.config.num_speculative_tokens
-        run([7, 9, 30], stagger=True, max_tokens=4 * (k + 1), greedy_every=2)
+        with _keeping_in_turn(engine.spec):
+            run([7, 9, 30], stagger=True, max_tokens=4 * (k + 1), greedy_every=2)
+            run([11, 5], stagger=False, max_tokens=6 * (k + 1), greedy_every=1)
         if engine.runner.draft_graphs is not None:
             engine.runner.draft_graphs.replay_all()
         if engine.runner.rollback_graphs is not None:

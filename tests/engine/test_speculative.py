@@ -736,3 +736,27 @@ def test_spec_counters_reach_prometheus(spec_model) -> None:
     line = next(x for x in text.splitlines()
                 if x.startswith("pagedserve:spec_decode_mean_acceptance_length{"))
     assert abs(float(line.split()[-1]) - mean) < 1e-9 and 1.0 < mean < 3.0
+
+
+def test_warm_up_keeps_every_count_of_drafts(spec_model) -> None:
+    """The warm-up's greedy verifies keep 0 .. k drafts in turn, so every rollback shape
+    runs before the first request (on CUDA: compiles); its counters are then reset, the
+    verify decision is the engine's own again, and nothing stays allocated."""
+    k = 3
+    engine = make_engine(spec_model, k, max_num_seqs=3)
+    spec = engine.spec
+    seen: list[list[int]] = []
+    reset = spec.reset_stats
+
+    def reset_stats():
+        seen.append(list(spec.stats.num_by_accepted))
+        reset()
+
+    spec.reset_stats = reset_stats
+    engine.warm_up()
+    assert len(seen) == 1 and all(n > 0 for n in seen[0]), seen  # m = 0, 1, .., k
+    assert spec.stats.num_drafts == 0 and spec.stats.num_by_accepted == [0] * (k + 1)
+    assert "_verify" not in vars(spec)
+    assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
+    got = run(engine, PROMPTS, GREEDY)
+    assert [got[str(i)] for i in range(len(PROMPTS))] == spec_model[2]
