@@ -5,7 +5,10 @@ One step (synchronous: its tokens are read back before the next is scheduled)::
 
     schedule        a decoding request that may speculate gets 1 + d rows (d <= k),
                     reserved in the K/V manager like any chunk
-    propose         the drafter's d tokens per such request
+    propose         the drafter's d tokens per such request (left on the device when its
+                    graphs made them: a pure verify batch copies them in there, and the
+                    host reads them, with every verify row's argmax, once the forward
+                    pass is queued, so the device does not wait for the host between)
     save states     each speculating sequence's state slot, to its spare
     forward         the whole batch; logits of every verify row and of the last row of
                     each chunk that completes; the Gated DeltaNet layers record their
