@@ -240,9 +240,9 @@ class SpeculativeDecoding:
         for i in spec:
             d = chunks[i].num_draft
             assert logits is not None
-            rows = best[offset - len(ends):offset - len(ends) + d + 1] if best else None
+            first = offset - len(ends)
             verified[i] = self._verify(e, chunks[i].request, logits[offset:offset + d + 1],
-                                       drafts[i], rows)
+                                       drafts[i], best[first:first + d + 1] if best else None)
             offset += d + 1
         self._observe(chunks, slots, qsl, hidden, sampled, verified)
         self._roll_back(e, chunks, slots, verified, seq_chunks, spec, record,

@@ -44,7 +44,11 @@ from pagedserve.engine.request import SamplingParams
 from pagedserve.engine.spec_step import _Verified
 
 if TYPE_CHECKING:
+    import torch
+
+    from pagedserve.engine.drafter import Draft
     from pagedserve.engine.llm_engine import LLMEngine
+    from pagedserve.engine.request import Request
     from pagedserve.engine.spec_step import SpeculativeDecoding
 
 WARMUP_PREFIX = "__warmup"
@@ -59,7 +63,8 @@ def _keeping_in_turn(spec: SpeculativeDecoding) -> Iterator[None]:
     patched = "_verify" in vars(spec)  # already replaced on the instance (a benchmark's)
     turn = itertools.count()
 
-    def keep_in_turn(e, req, target, draft, best=None):  # noqa: ANN001 - ``_verify``'s
+    def keep_in_turn(e: LLMEngine, req: Request, target: torch.Tensor, draft: Draft,
+                     best: list[int] | None = None) -> _Verified:
         if not req.params.greedy:
             return decide(e, req, target, draft, best)
         d = len(draft.token_ids)
