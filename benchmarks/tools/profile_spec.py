@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--kernels", action="store_true",
                     help="also profile the kernels of speculative and plain steps")
+    ap.add_argument("--draft-vocab-size", type=int, default=None,
+                    help="draft over a vocabulary subset (engine/draft_vocab.py)")
     ap.add_argument("--syncs", action="store_true",
                     help="also list where a step waits for the device")
     args = ap.parse_args(argv)
@@ -142,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(
         model=args.model, device="cuda", dtype="bfloat16", max_model_len=2048,
         max_num_seqs=args.batch, cache_type_k="q4_0", cache_type_v="q4_0", progress=False)
-    engine = LLMEngine(dataclasses.replace(config, speculative_config={
-        "method": "mtp", "num_speculative_tokens": args.k}), loaded=loaded)
+    speculative: dict = {"method": "mtp", "num_speculative_tokens": args.k}
+    if args.draft_vocab_size is not None:
+        speculative["draft_vocab_size"] = args.draft_vocab_size
+    engine = LLMEngine(dataclasses.replace(config, speculative_config=speculative),
+                       loaded=loaded)
     spec = engine.spec
     assert spec is not None
     ImposedAcceptance(spec, args.acceptance, seed=1)
@@ -168,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ms = {name: 1e3 * sum(v) / args.steps for name, v in times.items()}
     step_ms = 1e3 * statistics.median(step_times)
     result = {"batch": args.batch, "k": args.k, "acceptance": args.acceptance,
+              "draft_vocab_size": args.draft_vocab_size,
               "step_ms_p50": bare_ms, "phased_step_ms_p50": step_ms,
               "phase_ms_per_step": ms, "host_waits_per_step": census,
               "mean_acceptance_length": spec.stats.mean_acceptance_length}
