@@ -40,7 +40,7 @@ import _common  # noqa: E402
 from pagedserve.engine import compile_watch  # noqa: E402
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.request import SamplingParams  # noqa: E402
-from pagedserve.engine.spec_step import SpecStats, SpeculativeDecoding, _Verified  # noqa: E402
+from pagedserve.engine.spec_step import SpecStats, SpeculativeDecoding, Verified  # noqa: E402
 from pagedserve.model.loader import LoadedModel, load_model  # noqa: E402
 from pagedserve.model.mtp import SUPPORTED_MTP_LAYERS  # noqa: E402
 from pagedserve.model.random_checkpoint import random_model_path  # noqa: E402
@@ -59,7 +59,7 @@ class ImposedAcceptance:
         self.rng = random.Random(seed)
         spec._verify = self._verify  # type: ignore[method-assign]
 
-    def _verify(self, e, req, target: torch.Tensor, draft, best=None) -> _Verified:
+    def _verify(self, e, req, target: torch.Tensor, draft, best=None) -> Verified:
         d = len(draft.token_ids)
         m = 0
         while m < d and self.rng.random() < self.acceptance:
@@ -67,7 +67,7 @@ class ImposedAcceptance:
         last = best[m] if best is not None else int(target[m].argmax())
         tokens = [*draft.token_ids[:m], last]
         self.spec.stats.record(d, m)
-        return _Verified(tokens, [None] * len(tokens))
+        return Verified(tokens, [None] * len(tokens))
 
 
 def tiny_with_mtp() -> LoadedModel:

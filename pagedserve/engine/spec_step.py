@@ -155,7 +155,7 @@ class SpecStats:
 
 
 @dataclass
-class _Verified:
+class Verified:
     """One speculating chunk's outcome: ``tokens`` emitted (m + 1), their logprobs."""
 
     tokens: list[int]
@@ -235,7 +235,7 @@ class SpeculativeDecoding:
         if drafts is None:
             drafts = dict(zip(spec, proposal.drafts()))
             seq_chunks = self._seq_chunks(chunks, forwarded, slots, drafts)
-        verified: dict[int, _Verified] = {}
+        verified: dict[int, Verified] = {}
         offset = len(ends)
         for i in spec:
             d = chunks[i].num_draft
@@ -329,7 +329,7 @@ class SpeculativeDecoding:
         return logits[first:].argmax(dim=-1).tolist()
 
     def _verify(self, e: LLMEngine, req: Request, target: torch.Tensor,
-                draft: Draft, best: list[int] | None = None) -> _Verified:
+                draft: Draft, best: list[int] | None = None) -> Verified:
         """``target`` float32 ``[d + 1, V]``: the verify rows of ``req``; ``best``: their
         argmax, when read already. Under a grammar each row is first masked to what the
         grammar allows after the drafts before it (``StructuredOutputs.bitmask_along``);
@@ -370,11 +370,11 @@ class SpeculativeDecoding:
                     vals, ids = logp[j].topk(n)
                     top = list(zip(ids.tolist(), vals.tolist()))
                 logprobs[j] = TokenLogprob(t, float(logp[j, t]), top)
-        return _Verified(tokens, logprobs)
+        return Verified(tokens, logprobs)
 
     # ---- after the forward pass ---------------------------------------------------------
     def _observe(self, chunks: list[ScheduledChunk], slots: list[int], qsl: list[int],
-                 hidden: torch.Tensor, sampled: dict, verified: dict[int, _Verified]) -> None:
+                 hidden: torch.Tensor, sampled: dict, verified: dict[int, Verified]) -> None:
         """Show the drafter every kept row with the token after it. After a prefix hit at
         ``p`` the request's first rows start at ``p - 1``, fed the checkpoint's hidden row
         (``Request.resume_hidden``): the drafter's row ``p - 1`` in the copied tail block
@@ -406,7 +406,7 @@ class SpeculativeDecoding:
         self.drafter.observe(kept)
 
     def _roll_back(self, e: LLMEngine, chunks: list[ScheduledChunk], slots: list[int],
-                   verified: dict[int, _Verified], seq_chunks: list[SeqChunk],
+                   verified: dict[int, Verified], seq_chunks: list[SeqChunk],
                    spec: list[int], record: GdnRecord | None, graphed: bool) -> None:
         """Slots of sequences that rejected a draft back to their spare, then advanced
         again over their kept rows from the verify step's recorded Gated DeltaNet inputs:
@@ -437,7 +437,7 @@ class SpeculativeDecoding:
 
     def _apply(self, e: LLMEngine, chunks: list[ScheduledChunk], qsl: list[int],
                hidden: torch.Tensor, sampled: dict,
-               verified: dict[int, _Verified]) -> list[RequestOutput]:
+               verified: dict[int, Verified]) -> list[RequestOutput]:
         """Commit each chunk's kept rows and append its tokens. A verify chunk commits one
         row before each token it appends, so that a stop on a kept draft leaves exactly
         the rows below it committed; its state has moved past them then, so it is not

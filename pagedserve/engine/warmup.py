@@ -41,7 +41,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.request import SamplingParams
-from pagedserve.engine.spec_step import _Verified
+from pagedserve.engine.spec_step import Verified
 
 if TYPE_CHECKING:
     import torch
@@ -64,7 +64,7 @@ def _keeping_in_turn(spec: SpeculativeDecoding) -> Iterator[None]:
     turn = itertools.count()
 
     def keep_in_turn(e: LLMEngine, req: Request, target: torch.Tensor, draft: Draft,
-                     best: list[int] | None = None) -> _Verified:
+                     best: list[int] | None = None) -> Verified:
         if not req.params.greedy:
             return decide(e, req, target, draft, best)
         d = len(draft.token_ids)
@@ -72,7 +72,7 @@ def _keeping_in_turn(spec: SpeculativeDecoding) -> Iterator[None]:
         last = best[m] if best is not None else int(target[m].argmax())
         spec.stats.record(d, m)
         tokens = [*draft.token_ids[:m], last]
-        return _Verified(tokens, [None] * len(tokens))
+        return Verified(tokens, [None] * len(tokens))
 
     spec._verify = keep_in_turn  # type: ignore[method-assign]
     try:
