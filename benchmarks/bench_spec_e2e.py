@@ -40,7 +40,7 @@ import _common  # noqa: E402
 from pagedserve.engine import compile_watch  # noqa: E402
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from pagedserve.engine.request import SamplingParams  # noqa: E402
-from pagedserve.engine.spec_step import SpecStats, SpeculativeDecoding, Verified  # noqa: E402
+from pagedserve.engine.spec_step import SpeculativeDecoding  # noqa: E402
 from pagedserve.model.loader import LoadedModel, load_model  # noqa: E402
 from pagedserve.model.mtp import SUPPORTED_MTP_LAYERS  # noqa: E402
 from pagedserve.model.random_checkpoint import random_model_path  # noqa: E402
@@ -51,23 +51,21 @@ KS = (1, 2, 3, 4)
 
 
 class ImposedAcceptance:
-    """The verify decision of ``spec`` replaced by a seeded draw (module doc); the
-    counters are kept as the engine keeps them."""
+    """The verify decision of ``spec`` replaced by a seeded draw (module doc), through
+    ``SpeculativeDecoding.kept_drafts``; the counters are kept as the engine keeps them."""
 
     def __init__(self, spec: SpeculativeDecoding, acceptance: float, seed: int) -> None:
-        self.spec, self.acceptance = spec, acceptance
+        self.acceptance = acceptance
         self.rng = random.Random(seed)
-        spec._verify = self._verify  # type: ignore[method-assign]
+        spec.kept_drafts = self.kept
 
-    def _verify(self, e, req, target: torch.Tensor, draft, best=None) -> Verified:
-        d = len(draft.token_ids)
+    def kept(self, req, d: int) -> int:
+        """Drafts kept of ``d``: each with probability ``acceptance`` after the one
+        before it."""
         m = 0
         while m < d and self.rng.random() < self.acceptance:
             m += 1
-        last = best[m] if best is not None else int(target[m].argmax())
-        tokens = [*draft.token_ids[:m], last]
-        self.spec.stats.record(d, m)
-        return Verified(tokens, [None] * len(tokens))
+        return m
 
 
 def tiny_with_mtp() -> LoadedModel:
@@ -149,8 +147,7 @@ def run(args) -> dict:
             decode_rate(spec, prompts[:1], 4)
             point["k"][str(k)] = {}
             for a in ACCEPTANCE:
-                spec.spec.stats = SpecStats(accepted_per_pos=[0] * k,
-                                            num_by_accepted=[0] * (k + 1))
+                spec.spec.reset_stats()
                 ImposedAcceptance(spec.spec, a, seed=k * 100 + int(a * 10))
                 compiles = compile_watch.compiles_after_warm_up()
                 r = decode_rate(spec, prompts, args.output_len)

@@ -86,7 +86,6 @@ def sync_census(engine: LLMEngine, steps: int) -> dict[str, float]:
     """Host waits per step over ``engine``'s next ``steps`` steps, by the innermost frame
     under ``pagedserve/`` (torch's sync debug mode warns at each synchronizing call)."""
     sites: collections.Counter[str] = collections.Counter()
-    show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
         frames = [f for f in traceback.extract_stack()[:-1]
@@ -95,17 +94,15 @@ def sync_census(engine: LLMEngine, steps: int) -> dict[str, float]:
                  if frames else f"{Path(filename).name}:{lineno}")
         sites[where] += 1
 
-    warnings.showwarning = record
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("always")
-            warnings.showwarning = record
-            torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings():  # restores the filters and showwarning on exit
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
             for _ in range(steps):
                 engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = show
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
     per_step = {k: v / steps for k, v in sites.most_common()}
     print(f"  host waits per step: {sum(per_step.values()):.1f}")
     for where, n in per_step.items():

@@ -98,6 +98,7 @@ issues slower than the GPU runs them. Other steps roll back eagerly.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -169,6 +170,11 @@ class SpeculativeDecoding:
         self.config = config
         self.drafter = drafter
         self.max_model_len = max_model_len
+        # Imposed acceptance: ``(request, d) -> m`` keeps the first ``m`` of a request's
+        # ``d`` drafts and emits the target's own token after them (``None`` for a
+        # request: decided as usual). The warm-up keeps every count in turn
+        # (``warmup.py``); benchmarks set an acceptance rate. ``None``: off.
+        self.kept_drafts: Callable[[Request, int], int | None] | None = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -282,6 +288,7 @@ class SpeculativeDecoding:
         if proposal is not None:
             assert proposal.device_ids is not None
             d = proposal.num_drafts[0]
+            assert batch.num_tokens == batch.num_seqs * (d + 1), (batch.num_tokens, d)
             rows = batch.input_ids.view(batch.num_seqs, d + 1)  # [B, 1 + d]
             rows[:, 1:].copy_(proposal.device_ids[:, :d])
             batch.host = None  # its host form holds placeholder ids now
@@ -335,6 +342,11 @@ class SpeculativeDecoding:
         grammar allows after the drafts before it (``StructuredOutputs.bitmask_along``);
         logprobs stay the model's own."""
         d = len(draft.token_ids)
+        m = self.kept_drafts(req, d) if self.kept_drafts is not None else None
+        if m is not None:  # imposed: the first m drafts, then the target's argmax
+            last = best[m] if best is not None else int(target[m].argmax())
+            self.stats.record(d, m)
+            return Verified([*draft.token_ids[:m], last], [None] * (m + 1))
         bitmask = None
         if req.grammar is not None:
             bitmask = e.structured.bitmask_along(req.grammar, draft.token_ids)

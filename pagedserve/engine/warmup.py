@@ -41,12 +41,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.request import SamplingParams
-from pagedserve.engine.spec_step import Verified
 
 if TYPE_CHECKING:
-    import torch
-
-    from pagedserve.engine.drafter import Draft
     from pagedserve.engine.llm_engine import LLMEngine
     from pagedserve.engine.request import Request
     from pagedserve.engine.spec_step import SpeculativeDecoding
@@ -59,29 +55,17 @@ def _keeping_in_turn(spec: SpeculativeDecoding) -> Iterator[None]:
     """Within: a greedy request's verify keeps ``0, 1, .., d`` of its ``d`` drafts in
     turn, then the target's own token at the first one not kept (what a drafter that
     guessed that many would give); sampled requests are decided as always."""
-    decide = spec._verify
-    patched = "_verify" in vars(spec)  # already replaced on the instance (a benchmark's)
+    previous = spec.kept_drafts
     turn = itertools.count()
 
-    def keep_in_turn(e: LLMEngine, req: Request, target: torch.Tensor, draft: Draft,
-                     best: list[int] | None = None) -> Verified:
-        if not req.params.greedy:
-            return decide(e, req, target, draft, best)
-        d = len(draft.token_ids)
-        m = next(turn) % (d + 1)
-        last = best[m] if best is not None else int(target[m].argmax())
-        spec.stats.record(d, m)
-        tokens = [*draft.token_ids[:m], last]
-        return Verified(tokens, [None] * len(tokens))
+    def in_turn(req: Request, d: int) -> int | None:
+        return next(turn) % (d + 1) if req.params.greedy else None
 
-    spec._verify = keep_in_turn  # type: ignore[method-assign]
+    spec.kept_drafts = in_turn
     try:
         yield
     finally:
-        if patched:
-            spec._verify = decide  # type: ignore[method-assign]
-        else:
-            del spec._verify  # the class's own again
+        spec.kept_drafts = previous
 
 
 def warm_up(engine: LLMEngine) -> float:

@@ -128,8 +128,7 @@ def speculation(path: Path, lm: LoadedModel, n: int, draft_vocab_size: int | Non
         engine = LLMEngine(EngineConfig(**base, speculative_config=spec), loaded=lm)
         generate(engine, list(PROMPTS[:1]), 8)
         assert engine.spec is not None
-        engine.spec.stats = type(engine.spec.stats)(accepted_per_pos=[0] * k,
-                                                    num_by_accepted=[0] * (k + 1))
+        engine.spec.reset_stats()
         got, rate = generate(engine, list(PROMPTS), n)
         out["mtp"][str(k)] = {"tok_s": rate,
                               "mean_acceptance_length": engine.spec.stats.mean_acceptance_length,

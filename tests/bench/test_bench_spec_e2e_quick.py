@@ -46,18 +46,19 @@ def test_imposed_acceptance_keeps_a_geometric_run(monkeypatch):
     20,000 verifies of 3 drafts at a = 0.7 (critical value 16.27 for 3 degrees of freedom
     at p = 0.001)."""
     bench = _bench(monkeypatch)
-    from pagedserve.engine.spec_step import SpecStats
+    from pagedserve.engine.spec_step import SpeculativeDecoding
+    from pagedserve.engine.speculative import SpeculativeConfig
 
-    stats = SpecStats(accepted_per_pos=[0] * 3, num_by_accepted=[0] * 4)
-    spec = SimpleNamespace(stats=stats)
-    imposed = bench.ImposedAcceptance(spec, 0.7, seed=1)
+    spec = SpeculativeDecoding(SpeculativeConfig("mtp", 3), drafter=None, max_model_len=64)
+    stats = spec.stats
+    bench.ImposedAcceptance(spec, 0.7, seed=1)
     target = torch.zeros(4, 10)
     target[:, 9] = 1.0
     n = 20_000
     rng = random.Random(2)
     for _ in range(n):
         draft = SimpleNamespace(token_ids=[rng.randrange(9) for _ in range(3)])
-        out = imposed._verify(None, None, target, draft)
+        out = spec._verify(None, None, target, draft)
         m = len(out.tokens) - 1
         assert out.tokens == [*draft.token_ids[:m], 9]
     expected = [n * 0.7 ** m * 0.3 for m in range(3)] + [n * 0.7 ** 3]
