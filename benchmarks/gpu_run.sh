@@ -12,7 +12,7 @@
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
 #         bench-structured bench-chaos bench-prefix probe-decode
 #         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8 bench-fp8-engine
-#         probe-scaled-mm tests-spec-gpu bench-spec bench-spec-e2e profile-spec
+#         probe-scaled-mm probe-cudnn tests-spec-gpu bench-spec bench-spec-e2e profile-spec
 #         spec-default-model
 #         bench-tp (2 GPUs)
 #         train-default-model (issue 38; carry .corpus as well as .whl).
@@ -191,6 +191,10 @@ for spec in "$@"; do
     bench-fp8-engine) run_stage "$stage" "$limit" python3 benchmarks/bench_fp8_engine.py \
                      ${FP8_ENGINE_ARGS:-} --out "$OUT" ;;
     # Which scale layouts torch._scaled_mm's block-scaled FP8 GEMM reads (issue 37).
+    # cuDNN's fused attention for long prefill chunks against the paged kernel and flash
+    # (issue 34). $CUDNN_ARGS: more probe arguments (--cases NxCTX,...).
+    probe-cudnn)   run_stage "$stage" "$limit" python3 benchmarks/tools/probe_cudnn_attention.py \
+                     ${CUDNN_ARGS:-} ;;
     probe-scaled-mm) run_stage "$stage" "$limit" python3 benchmarks/tools/probe_scaled_mm.py ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;

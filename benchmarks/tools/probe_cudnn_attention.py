@@ -1,0 +1,134 @@
+"""Probe: cuDNN's fused attention (through torch) for a long prefill chunk, against the
+paged kernel and SDPA flash, on the 27B attention shape (Hq 24, Hkv 4, head_dim 256), bf16.
+
+cuDNN's causal mask is aligned top-left, so a chunk of n rows over a prefix of ctx rows is
+two calls and a merge of their log-sum-exps::
+
+    keys        [ 0 ........ ctx-1 ][ ctx ........ ctx+n-1 ]
+    call 1      full (no mask)       -
+    call 2      -                    causal, square (top-left = bottom-right)
+
+Sides, each checked against flash first (max abs difference):
+- kernel: ``ops.paged_prefill_attention`` over an in-order bf16 pool (the scratch pool of
+  the dequantize-once method);
+- flash: SDPA flash with a lower-right causal bias, GQA;
+- cudnn: the two calls on packed rows ``[L, Hkv, D]`` viewed as ``[1, Hkv, L, D]`` (GQA);
+- cudnn_expanded: the same on K/V repeated to Hq heads beforehand (not timed).
+
+    python benchmarks/tools/probe_cudnn_attention.py [--cases 8192x0,8192x32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _common  # noqa: E402
+
+from pagedserve.kernels import ops  # noqa: E402
+from pagedserve.kv.formats import KVBlockStorage  # noqa: E402
+
+HQ, HKV, D = 24, 4, 256
+
+
+def cudnn_call(q, k, v, causal: bool, scale: float):
+    """q ``[1, Hq, n, D]``, k/v ``[1, H, L, D]`` -> (out ``[1, Hq, n, D]``, lse)."""
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return res[0], res[1]
+
+
+def merged(q, k, v, ctx: int, scale: float):
+    if ctx == 0:
+        return cudnn_call(q, k, v, True, scale)[0]
+    o1, l1 = cudnn_call(q, k[:, :, :ctx], v[:, :, :ctx], False, scale)
+    o2, l2 = cudnn_call(q, k[:, :, ctx:], v[:, :, ctx:], True, scale)
+    l1 = l1.reshape(o1.shape[:-1])[..., None].float()
+    l2 = l2.reshape(o2.shape[:-1])[..., None].float()
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
+
+
+def case(n: int, ctx: int, block_size: int = 16) -> None:
+    dev = "cuda"
+    length = ctx + n
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows_k = torch.randn(length, HKV, D, device=dev, generator=gen, dtype=torch.bfloat16)
+    rows_v = torch.randn(length, HKV, D, device=dev, generator=gen, dtype=torch.bfloat16)
+    q = torch.randn(n, HQ, D, device=dev, generator=gen, dtype=torch.bfloat16)
+    scale = D ** -0.5
+    num_blocks = -(-length // block_size)
+    cache_k, cache_v = KVBlockStorage.allocate_pair("bf16", "bf16", num_blocks, block_size,
+                                                    HKV, D, dev)
+    slots = torch.arange(length, device=dev)
+    ops.kv_write(cache_k, rows_k, slots)
+    ops.kv_write(cache_v, rows_v, slots)
+    table = torch.arange(num_blocks, device=dev, dtype=torch.int32)[None]
+    qsl = torch.tensor([0, n], dtype=torch.int32, device=dev)
+    lens = torch.tensor([length], dtype=torch.int32, device=dev)
+    out = torch.empty_like(q)
+
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, D], BSHD strides
+    kh = rows_k.transpose(0, 1)[None]  # [1, Hkv, L, D], BSHD strides
+    vh = rows_v.transpose(0, 1)[None]
+    ke = rows_k.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)[None]
+    ve = rows_v.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)[None]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    bias = causal_lower_right(n, length)
+
+    def kernel():
+        ops.paged_prefill_attention(q, cache_k, cache_v, table, qsl, lens, scale, out=out,
+                                    query_start_loc_cpu=[0, n], seq_lens_cpu=[length],
+                                    method="kernel")
+        return out.transpose(0, 1)[None]
+
+    def flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale,
+                                                  enable_gqa=True)
+
+    sides = {"kernel": kernel, "flash": flash,
+             "cudnn": lambda: merged(qh, kh, vh, ctx, scale),
+             "cudnn_expanded": lambda: merged(qh, ke, ve, ctx, scale)}
+    ref = flash().float()
+    good = {}
+    for name, fn in sides.items():
+        try:
+            diff = (fn().float() - ref).abs().max().item()
+            print(f"  {name}: max |diff| vs flash {diff:.3e}", flush=True)
+            if diff < 5e-2:
+                good[name] = [fn]
+        except Exception as exc:  # noqa: BLE001 - a probe reports every failure
+            print(f"  {name}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            traceback.print_exc(limit=2)
+    us = _common.time_sides(good, "eager", min_rounds=5, min_seconds=0.3)
+    flops = 4.0 * HQ * D * (n * ctx + n * (n + 1) / 2)
+    line = "  ".join(f"{k} {v:.0f} us ({flops / v / 1e6:.0f} TF)" for k, v in us.items())
+    print(f"chunk {n} over {ctx}: {line}", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="4096x0,8192x0,4096x32768,8192x8192,8192x32768,"
+                                      "8192x122880")
+    args = p.parse_args()
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
+          f"{torch.cuda.get_device_name()}", flush=True)
+    for c in args.cases.split(","):
+        n, ctx = (int(x) for x in c.split("x"))
+        print(f"case {n}x{ctx}", flush=True)
+        case(n, ctx)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
