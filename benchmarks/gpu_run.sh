@@ -193,8 +193,12 @@ for spec in "$@"; do
     # Which scale layouts torch._scaled_mm's block-scaled FP8 GEMM reads (issue 37).
     # cuDNN's fused attention for long prefill chunks against the paged kernel and flash
     # (issue 34). $CUDNN_ARGS: more probe arguments (--cases NxCTX,...).
+    # Run twice: torch's plan per exact shape, then its power-of-two buckets
+    # (TORCH_CUDNN_SDPA_AVOID_RECOMPILE, read once per process).
     probe-cudnn)   run_stage "$stage" "$limit" python3 benchmarks/tools/probe_cudnn_attention.py \
-                     ${CUDNN_ARGS:-} ;;
+                     ${CUDNN_ARGS:-}
+                   TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 run_stage "$stage-ragged" "$limit" python3 \
+                     benchmarks/tools/probe_cudnn_attention.py ${CUDNN_ARGS:-} ;;
     probe-scaled-mm) run_stage "$stage" "$limit" python3 benchmarks/tools/probe_scaled_mm.py ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;

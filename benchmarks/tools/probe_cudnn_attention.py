@@ -113,6 +113,21 @@ def case(n: int, ctx: int, block_size: int = 16) -> None:
     flops = 4.0 * HQ * D * (n * ctx + n * (n + 1) / 2)
     line = "  ".join(f"{k} {v:.0f} us ({flops / v / 1e6:.0f} TF)" for k, v in us.items())
     print(f"chunk {n} over {ctx}: {line}", flush=True)
+    if "cudnn" in good:  # a plan is built per new shape: time first calls of unseen ones
+        import time
+        for extra in (1, 17, 100):
+            c2 = ctx + extra
+            k2, v2 = kh[:, :, :c2 + n - extra], vh[:, :, :c2 + n - extra]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            merged(qh[:, :, :n - extra], k2, v2, ctx, scale)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            merged(qh[:, :, :n - extra], k2, v2, ctx, scale)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            print(f"  new shape q {n - extra} over {ctx}: first call {1e3 * (t1 - t0):.1f} ms, "
+                  f"second {1e3 * (t2 - t1):.1f} ms", flush=True)
 
 
 def main() -> int:
