@@ -108,9 +108,10 @@ def paged_decode_attention(
     return out
 
 
-# Prefill methods on CUDA: the paged Triton kernel on the pool in place, or the same kernel
-# over a scratch copy of the rows dequantized once (``prefill_gather``).
-PREFILL_METHODS = ("kernel", "dequantized")
+# Prefill methods on CUDA: the paged Triton kernel on the pool in place, the same kernel
+# over a scratch copy of the rows dequantized once (``prefill_gather``), or cuDNN's fused
+# attention over that copy packed (``prefill_cudnn``).
+PREFILL_METHODS = ("kernel", "dequantized", "cudnn")
 # From this many new rows in one sequence of a step on, ``method=None`` dequantizes first
 # for quantized K/V: the kernel dequantizes each K/V tile once per query tile, which costs
 # more than one copy of the rows there (docs/kernel-decisions.md).
@@ -152,9 +153,10 @@ def paged_prefill_attention(
         query_start_loc_cpu, seq_lens_cpu: host copies of the two (spare the reference
             and the dequantized method a device sync).
         method: Triton backend only: ``"kernel"`` (``kernels.paged_prefill``, reads the
-            pool in place, capturable in CUDA graphs) or ``"dequantized"`` (the kernel
-            over a dequantized copy, ``kernels.prefill_gather``); ``None`` chooses by
-            ``prefill_method``.
+            pool in place, capturable in CUDA graphs), ``"dequantized"`` (the kernel
+            over a dequantized copy, ``kernels.prefill_gather``) or ``"cudnn"`` (cuDNN's
+            fused attention over that copy, ``kernels.prefill_cudnn``; CUDA only);
+            ``None`` chooses by ``prefill_method``.
         num_splits: the kernel's split of the key range (``None``: its own choice).
 
     Returns:
@@ -175,6 +177,17 @@ def paged_prefill_attention(
         qsl = query_start_loc_cpu
         method = prefill_method(q, cache_k, cache_v,
                                 [qsl[b + 1] - qsl[b] for b in range(seq_begin, len(qsl) - 1)])
+    if on_triton and method == "cudnn":
+        from pagedserve.kernels import prefill_cudnn
+
+        if not prefill_cudnn.available(q):
+            raise ValueError(f"method 'cudnn' needs CUDA on an SM 9.0 GPU and 16-bit "
+                             f"queries of head_dim <= 256; got {q.dtype} {tuple(q.shape)} "
+                             f"on {q.device}")
+        _check_triton_types(cache_k, cache_v)
+        return prefill_cudnn.cudnn_prefill_attention(
+            q, cache_k, cache_v, block_tables, seq_lens, scale, out, seq_begin,
+            query_start_loc_cpu or query_start_loc.tolist(), seq_lens_cpu or seq_lens.tolist())
     if on_triton and method == "dequantized":
         from pagedserve.kernels.prefill_gather import dequantized_prefill_attention
 

@@ -1,0 +1,99 @@
+"""Prefill attention for long chunks through cuDNN's fused attention (torch's SDPA op).
+
+Each prefill sequence's cached rows are first copied out of the pool, dequantized to the
+model dtype and packed (``prefill_gather.gather_rows``); cuDNN then attends the chunk's
+queries over them. cuDNN's causal mask is aligned top-left (query i sees keys 0 .. i),
+while a chunk's query i sits at row ``ctx + i``, so a chunk over a cached prefix is two
+calls whose log-sum-exps are merged::
+
+    keys      [ 0 ............ ctx-1 ][ ctx ............ ctx+n-1 ]
+    call 1      every key (no mask)      -
+    call 2      -                        causal over the chunk's own rows (square)
+    out       (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2)
+
+Queries, packed rows and outputs are BSHD views (``[1, H, rows, D]`` over ``[rows, H,
+D]`` memory); GQA is cuDNN's own (K/V keep ``Hkv`` heads).
+
+torch builds a cuDNN plan per exact shape. ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` makes
+it round the lengths up to powers of two for calls like these (BSHD, no bias), so a few
+plans serve every prompt; the engine sets it before its first cuDNN call
+(``enable_bucketed_plans``), and the warm-up builds them. This path runs eagerly (its
+sizes come from the host copies of the lengths), on CUDA only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pagedserve.kernels.prefill_gather import gather_rows
+from pagedserve.kv.formats import KVBlockStorage
+
+PLAN_ENV = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
+
+
+def enable_bucketed_plans() -> None:
+    """Ask torch for cuDNN plans over power-of-two buckets of the lengths. torch reads the
+    variable once, at its first cuDNN attention call in the process."""
+    os.environ.setdefault(PLAN_ENV, "1")
+
+
+def available(q: torch.Tensor) -> bool:
+    """Whether cuDNN's fused attention takes this query: CUDA, 16-bit, head_dim a
+    multiple of 8 up to 256 on an SM 9.0 GPU (torch's own conditions)."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not torch.backends.cudnn.is_available() or q.shape[-1] % 8 or q.shape[-1] > 256:
+        return False
+    return torch.cuda.get_device_capability(q.device) == (9, 0)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``[n, Hq, D]`` over ``k``, ``v`` ``[L, Hkv, D]`` -> output ``[1, Hq, n, D]``
+    and its log-sum-exp (float32, ``[1, Hq, n, 1]``)."""
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
+        True, 0.0, causal, False, scale=scale)
+    return res[0], res[1].reshape(*res[0].shape[:-1], 1)
+
+
+def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 out: torch.Tensor) -> None:
+    """One sequence: ``q`` ``[n, Hq, D]`` (the chunk) over ``k``, ``v`` ``[ctx + n, Hkv,
+    D]`` (prefix, then the chunk's own rows), causal; writes ``out`` ``[n, Hq, D]``."""
+    n = q.shape[0]
+    ctx = k.shape[0] - n
+    own, own_lse = _attend(q, k[ctx:], v[ctx:], True, scale)  # [1, Hq, n, D]
+    if ctx == 0:
+        out.copy_(own[0].transpose(0, 1))
+        return
+    prefix, prefix_lse = _attend(q, k[:ctx], v[:ctx], False, scale)
+    top = torch.maximum(own_lse, prefix_lse)
+    w_own, w_prefix = torch.exp(own_lse - top), torch.exp(prefix_lse - top)  # [1, Hq, n, 1]
+    merged = (own.float() * w_own + prefix.float() * w_prefix) / (w_own + w_prefix)
+    out.copy_(merged[0].transpose(0, 1))
+
+
+def cudnn_prefill_attention(
+    q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+    seq_begin: int, query_start_loc_cpu: list[int], seq_lens_cpu: list[int],
+) -> torch.Tensor:
+    """The contract of ``paged_prefill.paged_prefill_attention`` (sequences ``seq_begin
+    ..`` of the step), one sequence at a time; ``*_cpu`` are the host copies."""
+    lens = seq_lens[seq_begin:]
+    cum_k = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=q.device)
+    cum_k[1:] = torch.cumsum(lens, 0, dtype=torch.int32)
+    total = sum(seq_lens_cpu[seq_begin:])
+    k_rows = gather_rows(cache_k, block_tables[seq_begin:], cum_k, total, q.dtype)
+    v_rows = gather_rows(cache_v, block_tables[seq_begin:], cum_k, total, q.dtype)
+    first = 0
+    for b in range(seq_begin, len(seq_lens_cpu)):
+        start, end = query_start_loc_cpu[b], query_start_loc_cpu[b + 1]
+        rows = slice(first, first + seq_lens_cpu[b])
+        if end > start:
+            attend_chunk(q[start:end], k_rows[rows], v_rows[rows], scale, out[start:end])
+        first += seq_lens_cpu[b]
+    return out

@@ -1,0 +1,94 @@
+"""The cuDNN prefill method (``kernels/prefill_cudnn.py``) against the float64 oracle.
+
+On the CPU cuDNN's call is stood in for by float64 attention with cuDNN's contract (a
+top-left causal mask, the natural-log log-sum-exp of each query row, K/V of ``Hkv``
+heads): what is under test is everything around it, the gather of each sequence's rows,
+the split of a chunk into its prefix and its own rows, and the log-sum-exp merge. On
+CUDA (``gpu``) the real op runs, on the 27B heads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_oracle import HAS_CUDA, TRITON_DEVICE, bound, needs_triton
+from test_paged_prefill import GPU_TYPES, GRID_NEW, GRID_PREFIX, run_case
+
+from pagedserve.kernels import prefill_cudnn
+
+
+def contract_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's fused attention as its contract states it, in float64: ``q`` ``[n, Hq,
+    D]``, ``k``/``v`` ``[L, Hkv, D]`` -> ``[1, Hq, n, D]`` in ``q.dtype`` and the float32
+    log-sum-exp ``[1, Hq, n, 1]``; causal is aligned top-left (query i sees keys 0 .. i)."""
+    n, hq, d = q.shape
+    length, hkv = k.shape[:2]
+    qh = q.double().reshape(n, hkv, hq // hkv, d)
+    s = torch.einsum("ihgd,lhd->hgil", qh, k.double()) * scale  # [Hkv, G, n, L]
+    if causal:
+        seen = torch.arange(length)[None, :] <= torch.arange(n)[:, None]  # [n, L]
+        s = s.masked_fill(~seen.to(s.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [Hkv, G, n]
+    o = torch.einsum("hgil,lhd->hgid", torch.softmax(s, dim=-1), v.double())
+    return (o.reshape(1, hq, n, d).to(q.dtype),
+            lse.reshape(1, hq, n, 1).float())
+
+
+@pytest.fixture
+def contract(monkeypatch):
+    monkeypatch.setattr(prefill_cudnn, "_attend", contract_attend)
+    monkeypatch.setattr(prefill_cudnn, "available", lambda q: True)
+
+
+@needs_triton  # the rows' gather is the Triton copy of the dequantized method
+@pytest.mark.parametrize("types", ["bf16:bf16", "q8_0:q4_0", "f16:q8_0"])
+def test_split_and_merge_equal_the_oracle(contract, types):
+    k_type, v_type = types.split(":")
+    # Fresh prompts (one call), chunks over prefixes of every size, a one-row chunk, and
+    # sequences of very different lengths in one launch.
+    err = run_case("triton", k_type, v_type, [40, 1, 17, 64, 3], [0, 37, 16, 100, 1],
+                   hkv=2, group=3, head_dim=64, method="cudnn")
+    assert err < bound(k_type, v_type)
+
+
+@needs_triton
+def test_rows_before_seq_begin_are_left_alone(contract):
+    err = run_case("triton", "q8_0", "q8_0", [1, 1, 30, 9], [20, 5, 0, 44], hkv=2, group=2,
+                   head_dim=64, seq_begin=2, method="cudnn")
+    assert err < bound("q8_0", "q8_0")
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the CPU refusal")
+def test_method_needs_cuda():
+    if TRITON_DEVICE != "cpu":
+        pytest.skip("Triton runs on CUDA here")
+    with pytest.raises(ValueError, match="method 'cudnn' needs CUDA"):
+        run_case("triton", "bf16", "bf16", [4], [0], method="cudnn")
+
+
+# ---- the real op (CUDA) ------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("k_type", GPU_TYPES)
+@pytest.mark.parametrize("v_type", ["bf16", "q4_0"])
+def test_gpu_grid_27b_heads(k_type, v_type):
+    if not prefill_cudnn.available(torch.empty(1, 1, 256, device="cuda",
+                                               dtype=torch.bfloat16)):
+        pytest.skip("cuDNN fused attention needs an SM 9.0 GPU")
+    err = run_case("triton", k_type, v_type, GRID_NEW, GRID_PREFIX, hkv=4, group=6,
+                   head_dim=256, device="cuda", seed=3, method="cudnn")
+    assert err < bound(k_type, v_type)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("chunk", [1, 5, 64, 65, 1024, 4096])
+def test_gpu_chunk_lengths_27b_shape(chunk):
+    if not prefill_cudnn.available(torch.empty(1, 1, 256, device="cuda",
+                                               dtype=torch.bfloat16)):
+        pytest.skip("cuDNN fused attention needs an SM 9.0 GPU")
+    err = run_case("triton", "q8_0", "q4_0", [chunk, chunk], [8191, 4], hkv=4, group=6,
+                   head_dim=256, device="cuda", method="cudnn")
+    assert err < bound("q8_0", "q4_0")
