@@ -139,7 +139,7 @@ def category(kernel: str) -> str:
     name = kernel.lower()
     # Attention first: flash kernels' names carry "cutlass" too.
     if any(s in name for s in ("paged_prefill", "paged_decode", "fragment", "flash", "fmha",
-                               "decode_merge", "gather_rows")):
+                               "decode_merge", "gather_rows", "sdpa", "cudnn")):
         return "attention"
     if any(s in name for s in ("nvjet", "gemm", "cutlass", "xmma", "cublas", "splitk")):
         return "gemm"
@@ -236,9 +236,9 @@ def run_ttft(args, device: str, loaded) -> dict:
         print(f"{_label(entry)}: ready {ready:.1f} s ({_phases(entry['startup_s'])}); "
               f"{short}-token TTFT first {series[0]:.3f} s, tenth {series[9]:.3f} s "
               f"({series[0] / series[9]:.2f}x)", flush=True)
-        for n in args.lengths:
-            if n > args.max_length_for.get(sched.idle_prefill_chunk, n):
-                continue
+        lengths = [n for n in args.lengths
+                   if n <= args.max_length_for.get(sched.idle_prefill_chunk, n)]
+        for n in lengths:
             entry["ttft_s"][n] = first_token_seconds(engine, n, f"ttft-{n}")
             entry["floors_ms"][n] = model_floors(loaded.config, n)
             print(f"  TTFT {n:7d}: {entry['ttft_s'][n]:8.3f} s", flush=True)
@@ -246,12 +246,42 @@ def run_ttft(args, device: str, loaded) -> dict:
                 entry["profile"][n] = p = profile_prompt(engine, n)
                 cats = "  ".join(f"{c} {p['gpu_ms'][c]:.1f}" for c in CATEGORIES)
                 print(f"    GPU ms: {cats}  ({p['launches']} launches)", flush=True)
+        if args.long_chunk_methods:
+            entry["ttft_by_method"] = by_method(engine, args.long_chunk_methods, lengths,
+                                                args.profile_lengths)
         results["configs"].append(entry)
         del engine
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     return results
+
+
+def by_method(engine, methods: list[str], lengths: list[int],
+              profile_lengths: set[int]) -> dict:
+    """The same engine's TTFT with each method for long chunks (``ops.LONG_CHUNK_METHOD``),
+    lengths in turn, methods alternating; each method first runs one untimed prompt of two
+    long chunks (its kernels' first launches)."""
+    default = ops.LONG_CHUNK_METHOD
+    res: dict = {m: {"ttft_s": {}, "profile": {}} for m in methods}
+    try:
+        for m in methods:
+            ops.LONG_CHUNK_METHOD = m
+            warm = min(2 * ops.LONG_CHUNK_MIN_ROWS + 16, engine.max_model_len - 8)
+            first_token_seconds(engine, warm, f"warm-{m}")
+        for n in lengths:
+            for m in methods:
+                ops.LONG_CHUNK_METHOD = m
+                res[m]["ttft_s"][n] = first_token_seconds(engine, n, f"ttft-{m}-{n}")
+                print(f"  long chunks by {m:12s} TTFT {n:7d}: {res[m]['ttft_s'][n]:8.3f} s",
+                      flush=True)
+                if n in profile_lengths:
+                    res[m]["profile"][n] = p = profile_prompt(engine, n)
+                    cats = "  ".join(f"{c} {p['gpu_ms'][c]:.1f}" for c in CATEGORIES)
+                    print(f"    GPU ms: {cats}  ({p['launches']} launches)", flush=True)
+    finally:
+        ops.LONG_CHUNK_METHOD = default
+    return res
 
 
 def run_hf(args, device: str, loaded) -> dict:
@@ -362,6 +392,28 @@ def markdown(res: dict) -> str:
         out.append(_common.md_table(
             ["step sizes", "prompt", "wall ms", "GEMM ms (floor)", "attention ms (floor)",
              "GDN ms", "other ms", "launches"], rows))
+        for c in ttft["configs"]:
+            methods = c.get("ttft_by_method")
+            if not methods:
+                continue
+            names = list(methods)
+            out.append(f"\n### Long chunks by method ({_label(c)}; the same engine, methods "
+                       "alternating)\n\n")
+            lengths = list(methods[names[0]]["ttft_s"])
+            out.append(_common.md_table(
+                ["prompt", *(f"{m} TTFT s" for m in names),
+                 *(f"{names[0]} / {m}" for m in names[1:])],
+                [[n, *(f"{methods[m]['ttft_s'][n]:.3f}" for m in names),
+                  *(f"{methods[names[0]]['ttft_s'][n] / methods[m]['ttft_s'][n]:.2f}x"
+                    for m in names[1:])] for n in lengths]))
+            rows = [[m, n, f"{p['wall_ms_profiled']:.1f}",
+                     *(f"{p['gpu_ms'][cat]:.1f}" for cat in CATEGORIES), p["launches"]]
+                    for m in names for n, p in methods[m]["profile"].items()]
+            if rows:
+                out.append("\n")
+                out.append(_common.md_table(
+                    ["method", "prompt", "wall ms", *(f"{cat} ms" for cat in CATEGORIES),
+                     "launches"], rows))
     return "".join(out)
 
 
@@ -410,6 +462,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-lengths", default="512,8192")
     ap.add_argument("--max-length-for", default="",
                     help="IDLE_CHUNK:LONGEST, the longest prompt timed with that idle chunk")
+    ap.add_argument("--long-chunk-methods", default="",
+                    help="ttft: also time each of these methods for long chunks "
+                         "(e.g. dequantized,cudnn) in each engine, alternating")
     ap.add_argument("--op-types", default="bf16,q8_0,q4_0")
     ap.add_argument("--op-cases", default="4096x0,4096x8192,4096x32768,4096x131072",
                     help="CHUNKxPREFIX of the op part")
@@ -420,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.lengths = [int(v) for v in args.lengths.split(",")]
     args.profile_lengths = {int(v) for v in args.profile_lengths.split(",") if v}
+    args.long_chunk_methods = [m for m in args.long_chunk_methods.split(",") if m]
     args.configs = parse_configs(args.configs)
     args.sweep = [tuple(int(v) for v in c.split("/")) for c in args.sweep.split(";") if c]
     args.sweep_cases = {tuple(int(v) for v in c.split("x")) for c in args.sweep_cases.split(",")}

@@ -27,6 +27,10 @@ launch of each kind covers all of them. The kinds:
   every count reaches the rollback's graph, its eager ops and the compiled ones among
   them. Their tokens are the warm-up's own and are discarded.
 
+Long chunks that take cuDNN's fused attention need a cuDNN plan per power-of-two bucket
+of their lengths; every bucket the engine's chunks and ``max_model_len`` allow is built
+first (``ops.build_long_chunk_plans``), on zero tensors.
+
 Every warm-up request runs to its end, so the pools are empty again afterwards.
 """
 
@@ -41,6 +45,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pagedserve.engine.request import SamplingParams
+from pagedserve.kernels import ops
 
 if TYPE_CHECKING:
     from pagedserve.engine.llm_engine import LLMEngine
@@ -92,6 +97,9 @@ def warm_up(engine: LLMEngine) -> float:
         while engine.has_unfinished_requests():
             engine.step()
 
+    r = engine.runner
+    ops.build_long_chunk_plans(r.num_heads, r.num_kv_heads, r.model_config.head_dim, r.dtype,
+                               r.device, max(chunk, idle_chunk), engine.max_model_len)
     run([2 * idle_chunk + 3], stagger=False)
     budget = engine.scheduler.config.max_num_batched_tokens
     together = min(engine.scheduler.config.max_num_seqs, -(-budget // max(1, longest)))

@@ -24,7 +24,8 @@ from pagedserve.quant import fp8
 __all__ = [
     "BACKENDS", "DecodeConfig", "DecodeWorkspace", "RollbackLayers", "default_occupancy",
     "fp8_counters", "fp8_linear", "gdn_roll_back", "kv_write", "paged_decode_attention",
-    "paged_prefill_attention", "prefill_method", "rollback_layers",
+    "build_long_chunk_plans", "paged_prefill_attention", "prefill_method",
+    "rollback_layers",
 ]
 
 BACKENDS = ("triton", "reference")
@@ -112,21 +113,53 @@ def paged_decode_attention(
 # over a scratch copy of the rows dequantized once (``prefill_gather``), or cuDNN's fused
 # attention over that copy packed (``prefill_cudnn``).
 PREFILL_METHODS = ("kernel", "dequantized", "cudnn")
-# From this many new rows in one sequence of a step on, ``method=None`` dequantizes first
-# for quantized K/V: the kernel dequantizes each K/V tile once per query tile, which costs
-# more than one copy of the rows there (docs/kernel-decisions.md).
-DEQUANTIZE_MIN_ROWS = 1024
+# A launch with a chunk of this many new rows in one sequence is a long-chunk launch: for
+# it ``method=None`` copies the rows out of the pool first, where the kernel would
+# dequantize each K/V tile once per query tile (docs/kernel-decisions.md).
+LONG_CHUNK_MIN_ROWS = 1024
+
+
+# The method of launches with a long chunk (from ``LONG_CHUNK_MIN_ROWS`` rows in one
+# sequence) where cuDNN's fused attention is available: ``"cudnn"`` or ``"dequantized"``
+# (docs/kernel-decisions.md). Without cuDNN, long chunks over quantized K/V dequantize
+# first.
+LONG_CHUNK_METHOD = "cudnn"
 
 
 def prefill_method(q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
                    query_lens_cpu: list[int] | None) -> str:
-    """The default method of a launch: ``dequantized`` for long chunks over quantized K/V
-    in 16-bit models; the kernel in place otherwise."""
+    """The default method of a launch: for a long chunk in a 16-bit model, cuDNN's fused
+    attention where it is available (``LONG_CHUNK_METHOD``), else the kernel over a
+    dequantized copy for quantized K/V; the kernel in place otherwise."""
+    if not query_lens_cpu or max(query_lens_cpu) < LONG_CHUNK_MIN_ROWS:
+        return "kernel"
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256:
+        return "kernel"
+    if LONG_CHUNK_METHOD == "cudnn":
+        from pagedserve.kernels import prefill_cudnn
+
+        if prefill_cudnn.available(q):
+            return "cudnn"
     quantized = formats.spec(cache_k.kv_type).quantized or formats.spec(cache_v.kv_type).quantized
-    if (quantized and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
-            and query_lens_cpu and max(query_lens_cpu) >= DEQUANTIZE_MIN_ROWS):
-        return "dequantized"
-    return "kernel"
+    return "dequantized" if quantized else "kernel"
+
+
+def build_long_chunk_plans(num_heads: int, num_kv_heads: int, head_dim: int,
+                           dtype: torch.dtype, device: torch.device, max_chunk: int,
+                           max_len: int) -> int:
+    """Build, before the first request, every cuDNN plan that long chunks of up to
+    ``max_chunk`` rows over up to ``max_len`` cached rows can reach, where they take
+    cuDNN (``prefill_method``); returns the calls made (0 where they do not)."""
+    q = torch.empty(0, num_heads, head_dim, dtype=dtype, device=device)
+    if (LONG_CHUNK_METHOD != "cudnn" or max_chunk < LONG_CHUNK_MIN_ROWS
+            or dtype not in (torch.float16, torch.bfloat16)):
+        return 0
+    from pagedserve.kernels import prefill_cudnn
+
+    if not prefill_cudnn.available(q):
+        return 0
+    return prefill_cudnn.build_plans(num_heads, num_kv_heads, head_dim, dtype, device,
+                                     LONG_CHUNK_MIN_ROWS, max_chunk, max_len)
 
 
 def paged_prefill_attention(

@@ -39,6 +39,37 @@ def enable_bucketed_plans() -> None:
     os.environ.setdefault(PLAN_ENV, "1")
 
 
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    """Every power of two from the one holding ``lo`` to the one holding ``hi``."""
+    first = 1 << max(0, lo - 1).bit_length()
+    last = 1 << max(0, hi - 1).bit_length()
+    out = []
+    while first <= last:
+        out.append(first)
+        first *= 2
+    return out
+
+
+def build_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device, min_chunk: int, max_chunk: int, max_len: int) -> int:
+    """One call at every plan bucket a prefill can reach: chunks of ``min_chunk ..
+    max_chunk`` rows (causal over themselves) and over prefixes of ``1 .. max_len -
+    min_chunk`` rows, on zero tensors. Returns the number of calls."""
+    enable_bucketed_plans()
+    calls = 0
+    for sq in _powers_of_two(min_chunk, max(min_chunk, max_chunk)):
+        q = torch.zeros(sq, num_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(sq, num_kv_heads, head_dim, dtype=dtype, device=device)
+        _attend(q, kv, kv, True, 1.0)
+        calls += 1
+        for skv in _powers_of_two(1, max(1, max_len - min_chunk)):
+            kv = torch.zeros(skv, num_kv_heads, head_dim, dtype=dtype, device=device)
+            _attend(q, kv, kv, False, 1.0)
+            calls += 1
+        del q, kv
+    return calls
+
+
 def available(q: torch.Tensor) -> bool:
     """Whether cuDNN's fused attention takes this query: CUDA, 16-bit, head_dim a
     multiple of 8 up to 256 on an SM 9.0 GPU (torch's own conditions)."""
@@ -83,6 +114,7 @@ def cudnn_prefill_attention(
 ) -> torch.Tensor:
     """The contract of ``paged_prefill.paged_prefill_attention`` (sequences ``seq_begin
     ..`` of the step), one sequence at a time; ``*_cpu`` are the host copies."""
+    enable_bucketed_plans()
     lens = seq_lens[seq_begin:]
     cum_k = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=q.device)
     cum_k[1:] = torch.cumsum(lens, 0, dtype=torch.int32)
