@@ -62,7 +62,7 @@ def build_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.d
         kv = torch.zeros(sq, num_kv_heads, head_dim, dtype=dtype, device=device)
         _attend(q, kv, kv, True, 1.0)
         calls += 1
-        for skv in _powers_of_two(1, max(1, max_len - min_chunk)):
+        for skv in _powers_of_two(2, max(2, max_len - min_chunk)):
             kv = torch.zeros(skv, num_kv_heads, head_dim, dtype=dtype, device=device)
             _attend(q, kv, kv, False, 1.0)
             calls += 1
@@ -83,7 +83,16 @@ def available(q: torch.Tensor) -> bool:
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``q`` ``[n, Hq, D]`` over ``k``, ``v`` ``[L, Hkv, D]`` -> output ``[1, Hq, n, D]``
-    and its log-sum-exp (float32, ``[1, Hq, n, 1]``)."""
+    and its log-sum-exp (float32, ``[1, Hq, n, 1]``). One key (which torch does not send
+    to cuDNN) has the closed form: the output is its value row, the log-sum-exp its
+    score."""
+    if k.shape[0] == 1:
+        n, hq, d = q.shape
+        group = hq // k.shape[1]
+        k0 = k[0].repeat_interleave(group, dim=0).float()  # [Hq, D]
+        lse = (q.float() * k0).sum(-1).T * scale  # [Hq, n]
+        out = v[0].repeat_interleave(group, dim=0)[:, None].expand(hq, n, d)
+        return out[None].to(q.dtype), lse[None, :, :, None]
     res = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None,
         True, 0.0, causal, False, scale=scale)
