@@ -112,7 +112,9 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     prefix, prefix_lse = _attend(q, k[:ctx], v[:ctx], False, scale)
     top = torch.maximum(own_lse, prefix_lse)
     w_own, w_prefix = torch.exp(own_lse - top), torch.exp(prefix_lse - top)  # [1, Hq, n, 1]
-    merged = (own.float() * w_own + prefix.float() * w_prefix) / (w_own + w_prefix)
+    total = w_own + w_prefix
+    merged = own.float().mul_(w_own / total)  # [1, Hq, n, D]: the one float32 temporary
+    merged.addcmul_(prefix, w_prefix / total)
     out.copy_(merged[0].transpose(0, 1))
 
 
