@@ -138,7 +138,7 @@ def prefill_method(q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockSto
     if LONG_CHUNK_METHOD == "cudnn":
         from pagedserve.kernels import prefill_cudnn
 
-        if prefill_cudnn.available(q):
+        if prefill_cudnn.available(q, cache_k.num_kv_heads):
             return "cudnn"
     quantized = formats.spec(cache_k.kv_type).quantized or formats.spec(cache_v.kv_type).quantized
     return "dequantized" if quantized else "kernel"
@@ -156,7 +156,7 @@ def build_long_chunk_plans(num_heads: int, num_kv_heads: int, head_dim: int,
         return 0
     from pagedserve.kernels import prefill_cudnn
 
-    if not prefill_cudnn.available(q):
+    if not prefill_cudnn.available(q, num_kv_heads):
         return 0
     return prefill_cudnn.build_plans(num_heads, num_kv_heads, head_dim, dtype, device,
                                      LONG_CHUNK_MIN_ROWS, max_chunk, max_len)
@@ -213,10 +213,10 @@ def paged_prefill_attention(
     if on_triton and method == "cudnn":
         from pagedserve.kernels import prefill_cudnn
 
-        if not prefill_cudnn.available(q):
-            raise ValueError(f"method 'cudnn' needs CUDA on an SM 9.0 GPU and 16-bit "
-                             f"queries of head_dim <= 256; got {q.dtype} {tuple(q.shape)} "
-                             f"on {q.device}")
+        if not prefill_cudnn.available(q, cache_k.num_kv_heads):
+            raise ValueError(f"method 'cudnn' needs cuDNN's fused attention: CUDA on an SM "
+                             f"9.0 GPU, 16-bit queries of head_dim <= 256; got {q.dtype} "
+                             f"{tuple(q.shape)} on {q.device}")
         _check_triton_types(cache_k, cache_v)
         return prefill_cudnn.cudnn_prefill_attention(
             q, cache_k, cache_v, block_tables, seq_lens, scale, out, seq_begin,

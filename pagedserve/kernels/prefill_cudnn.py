@@ -23,12 +23,16 @@ sizes come from the host copies of the lengths), on CUDA only.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
 
 from pagedserve.kernels.prefill_gather import gather_rows
 from pagedserve.kv.formats import KVBlockStorage
+
+log = logging.getLogger(__name__)
 
 PLAN_ENV = "TORCH_CUDNN_SDPA_AVOID_RECOMPILE"
 
@@ -70,14 +74,35 @@ def build_plans(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.d
     return calls
 
 
-def available(q: torch.Tensor) -> bool:
-    """Whether cuDNN's fused attention takes this query: CUDA, 16-bit, head_dim a
-    multiple of 8 up to 256 on an SM 9.0 GPU (torch's own conditions)."""
+def available(q: torch.Tensor, num_kv_heads: int) -> bool:
+    """Whether cuDNN's fused attention runs queries like ``q`` (``[*, Hq, D]``) over
+    ``num_kv_heads`` K/V heads here: CUDA, 16-bit, an SM 9.0 GPU, and one small causal
+    and one non-causal call that succeed (torch's own conditions, and the cuDNN build's,
+    which may lack head_dim 256), tried once per device and shape."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         return False
     if not torch.backends.cudnn.is_available() or q.shape[-1] % 8 or q.shape[-1] > 256:
         return False
-    return torch.cuda.get_device_capability(q.device) == (9, 0)
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    return _runs(q.device.index or 0, q.dtype, q.shape[-2], num_kv_heads, q.shape[-1])
+
+
+@functools.cache
+def _runs(device: int, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+          head_dim: int) -> bool:
+    enable_bucketed_plans()
+    q = torch.zeros(64, num_heads, head_dim, dtype=dtype, device=f"cuda:{device}")
+    kv = torch.zeros(128, num_kv_heads, head_dim, dtype=dtype, device=q.device)
+    try:
+        _attend(q, kv[:64], kv[:64], True, 1.0)
+        _attend(q, kv, kv, False, 1.0)
+    except RuntimeError as exc:
+        log.warning("cuDNN fused attention does not run %s x %d/%d heads x %d here (%s); "
+                    "long prefill chunks take the Triton kernel", dtype, num_heads,
+                    num_kv_heads, head_dim, str(exc).splitlines()[0][:200])
+        return False
+    return True
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

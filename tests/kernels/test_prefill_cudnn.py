@@ -38,7 +38,7 @@ def contract_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
 @pytest.fixture
 def contract(monkeypatch):
     monkeypatch.setattr(prefill_cudnn, "_attend", contract_attend)
-    monkeypatch.setattr(prefill_cudnn, "available", lambda q: True)
+    monkeypatch.setattr(prefill_cudnn, "available", lambda q, num_kv_heads: True)
 
 
 @needs_triton  # the rows' gather is the Triton copy of the dequantized method
@@ -80,20 +80,26 @@ def test_one_key_has_the_closed_form(causal, n):
 def test_method_needs_cuda():
     if TRITON_DEVICE != "cpu":
         pytest.skip("Triton runs on CUDA here")
-    with pytest.raises(ValueError, match="method 'cudnn' needs CUDA"):
+    with pytest.raises(ValueError, match="method 'cudnn' needs cuDNN"):
         run_case("triton", "bf16", "bf16", [4], [0], method="cudnn")
 
 
 # ---- the real op (CUDA) ------------------------------------------------------------------
+
+def _needs_sm90() -> None:
+    """Skip off Hopper; on it, the op must run (a skip there would hide a broken build)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("cuDNN fused attention at head_dim 256 is an SM 9.0 path")
+    q = torch.empty(1, 24, 256, device="cuda", dtype=torch.bfloat16)
+    assert prefill_cudnn.available(q, 4), "cuDNN fused attention does not run on this H100/H200"
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("k_type", GPU_TYPES)
 @pytest.mark.parametrize("v_type", ["bf16", "q4_0"])
 def test_gpu_grid_27b_heads(k_type, v_type):
-    if not prefill_cudnn.available(torch.empty(1, 1, 256, device="cuda",
-                                               dtype=torch.bfloat16)):
-        pytest.skip("cuDNN fused attention needs an SM 9.0 GPU")
+    _needs_sm90()
     err = run_case("triton", k_type, v_type, GRID_NEW, GRID_PREFIX, hkv=4, group=6,
                    head_dim=256, device="cuda", seed=3, method="cudnn")
     assert err < bound(k_type, v_type)
@@ -103,9 +109,7 @@ def test_gpu_grid_27b_heads(k_type, v_type):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("chunk", [1, 5, 64, 65, 1024, 4096])
 def test_gpu_chunk_lengths_27b_shape(chunk):
-    if not prefill_cudnn.available(torch.empty(1, 1, 256, device="cuda",
-                                               dtype=torch.bfloat16)):
-        pytest.skip("cuDNN fused attention needs an SM 9.0 GPU")
+    _needs_sm90()
     err = run_case("triton", "q8_0", "q4_0", [chunk, chunk], [8191, 4], hkv=4, group=6,
                    head_dim=256, device="cuda", method="cudnn")
     assert err < bound("q8_0", "q4_0")
