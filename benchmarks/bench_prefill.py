@@ -265,14 +265,21 @@ def run_ttft(args, device: str, loaded) -> dict:
 def by_method(engine, methods: list[str], lengths: list[int],
               profile_lengths: set[int]) -> dict:
     """The same engine's TTFT with each method for long chunks (``ops.LONG_CHUNK_METHOD``),
-    lengths in turn, methods alternating; each method first runs one untimed prompt of two
-    long chunks (its kernels' first launches). The last method is profiled at
+    lengths in turn, methods alternating; each method first builds its cuDNN plans (for
+    ``"cudnn"``) and runs one untimed prompt of two long chunks (its kernels' first
+    launches). The last method is profiled at
     ``profile_lengths``."""
     default = ops.LONG_CHUNK_METHOD
     res: dict = {m: {"ttft_s": {}, "profile": {}} for m in methods}
     try:
+        r, sched = engine.runner, engine.scheduler.config
         for m in methods:
             ops.LONG_CHUNK_METHOD = m
+            # The warm-up builds the cuDNN plans only where cuDNN is the default.
+            ops.build_long_chunk_plans(r.num_heads, r.num_kv_heads, r.model_config.head_dim,
+                                       r.dtype, r.device, max(sched.prefill_chunk,
+                                                              sched.idle_prefill_chunk),
+                                       engine.max_model_len)
             warm = min(2 * ops.LONG_CHUNK_MIN_ROWS + 16, engine.max_model_len - 8)
             first_token_seconds(engine, warm, f"warm-{m}")
         for n in lengths:

@@ -190,15 +190,16 @@ for spec in "$@"; do
     # FP8 against bf16 weights through the engine: decode at 1 / 8 / 16 users, 8K prefill.
     bench-fp8-engine) run_stage "$stage" "$limit" python3 benchmarks/bench_fp8_engine.py \
                      ${FP8_ENGINE_ARGS:-} --out "$OUT" ;;
-    # Which scale layouts torch._scaled_mm's block-scaled FP8 GEMM reads (issue 37).
     # cuDNN's fused attention for long prefill chunks against the paged kernel and flash
-    # (issue 34). $CUDNN_ARGS: more probe arguments (--cases NxCTX,...).
+    # (issue 34). $CUDNN_ARGS: more probe arguments (--cases NxCTX,... timed; --check
+    # NxCTX,... the method's own calls against float64 instead, per part).
     # Run twice: torch's plan per exact shape, then its power-of-two buckets
     # (TORCH_CUDNN_SDPA_AVOID_RECOMPILE, read once per process).
     probe-cudnn)   run_stage "$stage" "$limit" python3 benchmarks/tools/probe_cudnn_attention.py \
                      ${CUDNN_ARGS:-}
                    TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 run_stage "$stage-ragged" "$limit" python3 \
                      benchmarks/tools/probe_cudnn_attention.py ${CUDNN_ARGS:-} ;;
+    # Which scale layouts torch._scaled_mm's block-scaled FP8 GEMM reads (issue 37).
     probe-scaled-mm) run_stage "$stage" "$limit" python3 benchmarks/tools/probe_scaled_mm.py ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;

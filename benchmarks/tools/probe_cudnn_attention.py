@@ -15,7 +15,12 @@ Sides, each checked against flash first (max abs difference):
 - cudnn: the two calls on packed rows ``[L, Hkv, D]`` viewed as ``[1, Hkv, L, D]`` (GQA);
 - cudnn_expanded: the same on K/V repeated to Hq heads beforehand (not timed).
 
+``--check NxCTX,...`` (no timing) runs ``prefill_cudnn``'s own calls instead, on any sizes,
+against float64 attention: each call's output and log-sum-exp apart (the chunk's causal
+rows, the prefix), then the merged chunk, so that a wrong shape names its part.
+
     python benchmarks/tools/probe_cudnn_attention.py [--cases 8192x0,8192x32768]
+                                                     [--check 700x3000,129x1,16x15]
 """
 
 from __future__ import annotations
@@ -130,13 +135,64 @@ def case(n: int, ctx: int, block_size: int = 16) -> None:
                   f"second {1e3 * (t2 - t1):.1f} ms", flush=True)
 
 
+def exact(q, k, v, causal: bool, scale: float):
+    """float64 attention with cuDNN's contract: ``q`` ``[n, Hq, D]`` over ``k``, ``v`` ``[L,
+    Hkv, D]``, causal top-left -> output ``[1, Hq, n, D]`` and log-sum-exp ``[1, Hq, n, 1]``."""
+    n, length = q.shape[0], k.shape[0]
+    qh = q.double().reshape(n, HKV, HQ // HKV, D)
+    s = torch.einsum("ihgd,lhd->hgil", qh, k.double()) * scale  # [Hkv, G, n, L]
+    if causal:
+        keys, rows = (torch.arange(x, device=q.device) for x in (length, n))
+        seen = keys[None] <= rows[:, None]  # [n, L]
+        s = s.masked_fill(~seen, float("-inf"))
+    o = torch.einsum("hgil,lhd->hgid", torch.softmax(s, -1), v.double())
+    return o.reshape(1, HQ, n, D), torch.logsumexp(s, -1).reshape(1, HQ, n, 1)
+
+
+def check(n: int, ctx: int) -> None:
+    """``prefill_cudnn``'s calls for a chunk of ``n`` rows over ``ctx``, against float64."""
+    from pagedserve.kernels import prefill_cudnn
+
+    gen = torch.Generator(device="cuda").manual_seed(n * 7919 + ctx)
+    rows_k, rows_v = (torch.randn(ctx + n, HKV, D, device="cuda", generator=gen,
+                                  dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(n, HQ, D, device="cuda", generator=gen, dtype=torch.bfloat16)
+    scale = D ** -0.5
+    parts = {"chunk causal": (rows_k[ctx:], rows_v[ctx:], True)}
+    if ctx:
+        parts["prefix"] = (rows_k[:ctx], rows_v[:ctx], False)
+    line = []
+    for name, (k, v, causal) in parts.items():
+        try:
+            out, lse = prefill_cudnn._attend(q, k, v, causal, scale)
+            want, want_lse = exact(q, k, v, causal, scale)
+            line.append(f"{name}: out {(out.double() - want).abs().max().item():.1e} "
+                        f"lse {(lse.double() - want_lse).abs().max().item():.1e}")
+        except Exception as exc:  # noqa: BLE001 - a probe reports every failure
+            line.append(f"{name}: failed: {type(exc).__name__}: {str(exc)[:200]}")
+    out = torch.empty_like(q)
+    prefill_cudnn.attend_chunk(q, rows_k, rows_v, scale, out)
+    ref = F.scaled_dot_product_attention(
+        q.double().transpose(0, 1), rows_k.double().repeat_interleave(HQ // HKV, 1).transpose(0, 1),
+        rows_v.double().repeat_interleave(HQ // HKV, 1).transpose(0, 1), scale=scale,
+        attn_mask=torch.ones(n, ctx + n, dtype=torch.bool, device="cuda").tril(ctx))
+    err = ((out.double().transpose(0, 1) - ref).norm() / ref.norm()).item()
+    print(f"check {n:6d} over {ctx:6d}: merged rel {err:.1e}  |  " + "  ".join(line),
+          flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="4096x0,8192x0,4096x32768,8192x8192,8192x32768,"
                                       "8192x122880")
+    p.add_argument("--check", default="", help="NxCTX,...: correctness only (see above)")
     args = p.parse_args()
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, "
           f"{torch.cuda.get_device_name()}", flush=True)
+    if args.check:
+        for c in args.check.split(","):
+            check(*(int(x) for x in c.split("x")))
+        return 0
     for c in args.cases.split(","):
         n, ctx = (int(x) for x in c.split("x"))
         print(f"case {n}x{ctx}", flush=True)

@@ -27,9 +27,9 @@ launch of each kind covers all of them. The kinds:
   every count reaches the rollback's graph, its eager ops and the compiled ones among
   them. Their tokens are the warm-up's own and are discarded.
 
-Long chunks that take cuDNN's fused attention need a cuDNN plan per power-of-two bucket
-of their lengths; every bucket the engine's chunks and ``max_model_len`` allow is built
-first (``ops.build_long_chunk_plans``), on zero tensors.
+Where long chunks take cuDNN's fused attention (``ops.LONG_CHUNK_METHOD``), they need a
+cuDNN plan per power-of-two bucket of their lengths; every bucket the engine's chunks and
+``max_model_len`` allow is built first (``ops.build_long_chunk_plans``), on zero tensors.
 
 Every warm-up request runs to its end, so the pools are empty again afterwards.
 """

@@ -96,6 +96,10 @@ def _needs_sm90() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+# Known wrong on Hopper (every type pair misses the oracle's bound by far): the reason the
+# method is not the default (ops.LONG_CHUNK_METHOD). Strict, so that a fix shows as an
+# unexpected pass. ``probe_cudnn_attention.py --check`` names the failing part.
+@pytest.mark.xfail(strict=True, reason="the cuDNN method misses the oracle on this grid")
 @pytest.mark.parametrize("k_type", GPU_TYPES)
 @pytest.mark.parametrize("v_type", ["bf16", "q4_0"])
 def test_gpu_grid_27b_heads(k_type, v_type):
