@@ -170,15 +170,18 @@ def check(n: int, ctx: int) -> None:
                         f"lse {(lse.double() - want_lse).abs().max().item():.1e}")
         except Exception as exc:  # noqa: BLE001 - a probe reports every failure
             line.append(f"{name}: failed: {type(exc).__name__}: {str(exc)[:200]}")
-    out = torch.empty_like(q)
-    prefill_cudnn.attend_chunk(q, rows_k, rows_v, scale, out)
     ref = F.scaled_dot_product_attention(
         q.double().transpose(0, 1), rows_k.double().repeat_interleave(HQ // HKV, 1).transpose(0, 1),
         rows_v.double().repeat_interleave(HQ // HKV, 1).transpose(0, 1), scale=scale,
         attn_mask=torch.ones(n, ctx + n, dtype=torch.bool, device="cuda").tril(ctx))
-    err = ((out.double().transpose(0, 1) - ref).norm() / ref.norm()).item()
-    print(f"check {n:6d} over {ctx:6d}: merged rel {err:.1e}  |  " + "  ".join(line),
-          flush=True)
+    merged = []
+    for pad in (False, True):  # the calls' query rows as they are, and padded
+        out = torch.empty_like(q)
+        prefill_cudnn.attend_chunk(q, rows_k, rows_v, scale, out, pad_rows=pad)
+        err = ((out.double().transpose(0, 1) - ref).norm() / ref.norm()).item()
+        merged.append(f"{err:.1e}")
+    print(f"check {n:6d} over {ctx:6d}: merged rel {merged[0]} (rows padded: {merged[1]})"
+          "  |  " + "  ".join(line), flush=True)
 
 
 def main() -> int:

@@ -124,17 +124,41 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return res[0], res[1].reshape(*res[0].shape[:-1], 1)
 
 
+# Whether each call gets a power-of-two number of query rows, zero rows appended (the
+# chunk's own K/V rows too, which its causal rows never reach). In the bucketed mode
+# cuDNN then pads only the keys. Which of the two is exact on the GPU is open
+# (docs/kernel-decisions.md); ``probe_cudnn_attention.py --check`` runs both.
+PAD_QUERY_ROWS = False
+
+
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` ``[n, H, D]`` with zero rows appended up to ``rows``."""
+    if x.shape[0] == rows:
+        return x
+    out = x.new_zeros(rows, *x.shape[1:])
+    out[: x.shape[0]] = x
+    return out
+
+
 def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, pad_rows: bool | None = None) -> None:
     """One sequence: ``q`` ``[n, Hq, D]`` (the chunk) over ``k``, ``v`` ``[ctx + n, Hkv,
-    D]`` (prefix, then the chunk's own rows), causal; writes ``out`` ``[n, Hq, D]``."""
+    D]`` (prefix, then the chunk's own rows), causal; writes ``out`` ``[n, Hq, D]``.
+    ``pad_rows``: the calls' query rows padded to a power of two (``PAD_QUERY_ROWS``
+    when ``None``)."""
     n = q.shape[0]
     ctx = k.shape[0] - n
-    own, own_lse = _attend(q, k[ctx:], v[ctx:], True, scale)  # [1, Hq, n, D]
+    rows, k_own, v_own = n, k[ctx:], v[ctx:]
+    if PAD_QUERY_ROWS if pad_rows is None else pad_rows:
+        rows = 1 << max(0, n - 1).bit_length()
+        q, k_own, v_own = (_padded(x, rows) for x in (q, k_own, v_own))
+    own, own_lse = _attend(q, k_own, v_own, True, scale)  # [1, Hq, rows, D]
+    own, own_lse = own[:, :, :n], own_lse[:, :, :n]  # without the padded rows
     if ctx == 0:
         out.copy_(own[0].transpose(0, 1))
         return
     prefix, prefix_lse = _attend(q, k[:ctx], v[:ctx], False, scale)
+    prefix, prefix_lse = prefix[:, :, :n], prefix_lse[:, :, :n]
     top = torch.maximum(own_lse, prefix_lse)
     w_own, w_prefix = torch.exp(own_lse - top), torch.exp(prefix_lse - top)  # [1, Hq, n, 1]
     total = w_own + w_prefix

@@ -53,6 +53,16 @@ def test_split_and_merge_equal_the_oracle(contract, types):
 
 
 @needs_triton
+def test_padded_query_rows_equal_the_oracle(contract, monkeypatch):
+    # Calls of a power-of-two number of query rows (zero rows appended): chunks of 1, 3, 5
+    # and 40 rows, over no prefix, one row, and more.
+    monkeypatch.setattr(prefill_cudnn, "PAD_QUERY_ROWS", True)
+    err = run_case("triton", "bf16", "q8_0", [40, 1, 3, 5], [0, 37, 1, 16], hkv=2, group=3,
+                   head_dim=64, method="cudnn")
+    assert err < bound("bf16", "q8_0")
+
+
+@needs_triton
 def test_rows_before_seq_begin_are_left_alone(contract):
     err = run_case("triton", "q8_0", "q8_0", [1, 1, 30, 9], [20, 5, 0, 44], hkv=2, group=2,
                    head_dim=64, seq_begin=2, method="cudnn")
