@@ -6,7 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 .venv/bin/ruff check pagedserve tests benchmarks
-.venv/bin/mypy  # the package, as [tool.mypy] in pyproject.toml configures it
+# The type check (about 40 s without its cache) runs beside the tests; either failing
+# fails the run.
+.venv/bin/mypy >.venv/mypy.log 2>&1 &  # the package, as [tool.mypy] in pyproject.toml says
+mypy_pid=$!
 export TRITON_INTERPRET=1
 export PYTHONHASHSEED=0
-.venv/bin/python -m pytest -q "$@"
+status=0
+.venv/bin/python -m pytest -q "$@" || status=$?
+mypy_status=0
+wait "$mypy_pid" || mypy_status=$?
+cat .venv/mypy.log
+[ "$mypy_status" -eq 0 ] || { echo "test.sh: mypy failed" >&2; exit "$mypy_status"; }
+exit "$status"

@@ -77,7 +77,7 @@ class RollbackCase:
                                     self.rec_spare)] + record
 
 
-def make_case(num_rows: list[int], rows_per_seq: int, slots: list[int], *, num_layers: int = 3,
+def make_case(num_rows: list[int], rows_per_seq: int, slots: list[int], *, num_layers: int = 2,
               hk: int, hv: int, dk: int, dv: int, kw: int = 4, num_slots: int = 10,
               extra_rows: int = 3, dtype: torch.dtype = torch.float32, device: str = DEVICE,
               seed: int = 0) -> RollbackCase:
