@@ -162,11 +162,13 @@ def first_token_seconds(engine, prompt_len: int, rid: str) -> float:
 
 
 def profile_prompt(engine, prompt_len: int) -> dict:
-    """GPU milliseconds by category for one prompt (kernel time summed, no overlap). Only
-    the GPU's activity is recorded: a long prompt's host events take minutes to parse."""
+    """GPU milliseconds by category for one prompt (kernel time summed, no overlap). On
+    CUDA only the GPU's activity is recorded: a long prompt's host events take minutes to
+    parse."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    on_gpu = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:
         wall = first_token_seconds(engine, prompt_len, f"profile-{prompt_len}")
         _sync()
     by_cat = dict.fromkeys(CATEGORIES, 0.0)
