@@ -21,7 +21,8 @@
 # arguments in $PROBE_ARGS (e.g. PROBE_ARGS="--kv-type q8_0 --cases ragged --launch default"),
 # once per '|'-separated list.
 # Needs: wheels in .whl/ (fla-core, xgrammar + apache-tvm-ffi, and the server's
-# fastapi/uvicorn/pydantic stack, which the GPU image lacks), PAGEDSERVE_COMMIT set by the
+# fastapi/uvicorn/pydantic stack, which the GPU image lacks; benchmarks/tools/
+# fetch_wheels.sh fills it), PAGEDSERVE_COMMIT set by the
 # caller (the tree travels without .git). The device takes at most 64 MiB with the 40 MB
 # default checkpoint in the tree: .whl/ holds only what the image lacks (matplotlib is
 # there; the openai/anthropic clients are not needed), about 12 MB.
@@ -30,7 +31,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-  .whl/*.whl >/dev/null || { echo "wheel install failed"; exit 1; }
+  .whl/*.whl >/dev/null || { echo "wheel install failed (fill .whl/ with" \
+  "benchmarks/tools/fetch_wheels.sh and carry it)"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 # Triton's cache (compiled kernels and autotune results, fla's included) can travel between
