@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) .venv with everything pagedserve and its tests need, on the CPU.
-# torch is installed first and pinned to the 2.13.0 CPU wheel that these machines keep on
-# disk; any looser specifier could pull a multi-GB CUDA build.
+# torch is named and pinned to the 2.13.0 CPU wheel that these machines keep on disk; any
+# looser specifier could pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,9 +22,8 @@ say() { echo "setup_env: $*" >&2; }
 say "setting up .venv with $PY (the first run installs torch and the test tools, ~1-2 min)..."
 "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-say "installing torch 2.13.0 (CPU)..."
-.venv/bin/python -m pip install -q torch==2.13.0
-say "installing pagedserve and its dependencies..."
-.venv/bin/python -m pip install -q -c requirements/cpu-constraints.txt -e '.[test,bench]'
+say "installing torch 2.13.0 (CPU), pagedserve and its dependencies..."
+.venv/bin/python -m pip install -q -c requirements/cpu-constraints.txt torch==2.13.0 \
+  -e '.[test,bench]'
 echo "$stamp_src" > .venv/.stamp
 say ".venv is ready"

@@ -42,7 +42,7 @@ def contract(monkeypatch):
 
 
 @needs_triton  # the rows' gather is the Triton copy of the dequantized method
-@pytest.mark.parametrize("types", ["bf16:bf16", "q8_0:q4_0", "f16:q8_0"])
+@pytest.mark.parametrize("types", ["bf16:bf16", "q8_0:q4_0"])
 def test_split_and_merge_equal_the_oracle(contract, types):
     k_type, v_type = types.split(":")
     # Fresh prompts (one call), chunks over prefixes of every size, a one-row chunk, and
@@ -57,9 +57,9 @@ def test_padded_query_rows_equal_the_oracle(contract, monkeypatch):
     # Calls of a power-of-two number of query rows (zero rows appended): chunks of 1, 3, 5
     # and 40 rows, over no prefix, one row, and more.
     monkeypatch.setattr(prefill_cudnn, "PAD_QUERY_ROWS", True)
-    err = run_case("triton", "bf16", "q8_0", [40, 1, 3, 5], [0, 37, 1, 16], hkv=2, group=3,
+    err = run_case("triton", "f16", "q8_0", [40, 1, 3, 5], [0, 37, 1, 16], hkv=2, group=3,
                    head_dim=64, method="cudnn")
-    assert err < bound("bf16", "q8_0")
+    assert err < bound("f16", "q8_0")
 
 
 @needs_triton

@@ -46,7 +46,6 @@ def eager_roll_back(runner, kv, chunks: list[SeqChunk], inputs, num_rows: list[i
 @pytest.mark.parametrize("rows, num_rows", [
     (3, [1, 3, 2]),  # one of each: a single row, every draft kept, a run
     (4, [2, 3, 1]),  # every sequence rejected one
-    (2, [1, 1, 1]),
     (3, [0, 2, 0]),  # 0: kept every draft, left as it is (what a step sends)
     (4, [0, 3, 4]),
 ])

@@ -63,7 +63,7 @@ def test_two_ranks_match_transformers(checkpoints, tmp_path_factory, shape, layo
 
 
 # With the f16 and f32 runs above, each type is used for K and for V at least once.
-@pytest.mark.parametrize("kv", [("bf16", "bf16"), ("q8_0", "q4_0"), ("q4_0", "q8_0")],
+@pytest.mark.parametrize("kv", [("bf16", "bf16"), ("q8_0", "q4_0")],
                          ids=lambda kv: f"{kv[0]}-{kv[1]}")
 def test_two_ranks_match_one_rank_for_each_kv_type(checkpoints, kv) -> None:
     ckpt = checkpoints("d256-gqa4-kv1-untied")
