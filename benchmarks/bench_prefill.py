@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 from pagedserve import presets  # noqa: E402
+from pagedserve.engine import warmup  # noqa: E402
 from pagedserve.kernels import ops  # noqa: E402
 from pagedserve.kv.formats import KVBlockStorage  # noqa: E402
 
@@ -275,14 +276,9 @@ def by_method(engine, methods: list[str], lengths: list[int],
     default = ops.LONG_CHUNK_METHOD
     res: dict = {m: {"ttft_s": {}, "profile": {}} for m in methods}
     try:
-        r, sched = engine.runner, engine.scheduler.config
         for m in methods:
             ops.LONG_CHUNK_METHOD = m
-            # The warm-up builds the cuDNN plans only where cuDNN is the default.
-            ops.build_long_chunk_plans(r.num_heads, r.num_kv_heads, r.model_config.head_dim,
-                                       r.dtype, r.device, max(sched.prefill_chunk,
-                                                              sched.idle_prefill_chunk),
-                                       engine.max_model_len)
+            warmup.build_long_chunk_plans(engine)  # the warm-up's, for the default only
             warm = min(2 * ops.LONG_CHUNK_MIN_ROWS + 16, engine.max_model_len - 8)
             first_token_seconds(engine, warm, f"warm-{m}")
         for n in lengths:

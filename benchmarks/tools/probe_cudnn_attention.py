@@ -12,8 +12,9 @@ Sides, each checked against flash first (max abs difference):
 - kernel: ``ops.paged_prefill_attention`` over an in-order bf16 pool (the scratch pool of
   the dequantize-once method);
 - flash: SDPA flash with a lower-right causal bias, GQA;
-- cudnn: the two calls on packed rows ``[L, Hkv, D]`` viewed as ``[1, Hkv, L, D]`` (GQA);
-- cudnn_expanded: the same on K/V repeated to Hq heads beforehand (not timed).
+- cudnn: ``prefill_cudnn.attend_chunk``, the method's own two calls and merge, on packed
+  rows ``[L, Hkv, D]`` (GQA);
+- cudnn_expanded: the same on K/V repeated to Hq heads beforehand.
 
 ``--check NxCTX,...`` (no timing) runs ``prefill_cudnn``'s own calls instead, on any sizes,
 against float64 attention: each call's output and log-sum-exp apart (the chunk's causal
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -36,29 +38,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _common  # noqa: E402
 
-from pagedserve.kernels import ops  # noqa: E402
+from pagedserve.kernels import ops, prefill_cudnn  # noqa: E402
 from pagedserve.kv.formats import KVBlockStorage  # noqa: E402
 
 HQ, HKV, D = 24, 4, 256
-
-
-def cudnn_call(q, k, v, causal: bool, scale: float):
-    """q ``[1, Hq, n, D]``, k/v ``[1, H, L, D]`` -> (out ``[1, Hq, n, D]``, lse)."""
-    res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, causal, False, scale=scale)
-    return res[0], res[1]
-
-
-def merged(q, k, v, ctx: int, scale: float):
-    if ctx == 0:
-        return cudnn_call(q, k, v, True, scale)[0]
-    o1, l1 = cudnn_call(q, k[:, :, :ctx], v[:, :, :ctx], False, scale)
-    o2, l2 = cudnn_call(q, k[:, :, ctx:], v[:, :, ctx:], True, scale)
-    l1 = l1.reshape(o1.shape[:-1])[..., None].float()
-    l2 = l2.reshape(o2.shape[:-1])[..., None].float()
-    m = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
-    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
 def case(n: int, ctx: int, block_size: int = 16) -> None:
@@ -83,8 +66,7 @@ def case(n: int, ctx: int, block_size: int = 16) -> None:
     qh = q.transpose(0, 1)[None]  # [1, Hq, n, D], BSHD strides
     kh = rows_k.transpose(0, 1)[None]  # [1, Hkv, L, D], BSHD strides
     vh = rows_v.transpose(0, 1)[None]
-    ke = rows_k.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)[None]
-    ve = rows_v.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1)[None]
+    rows_ke, rows_ve = (x.repeat_interleave(HQ // HKV, dim=1) for x in (rows_k, rows_v))
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
     bias = causal_lower_right(n, length)
@@ -100,9 +82,14 @@ def case(n: int, ctx: int, block_size: int = 16) -> None:
             return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=bias, scale=scale,
                                                   enable_gqa=True)
 
+    def cudnn(q, k, v):  # [n, Hq, D] over [ctx + n, H, D] -> [1, Hq, n, D]
+        o = torch.empty_like(q)
+        prefill_cudnn.attend_chunk(q, k, v, scale, o)
+        return o.transpose(0, 1)[None]
+
     sides = {"kernel": kernel, "flash": flash,
-             "cudnn": lambda: merged(qh, kh, vh, ctx, scale),
-             "cudnn_expanded": lambda: merged(qh, ke, ve, ctx, scale)}
+             "cudnn": lambda: cudnn(q, rows_k, rows_v),
+             "cudnn_expanded": lambda: cudnn(q, rows_ke, rows_ve)}
     ref = flash().float()
     good = {}
     for name, fn in sides.items():
@@ -119,20 +106,16 @@ def case(n: int, ctx: int, block_size: int = 16) -> None:
     line = "  ".join(f"{k} {v:.0f} us ({flops / v / 1e6:.0f} TF)" for k, v in us.items())
     print(f"chunk {n} over {ctx}: {line}", flush=True)
     if "cudnn" in good:  # a plan is built per new shape: time first calls of unseen ones
-        import time
-        for extra in (1, 17, 100):
-            c2 = ctx + extra
-            k2, v2 = kh[:, :, :c2 + n - extra], vh[:, :, :c2 + n - extra]
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            merged(qh[:, :, :n - extra], k2, v2, ctx, scale)
-            torch.cuda.synchronize()
-            t1 = time.perf_counter()
-            merged(qh[:, :, :n - extra], k2, v2, ctx, scale)
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
-            print(f"  new shape q {n - extra} over {ctx}: first call {1e3 * (t1 - t0):.1f} ms, "
-                  f"second {1e3 * (t2 - t1):.1f} ms", flush=True)
+        for extra in (1, 17, 100):  # the same keys: the prefix grows by ``extra``
+            times = []
+            for _ in range(2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                cudnn(q[:n - extra], rows_k, rows_v)
+                torch.cuda.synchronize()
+                times.append(1e3 * (time.perf_counter() - t0))
+            print(f"  new shape q {n - extra} over {ctx + extra}: first call {times[0]:.1f} "
+                  f"ms, second {times[1]:.1f} ms", flush=True)
 
 
 def exact(q, k, v, causal: bool, scale: float):
@@ -151,8 +134,6 @@ def exact(q, k, v, causal: bool, scale: float):
 
 def check(n: int, ctx: int) -> None:
     """``prefill_cudnn``'s calls for a chunk of ``n`` rows over ``ctx``, against float64."""
-    from pagedserve.kernels import prefill_cudnn
-
     gen = torch.Generator(device="cuda").manual_seed(n * 7919 + ctx)
     rows_k, rows_v = (torch.randn(ctx + n, HKV, D, device="cuda", generator=gen,
                                   dtype=torch.bfloat16) for _ in range(2))

@@ -73,6 +73,15 @@ def _keeping_in_turn(spec: SpeculativeDecoding) -> Iterator[None]:
         spec.kept_drafts = previous
 
 
+def build_long_chunk_plans(engine: LLMEngine) -> int:
+    """The cuDNN plans of every long chunk ``engine`` can schedule, where long chunks take
+    cuDNN (``ops.build_long_chunk_plans``); returns the calls made."""
+    r, sched = engine.runner, engine.scheduler.config
+    return ops.build_long_chunk_plans(
+        r.num_heads, r.num_kv_heads, r.model_config.head_dim, r.dtype, r.device,
+        max(sched.prefill_chunk, sched.idle_prefill_chunk), engine.max_model_len)
+
+
 def warm_up(engine: LLMEngine) -> float:
     """Run the warm-up requests to their end; return the seconds it took."""
     start = time.perf_counter()
@@ -97,9 +106,7 @@ def warm_up(engine: LLMEngine) -> float:
         while engine.has_unfinished_requests():
             engine.step()
 
-    r = engine.runner
-    ops.build_long_chunk_plans(r.num_heads, r.num_kv_heads, r.model_config.head_dim, r.dtype,
-                               r.device, max(chunk, idle_chunk), engine.max_model_len)
+    build_long_chunk_plans(engine)
     run([2 * idle_chunk + 3], stagger=False)
     budget = engine.scheduler.config.max_num_batched_tokens
     together = min(engine.scheduler.config.max_num_seqs, -(-budget // max(1, longest)))

@@ -151,12 +151,12 @@ def build_long_chunk_plans(num_heads: int, num_kv_heads: int, head_dim: int,
     """Build, before the first request, every cuDNN plan that long chunks of up to
     ``max_chunk`` rows over up to ``max_len`` cached rows can reach, where they take
     cuDNN (``prefill_method``); returns the calls made (0 where they do not)."""
-    q = torch.empty(0, num_heads, head_dim, dtype=dtype, device=device)
     if (LONG_CHUNK_METHOD != "cudnn" or max_chunk < LONG_CHUNK_MIN_ROWS
             or dtype not in (torch.float16, torch.bfloat16)):
         return 0
     from pagedserve.kernels import prefill_cudnn
 
+    q = torch.empty(0, num_heads, head_dim, dtype=dtype, device=device)
     if not prefill_cudnn.available(q, num_kv_heads):
         return 0
     return prefill_cudnn.build_plans(num_heads, num_kv_heads, head_dim, dtype, device,
@@ -207,6 +207,7 @@ def paged_prefill_attention(
         guards.check_block_tables(block_tables[seq_begin:], seq_lens[seq_begin:],
                                   cache_k.num_blocks, cache_k.block_size)
     on_triton = _pick(backend, q.device) == "triton"
+    asked = method is not None  # else chosen by ``prefill_method``, which checks cuDNN
     if on_triton and method is None and query_start_loc_cpu is not None:
         qsl = query_start_loc_cpu
         method = prefill_method(q, cache_k, cache_v,
@@ -214,7 +215,7 @@ def paged_prefill_attention(
     if on_triton and method == "cudnn":
         from pagedserve.kernels import prefill_cudnn
 
-        if not prefill_cudnn.available(q, cache_k.num_kv_heads):
+        if asked and not prefill_cudnn.available(q, cache_k.num_kv_heads):
             raise ValueError(f"method 'cudnn' needs cuDNN's fused attention: CUDA on an SM "
                              f"9.0 GPU, 16-bit queries of head_dim <= 256; got {q.dtype} "
                              f"{tuple(q.shape)} on {q.device}")

@@ -28,6 +28,7 @@ import logging
 import os
 
 import torch
+import triton
 
 from pagedserve.kernels.prefill_gather import gather_rows
 from pagedserve.kv.formats import KVBlockStorage
@@ -45,8 +46,7 @@ def enable_bucketed_plans() -> None:
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
     """Every power of two from the one holding ``lo`` to the one holding ``hi``."""
-    first = 1 << max(0, lo - 1).bit_length()
-    last = 1 << max(0, hi - 1).bit_length()
+    first, last = triton.next_power_of_2(lo), triton.next_power_of_2(hi)
     out = []
     while first <= last:
         out.append(first)
@@ -150,7 +150,7 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ctx = k.shape[0] - n
     rows, k_own, v_own = n, k[ctx:], v[ctx:]
     if PAD_QUERY_ROWS if pad_rows is None else pad_rows:
-        rows = 1 << max(0, n - 1).bit_length()
+        rows = triton.next_power_of_2(n)
         q, k_own, v_own = (_padded(x, rows) for x in (q, k_own, v_own))
     own, own_lse = _attend(q, k_own, v_own, True, scale)  # [1, Hq, rows, D]
     own, own_lse = own[:, :, :n], own_lse[:, :, :n]  # without the padded rows
@@ -173,8 +173,8 @@ def cudnn_prefill_attention(
     seq_begin: int, query_start_loc_cpu: list[int], seq_lens_cpu: list[int],
 ) -> torch.Tensor:
     """The contract of ``paged_prefill.paged_prefill_attention`` (sequences ``seq_begin
-    ..`` of the step), one sequence at a time; ``*_cpu`` are the host copies."""
-    enable_bucketed_plans()
+    ..`` of the step), one sequence at a time; ``*_cpu`` are the host copies. Callers
+    check ``available`` first (which also asks for bucketed plans)."""
     lens = seq_lens[seq_begin:]
     cum_k = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=q.device)
     cum_k[1:] = torch.cumsum(lens, 0, dtype=torch.int32)
