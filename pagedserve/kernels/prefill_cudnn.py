@@ -124,11 +124,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return res[0], res[1].reshape(*res[0].shape[:-1], 1)
 
 
-# Whether each call gets a power-of-two number of query rows, zero rows appended (the
-# chunk's own K/V rows too, which its causal rows never reach). In the bucketed mode
-# cuDNN then pads only the keys. Which of the two is exact on the GPU is open
-# (docs/kernel-decisions.md); ``probe_cudnn_attention.py --check`` runs both.
-PAD_QUERY_ROWS = False
+# Every call's query rows are padded to a power of two (zero rows appended; the chunk's own
+# K/V rows too, which its causal rows never reach). In the bucketed mode torch keys a plan
+# on the rounded lengths, but the plan's log-sum-exp layout (a row stride per head) is the
+# one of the call that built it, while each call allocates its log-sum-exp for its own
+# rows: a call with fewer query rows than its bucket would read, and have cuDNN write, the
+# log-sum-exp at the wrong places (past the end of the tensor, for the last heads). With
+# the rows padded, every call of a bucket has the bucket's layout.
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -141,15 +143,15 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 out: torch.Tensor, pad_rows: bool | None = None) -> None:
+                 out: torch.Tensor, pad_rows: bool = True) -> None:
     """One sequence: ``q`` ``[n, Hq, D]`` (the chunk) over ``k``, ``v`` ``[ctx + n, Hkv,
     D]`` (prefix, then the chunk's own rows), causal; writes ``out`` ``[n, Hq, D]``.
-    ``pad_rows``: the calls' query rows padded to a power of two (``PAD_QUERY_ROWS``
-    when ``None``)."""
+    ``pad_rows=False`` leaves the query rows as they are, which is exact only with a plan
+    per exact shape (``probe_cudnn_attention.py --check`` shows both)."""
     n = q.shape[0]
     ctx = k.shape[0] - n
     rows, k_own, v_own = n, k[ctx:], v[ctx:]
-    if PAD_QUERY_ROWS if pad_rows is None else pad_rows:
+    if pad_rows:
         rows = triton.next_power_of_2(n)
         q, k_own, v_own = (_padded(x, rows) for x in (q, k_own, v_own))
     own, own_lse = _attend(q, k_own, v_own, True, scale)  # [1, Hq, rows, D]

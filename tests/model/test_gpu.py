@@ -115,6 +115,37 @@ def test_bf16_agreement_on_default_model() -> None:
 
 
 @torch.no_grad()
+def test_long_chunks_match_transformers(checkpoints, monkeypatch) -> None:
+    """A 3000-token prompt prefilled in chunks of 1536 rows: both chunks are long
+    (``ops.LONG_CHUNK_MIN_ROWS``), so on an H100/H200 the full-attention layer takes
+    cuDNN's method, the second chunk over a 1536-row prefix with its query rows padded
+    to 2048. The logits of the prompt's last position and of 7 teacher-forced steps,
+    against transformers' fp32, are no further off than transformers' own bf16 run."""
+    from pagedserve.kernels import ops, prefill_cudnn
+
+    calls = []
+    attend = prefill_cudnn.attend_chunk
+    monkeypatch.setattr(prefill_cudnn, "attend_chunk",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or attend(q, *a, **kw))
+    path = checkpoints("d256-gqa3-untied").path
+    prompt, new = prompt_ids(5, 3000), 8
+    ref = hf_reference(_hf(path, torch.float32), prompt, new)
+    ids = torch.tensor([prompt + ref.tokens[:-1]], device="cuda")
+    hf16 = _hf(path, torch.bfloat16)(ids).logits[0, len(prompt) - 1:].float().cpu()
+    lm = load_model(path, device="cuda", dtype="bfloat16", progress=False)
+    cache = CacheConfig(cache_type_k="bf16", cache_type_v="bf16")
+    runner = ModelRunner(lm.model, cache, RunnerConfig(max_model_len=3072, max_num_seqs=1))
+    ours = torch.stack(greedy(runner, prompt, new, chunk=1536, forced=ref.tokens)
+                       .step_logits).float()  # [new, vocab]
+    err, floor = ((x - ref.step_logits).abs().max().item() for x in (ours, hf16))
+    print(f"\nlong chunks: max logit diff from transformers fp32 {err:.3e} "
+          f"(transformers bf16: {floor:.3e}); cuDNN calls, rows: {calls}")
+    if ops.LONG_CHUNK_METHOD == "cudnn" and torch.cuda.get_device_capability() == (9, 0):
+        assert calls == [1536, 1536], "long chunks did not take cuDNN's method"
+    assert err <= 2 * floor + 1e-2
+
+
+@torch.no_grad()
 def test_cuda_graph_decode_matches_eager(checkpoints) -> None:
     lm = load_model(checkpoints("d256-gqa3-untied").path, device="cuda", progress=False)
     runs = {}
