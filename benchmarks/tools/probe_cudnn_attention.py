@@ -17,9 +17,10 @@ Sides, each checked against flash first (max abs difference):
 - cudnn_expanded: the same on K/V repeated to Hq heads beforehand.
 
 ``--check NxCTX,...`` (no timing) runs ``prefill_cudnn``'s own calls instead, on any sizes,
-against float64 attention: the merged chunk with the calls' query rows padded to a power
-of two (the method) and as they are, then each unpadded call's output and log-sum-exp
-apart (the chunk's causal rows, the prefix), so that a wrong shape names its part.
+against float64 attention: the merged chunk as the method runs it and with a one-row call
+left unpadded (``prefill_cudnn.MIN_QUERY_ROWS``), then each unpadded call's output and
+log-sum-exp apart (the chunk's causal rows, the prefix), so that a wrong shape names its
+part.
 
     python benchmarks/tools/probe_cudnn_attention.py [--cases 8192x0,8192x32768]
                                                      [--check 700x3000,129x1,16x15]
@@ -144,9 +145,6 @@ def check(n: int, ctx: int) -> None:
         q.double().transpose(0, 1), rows_k.double().repeat_interleave(HQ // HKV, 1).transpose(0, 1),
         rows_v.double().repeat_interleave(HQ // HKV, 1).transpose(0, 1), scale=scale,
         attn_mask=torch.ones(n, ctx + n, dtype=torch.bool, device="cuda").tril(ctx))
-    # Padded first: in the bucketed mode a plan keeps the log-sum-exp layout of the call
-    # that built it, so the padded calls build their buckets' plans at their own sizes
-    # and the unpadded calls after them show what a smaller call in a built bucket gets.
     merged = []
     for pad in (True, False):
         out = torch.empty_like(q)
@@ -165,8 +163,8 @@ def check(n: int, ctx: int) -> None:
                         f"lse {(lse.double() - want_lse).abs().max().item():.1e}")
         except Exception as exc:  # noqa: BLE001 - a probe reports every failure
             line.append(f"{name}: failed: {type(exc).__name__}: {str(exc)[:200]}")
-    print(f"check {n:6d} over {ctx:6d}: merged rel, rows padded {merged[0]}, as they are "
-          f"{merged[1]}  |  unpadded calls: " + "  ".join(line), flush=True)
+    print(f"check {n:6d} over {ctx:6d}: merged rel {merged[0]} (unpadded {merged[1]})"
+          "  |  unpadded calls: " + "  ".join(line), flush=True)
 
 
 def main() -> int:

@@ -124,13 +124,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return res[0], res[1].reshape(*res[0].shape[:-1], 1)
 
 
-# Every call's query rows are padded to a power of two (zero rows appended; the chunk's own
-# K/V rows too, which its causal rows never reach). In the bucketed mode torch keys a plan
-# on the rounded lengths, but the plan's log-sum-exp layout (a row stride per head) is the
-# one of the call that built it, while each call allocates its log-sum-exp for its own
-# rows: a call with fewer query rows than its bucket would read, and have cuDNN write, the
-# log-sum-exp at the wrong places (past the end of the tensor, for the last heads). With
-# the rows padded, every call of a bucket has the bucket's layout.
+# The fewest query rows of a cuDNN call. In the bucketed mode cuDNN returns a wrong
+# log-sum-exp for a call of one query row, while its output is right
+# (``probe_cudnn_attention.py --check 1x17``); so a one-row chunk's prefix call gets a
+# second, zero query row. (Its own row, a single key, has the closed form.)
+MIN_QUERY_ROWS = 2
 
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -146,21 +144,17 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                  out: torch.Tensor, pad_rows: bool = True) -> None:
     """One sequence: ``q`` ``[n, Hq, D]`` (the chunk) over ``k``, ``v`` ``[ctx + n, Hkv,
     D]`` (prefix, then the chunk's own rows), causal; writes ``out`` ``[n, Hq, D]``.
-    ``pad_rows=False`` leaves the query rows as they are, which is exact only with a plan
-    per exact shape (``probe_cudnn_attention.py --check`` shows both)."""
+    ``pad_rows=False`` leaves a call of fewer than ``MIN_QUERY_ROWS`` rows as it is (for
+    ``probe_cudnn_attention.py --check``, which shows both)."""
     n = q.shape[0]
     ctx = k.shape[0] - n
-    rows, k_own, v_own = n, k[ctx:], v[ctx:]
-    if pad_rows:
-        rows = triton.next_power_of_2(n)
-        q, k_own, v_own = (_padded(x, rows) for x in (q, k_own, v_own))
-    own, own_lse = _attend(q, k_own, v_own, True, scale)  # [1, Hq, rows, D]
-    own, own_lse = own[:, :, :n], own_lse[:, :, :n]  # without the padded rows
+    own, own_lse = _attend(q, k[ctx:], v[ctx:], True, scale)  # [1, Hq, n, D]
     if ctx == 0:
         out.copy_(own[0].transpose(0, 1))
         return
-    prefix, prefix_lse = _attend(q, k[:ctx], v[:ctx], False, scale)
-    prefix, prefix_lse = prefix[:, :, :n], prefix_lse[:, :, :n]
+    q_prefix = _padded(q, MIN_QUERY_ROWS) if pad_rows and n < MIN_QUERY_ROWS else q
+    prefix, prefix_lse = _attend(q_prefix, k[:ctx], v[:ctx], False, scale)
+    prefix, prefix_lse = prefix[:, :, :n], prefix_lse[:, :, :n]  # without a padded row
     top = torch.maximum(own_lse, prefix_lse)
     w_own, w_prefix = torch.exp(own_lse - top), torch.exp(prefix_lse - top)  # [1, Hq, n, 1]
     total = w_own + w_prefix

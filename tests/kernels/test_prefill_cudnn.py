@@ -22,10 +22,11 @@ def contract_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """cuDNN's fused attention as its contract states it, in float64: ``q`` ``[n, Hq,
     D]``, ``k``/``v`` ``[L, Hkv, D]`` -> ``[1, Hq, n, D]`` in ``q.dtype`` and the float32
     log-sum-exp ``[1, Hq, n, 1]``; causal is aligned top-left (query i sees keys 0 .. i).
-    With bucketed plans the log-sum-exp is right only for a power-of-two number of query
-    rows (``prefill_cudnn``'s padding), which the stand-in requires."""
+    With bucketed plans cuDNN's log-sum-exp is wrong for one query row (``prefill_cudnn.
+    MIN_QUERY_ROWS``), so the stand-in refuses such a call; a single key never reaches
+    cuDNN (the closed form)."""
     n, hq, d = q.shape
-    assert n & (n - 1) == 0, f"{n} query rows: bucketed plans need a power of two"
+    assert n >= 2 or k.shape[0] == 1, "a cuDNN call of one query row"
     length, hkv = k.shape[:2]
     qh = q.double().reshape(n, hkv, hq // hkv, d)
     s = torch.einsum("ihgd,lhd->hgil", qh, k.double()) * scale  # [Hkv, G, n, L]
@@ -63,7 +64,7 @@ def test_rows_before_seq_begin_are_left_alone(contract):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize("n", [1, 6])
 def test_one_key_has_the_closed_form(causal, n):
     # torch does not send a single key to cuDNN: a prefix of one row, or a one-row chunk's
     # own row, are computed here (for causal, only n = 1 is a square call).
