@@ -258,6 +258,9 @@ def run_ttft(args, device: str, loaded) -> dict:
             # The floors' table and the plot show the library's default method.
             shown = methods.get(ops.LONG_CHUNK_METHOD) or methods[args.long_chunk_methods[-1]]
             entry["ttft_s"], entry["profile"] = shown["ttft_s"], shown["profile"]
+        if args.checkpoint_intervals and engine.prefix is not None:
+            entry["ttft_by_checkpoint_interval"] = by_checkpoint_interval(
+                engine, args.checkpoint_intervals, lengths)
         results["configs"].append(entry)
         del engine
         gc.collect()
@@ -293,6 +296,24 @@ def by_method(engine, methods: list[str], lengths: list[int],
                     print(f"    GPU ms: {cats}  ({p['launches']} launches)", flush=True)
     finally:
         ops.LONG_CHUNK_METHOD = default
+    return res
+
+
+def by_checkpoint_interval(engine, intervals: list[int], lengths: list[int]) -> dict:
+    """The same engine's TTFT with prefix-cache checkpoints every ``interval`` tokens of a
+    prompt, intervals alternating: the scheduler ends a prefill chunk at each checkpoint,
+    so the interval bounds the chunk length (``PrefixCache.chunk_limit``)."""
+    default = engine.prefix.checkpoint_interval
+    res: dict = {iv: {} for iv in intervals}
+    try:
+        for n in lengths:
+            for iv in intervals:
+                engine.prefix.checkpoint_interval = iv
+                res[iv][n] = first_token_seconds(engine, n, f"interval-{iv}-{n}")
+                print(f"  checkpoints every {iv:6d} tokens: TTFT {n:7d}: {res[iv][n]:8.3f} s",
+                      flush=True)
+    finally:
+        engine.prefix.checkpoint_interval = default
     return res
 
 
@@ -426,6 +447,16 @@ def markdown(res: dict) -> str:
                 out.append(_common.md_table(
                     ["method", "prompt", "wall ms", *(f"{cat} ms" for cat in CATEGORIES),
                      "launches"], rows))
+        for c in ttft["configs"]:
+            by_iv = c.get("ttft_by_checkpoint_interval")
+            if not by_iv:
+                continue
+            ivs = list(by_iv)
+            out.append(f"\n### Prefix-cache checkpoint interval ({_label(c)}; prefill chunks "
+                       "end at each checkpoint; the same engine, intervals alternating)\n\n")
+            out.append(_common.md_table(
+                ["prompt", *(f"every {iv} tokens: TTFT s" for iv in ivs)],
+                [[n, *(f"{by_iv[iv][n]:.3f}" for iv in ivs)] for n in by_iv[ivs[0]]]))
     return "".join(out)
 
 
@@ -477,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-chunk-methods", default="",
                     help="ttft: also time each of these methods for long chunks "
                          "(e.g. dequantized,cudnn) in each engine, alternating")
+    ap.add_argument("--checkpoint-intervals", default="",
+                    help="e.g. 2048,8192: TTFT with each prefix-cache checkpoint interval")
     ap.add_argument("--op-types", default="bf16,q8_0,q4_0")
     ap.add_argument("--op-cases", default="4096x0,4096x8192,4096x32768,4096x131072",
                     help="CHUNKxPREFIX of the op part")
@@ -488,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     args.lengths = [int(v) for v in args.lengths.split(",")]
     args.profile_lengths = {int(v) for v in args.profile_lengths.split(",") if v}
     args.long_chunk_methods = [m for m in args.long_chunk_methods.split(",") if m]
+    args.checkpoint_intervals = [int(v) for v in args.checkpoint_intervals.split(",") if v]
     args.configs = parse_configs(args.configs)
     args.sweep = [tuple(int(v) for v in c.split("/")) for c in args.sweep.split(";") if c]
     args.sweep_cases = {tuple(int(v) for v in c.split("x")) for c in args.sweep_cases.split(",")}

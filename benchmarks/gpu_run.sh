@@ -12,7 +12,7 @@
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
 #         bench-structured bench-chaos bench-prefix probe-decode
 #         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8 bench-fp8-engine
-#         probe-scaled-mm probe-cudnn tests-spec-gpu bench-spec bench-spec-e2e profile-spec
+#         probe-scaled-mm probe-cudnn probe-elementwise tests-spec-gpu bench-spec bench-spec-e2e profile-spec
 #         spec-default-model
 #         bench-tp (2 GPUs)
 #         train-default-model (issue 38; carry .corpus as well as .whl).
@@ -175,6 +175,9 @@ for spec in "$@"; do
     ab-probe)      run_stage "$stage" "$limit" bash benchmarks/tools/ab_probe.sh ;;
     # Random pieces against one run, memory only (benchmarks/tools/probe_pieces.py); $PIECES_ARGS
     # are its arguments (default: its own cases and block sizes).
+    # The compiled elementwise ops, token dim dynamic against every dim (issue 34).
+    probe-elementwise) run_stage "$stage" "$limit" python3 benchmarks/tools/probe_elementwise.py \
+                     ${ELEMENTWISE_ARGS:-} ;;
     probe-pieces)  run_stage "$stage" "$limit" python3 benchmarks/tools/probe_pieces.py ${PIECES_ARGS:-} ;;
     tests-prefill) run_stage "$stage" "$limit" $PYTEST -n 8 tests/kernels/test_paged_prefill.py ;;
     # $PREFILL_ARGS: more bench_prefill.py arguments (--parts, --lengths, --configs).
