@@ -118,11 +118,11 @@ RECOMPILE_LIMIT = 64
 def token_dynamic(fn: Callable, backend: str | Callable = "inductor") -> Callable:
     """``fn`` compiled with only the token count dynamic: every tensor argument of two or
     more dims leads with the token dim (weights are 1-D), and that dim alone is marked
-    dynamic; the others stay static. A kernel compiled with every dim dynamic indexes by
-    runtime divisors and cannot prove its rows aligned for wide loads: on an H200, the
-    27B shape's SwiGLU ran at a quarter of the memory bandwidth that way. One kernel then
-    serves every token count of a feature shape (with 1 token its own, as dynamo
-    specializes sizes 0 and 1)."""
+    dynamic; the others stay constants of the kernel. With every dim dynamic, a kernel
+    computes its indices with runtime divisors and cannot assume its rows aligned for
+    wide loads (docs/kernel-decisions.md, "Compiled elementwise ops"). One kernel serves
+    every token count of a feature shape (1 token gets its own: dynamo specializes sizes
+    0 and 1)."""
     compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
 
     @functools.wraps(fn)
