@@ -130,13 +130,15 @@ LONG_CHUNK_METHOD = "cudnn"
 def prefill_method(q: torch.Tensor, cache_k: KVBlockStorage, cache_v: KVBlockStorage,
                    query_lens_cpu: list[int] | None) -> str:
     """The default method of a launch: for a long chunk in a 16-bit model, cuDNN's fused
-    attention where ``LONG_CHUNK_METHOD`` names it and it is available, else the kernel over
-    a dequantized copy for quantized K/V; the kernel in place otherwise."""
+    attention where ``LONG_CHUNK_METHOD`` names it, it is available and every chunk of the
+    launch is long (the warm-up builds cuDNN's plans for long chunks only, and a short
+    chunk would build one mid-request), else the kernel over a dequantized copy for
+    quantized K/V; the kernel in place otherwise."""
     if not query_lens_cpu or max(query_lens_cpu) < LONG_CHUNK_MIN_ROWS:
         return "kernel"
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 256:
         return "kernel"
-    if LONG_CHUNK_METHOD == "cudnn":
+    if LONG_CHUNK_METHOD == "cudnn" and min(query_lens_cpu) >= LONG_CHUNK_MIN_ROWS:
         from pagedserve.kernels import prefill_cudnn
 
         if prefill_cudnn.available(q, cache_k.num_kv_heads):

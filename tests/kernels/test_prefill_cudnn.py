@@ -117,3 +117,23 @@ def test_gpu_chunk_lengths_27b_shape(chunk):
     err = run_case("triton", "q8_0", "q4_0", [chunk, chunk], [8191, 4], hkv=4, group=6,
                    head_dim=256, device="cuda", method="cudnn")
     assert err < bound("q8_0", "q4_0")
+
+
+@pytest.mark.parametrize("kv_type", ["bf16", "q8_0"])
+def test_cudnn_takes_launches_of_long_chunks_only(monkeypatch, kv_type):
+    # cuDNN's plans are built in the warm-up for long chunks only: a launch that mixes a
+    # long chunk with a short one takes the Triton path (over a dequantized copy for
+    # quantized K/V), as does a launch with no long chunk.
+    from pagedserve.kernels import ops
+    from pagedserve.kv.formats import KVBlockStorage
+
+    monkeypatch.setattr(ops, "LONG_CHUNK_METHOD", "cudnn")
+    monkeypatch.setattr(prefill_cudnn, "available", lambda q, num_kv_heads: True)
+    cache = KVBlockStorage.allocate(kv_type, 4, 16, 2, 64, torch.device("cpu"))
+    q = torch.empty(0, 4, 64, dtype=torch.bfloat16)
+    long_rows = ops.LONG_CHUNK_MIN_ROWS
+    triton_long = "dequantized" if kv_type == "q8_0" else "kernel"
+    assert ops.prefill_method(q, cache, cache, [long_rows, 2 * long_rows]) == "cudnn"
+    assert ops.prefill_method(q, cache, cache, [long_rows, 30]) == triton_long
+    assert ops.prefill_method(q, cache, cache, [long_rows - 1, 30]) == "kernel"
+    assert ops.prefill_method(q.float(), cache, cache, [long_rows]) == "kernel"
