@@ -126,7 +126,7 @@ def token_dynamic(fn: Callable, backend: str | Callable = "inductor") -> Callabl
     compiled = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
 
     @functools.wraps(fn)
-    def run(*args):
+    def run(*args: object) -> object:
         for a in args:
             if isinstance(a, torch.Tensor) and a.dim() >= 2:
                 torch._dynamo.maybe_mark_dynamic(a, 0)
