@@ -317,6 +317,44 @@ def by_checkpoint_interval(engine, intervals: list[int], lengths: list[int]) -> 
     return res
 
 
+def _by_method_section(c: dict) -> list[str]:
+    """The report's tables of one config's TTFT by long-chunk method (none if not run)."""
+    methods = c.get("ttft_by_method")
+    if not methods:
+        return []
+    names = list(methods)
+    lengths = list(methods[names[0]]["ttft_s"])
+    out = [f"\n### Long chunks by method ({_label(c)}; the same engine, methods "
+           "alternating)\n\n",
+           _common.md_table(
+               ["prompt", *(f"{m} TTFT s" for m in names),
+                *(f"{names[0]} / {m}" for m in names[1:])],
+               [[n, *(f"{methods[m]['ttft_s'][n]:.3f}" for m in names),
+                 *(f"{methods[names[0]]['ttft_s'][n] / methods[m]['ttft_s'][n]:.2f}x"
+                   for m in names[1:])] for n in lengths])]
+    rows = [[m, n, f"{p['wall_ms_profiled']:.1f}",
+             *(f"{p['gpu_ms'][cat]:.1f}" for cat in CATEGORIES), p["launches"]]
+            for m in names for n, p in methods[m]["profile"].items()]
+    if rows:
+        out += ["\n", _common.md_table(
+            ["method", "prompt", "wall ms", *(f"{cat} ms" for cat in CATEGORIES),
+             "launches"], rows)]
+    return out
+
+
+def _by_interval_section(c: dict) -> list[str]:
+    """The report's table of one config's TTFT by checkpoint interval (none if not run)."""
+    by_iv = c.get("ttft_by_checkpoint_interval")
+    if not by_iv:
+        return []
+    ivs = list(by_iv)
+    return [f"\n### Prefix-cache checkpoint interval ({_label(c)}; prefill chunks end at "
+            "each checkpoint; the same engine, intervals alternating)\n\n",
+            _common.md_table(["prompt", *(f"every {iv} tokens: TTFT s" for iv in ivs)],
+                             [[n, *(f"{by_iv[iv][n]:.3f}" for iv in ivs)]
+                              for n in by_iv[ivs[0]]])]
+
+
 def run_hf(args, device: str, loaded) -> dict:
     """transformers' Qwen3.5 on the same weights (views of ``loaded``'s): time to the
     first token of one ``first_len``-token prompt, the median of five after two."""
@@ -426,37 +464,7 @@ def markdown(res: dict) -> str:
             ["step sizes", "prompt", "wall ms", "GEMM ms (floor)", "attention ms (floor)",
              "GDN ms", "other ms", "launches"], rows))
         for c in ttft["configs"]:
-            methods = c.get("ttft_by_method")
-            if not methods:
-                continue
-            names = list(methods)
-            out.append(f"\n### Long chunks by method ({_label(c)}; the same engine, methods "
-                       "alternating)\n\n")
-            lengths = list(methods[names[0]]["ttft_s"])
-            out.append(_common.md_table(
-                ["prompt", *(f"{m} TTFT s" for m in names),
-                 *(f"{names[0]} / {m}" for m in names[1:])],
-                [[n, *(f"{methods[m]['ttft_s'][n]:.3f}" for m in names),
-                  *(f"{methods[names[0]]['ttft_s'][n] / methods[m]['ttft_s'][n]:.2f}x"
-                    for m in names[1:])] for n in lengths]))
-            rows = [[m, n, f"{p['wall_ms_profiled']:.1f}",
-                     *(f"{p['gpu_ms'][cat]:.1f}" for cat in CATEGORIES), p["launches"]]
-                    for m in names for n, p in methods[m]["profile"].items()]
-            if rows:
-                out.append("\n")
-                out.append(_common.md_table(
-                    ["method", "prompt", "wall ms", *(f"{cat} ms" for cat in CATEGORIES),
-                     "launches"], rows))
-        for c in ttft["configs"]:
-            by_iv = c.get("ttft_by_checkpoint_interval")
-            if not by_iv:
-                continue
-            ivs = list(by_iv)
-            out.append(f"\n### Prefix-cache checkpoint interval ({_label(c)}; prefill chunks "
-                       "end at each checkpoint; the same engine, intervals alternating)\n\n")
-            out.append(_common.md_table(
-                ["prompt", *(f"every {iv} tokens: TTFT s" for iv in ivs)],
-                [[n, *(f"{by_iv[iv][n]:.3f}" for iv in ivs)] for n in by_iv[ivs[0]]]))
+            out += _by_method_section(c) + _by_interval_section(c)
     return "".join(out)
 
 
