@@ -2,9 +2,9 @@
 
 ``elementwise.compiled_ops`` compiles each op with only the token count dynamic
 (``elementwise.token_dynamic``); ``torch.compile(dynamic=True)`` makes every dim symbolic.
-This times both forms of each op at prefill row counts on the GPU (CUDA events, median of
-20 launches after warm-up) and reports the bytes each moves (inputs read once, output
-written once) per second, against the copy bandwidth of one ``torch.Tensor.copy_``.
+This times both forms of each op at prefill row counts on the GPU, side by side
+(``_common.time_sides``, eager launches) and reports the bytes each moves (inputs read
+once, output written once) per second, against the copy bandwidth.
 
     python benchmarks/tools/probe_elementwise.py [--rows 2048,8192]
 """
@@ -12,27 +12,18 @@ written once) per second, against the copy bandwidth of one ``torch.Tensor.copy_
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from pagedserve.model import elementwise
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/
+import _common  # noqa: E402
+
+from pagedserve.model import elementwise  # noqa: E402
 
 HIDDEN, INTER, HQ, HKV, D, ROT, HV, DV = 5120, 17408, 24, 4, 256, 64, 48, 128
-
-
-def median_us(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def cases(t: int) -> dict[str, tuple]:
@@ -75,24 +66,24 @@ def main() -> int:
         "token dim dynamic": {n: elementwise.token_dynamic(getattr(elementwise.EAGER, n))
                               for n in cases(2)},
     }
-    src = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() / median_us(lambda: dst.copy_(src)) / 1e3
+    copy_gbs = _common.copy_bandwidth_gbs()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
           f"{copy_gbs:.0f} GB/s", flush=True)
     for t in (int(x) for x in args.rows.split(",")):
         for name, call_args in cases(t).items():
-            line = []
-            for form, ops in forms.items():
+            want = getattr(elementwise.EAGER, name)(*call_args)
+            for ops in forms.values():
                 out = ops[name](*call_args)
-                want = getattr(elementwise.EAGER, name)(*call_args)
                 for o, w in zip(out if isinstance(out, tuple) else (out,),
                                 want if isinstance(want, tuple) else (want,)):
                     torch.testing.assert_close(o.float(), w.float(), rtol=2e-2, atol=2e-2)
-                us = median_us(lambda: ops[name](*call_args))  # noqa: B023 - timed at once
-                gbs = moved_bytes(call_args, out) / us / 1e3
-                line.append(f"{form} {us:8.1f} us ({gbs:5.0f} GB/s, {gbs / copy_gbs:4.0%})")
-            print(f"{name:15s} rows {t:5d}: " + "   ".join(line), flush=True)
+            us = _common.time_sides(
+                {form: [lambda op=ops[name]: op(*call_args)]  # noqa: B023 - timed at once
+                 for form, ops in forms.items()}, "eager")
+            nbytes = moved_bytes(call_args, want)
+            print(f"{name:15s} rows {t:5d}: " + "   ".join(
+                f"{form} {us[form]:8.1f} us ({nbytes / us[form] / 1e3:5.0f} GB/s, "
+                f"{nbytes / us[form] / 1e3 / copy_gbs:4.0%})" for form in forms), flush=True)
     return 0
 
 

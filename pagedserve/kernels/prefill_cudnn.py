@@ -28,6 +28,7 @@ import logging
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from pagedserve.kernels.prefill_gather import gather_rows
@@ -131,15 +132,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 MIN_QUERY_ROWS = 2
 
 
-def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` ``[n, H, D]`` with zero rows appended up to ``rows``."""
-    if x.shape[0] == rows:
-        return x
-    out = x.new_zeros(rows, *x.shape[1:])
-    out[: x.shape[0]] = x
-    return out
-
-
 def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  out: torch.Tensor, pad_rows: bool = True) -> None:
     """One sequence: ``q`` ``[n, Hq, D]`` (the chunk) over ``k``, ``v`` ``[ctx + n, Hkv,
@@ -152,7 +144,8 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     if ctx == 0:
         out.copy_(own[0].transpose(0, 1))
         return
-    q_prefix = _padded(q, MIN_QUERY_ROWS) if pad_rows and n < MIN_QUERY_ROWS else q
+    pad = MIN_QUERY_ROWS - n if pad_rows else 0
+    q_prefix = F.pad(q, (0, 0, 0, 0, 0, pad)) if pad > 0 else q  # zero rows appended
     prefix, prefix_lse = _attend(q_prefix, k[:ctx], v[:ctx], False, scale)
     prefix, prefix_lse = prefix[:, :, :n], prefix_lse[:, :, :n]  # without a padded row
     top = torch.maximum(own_lse, prefix_lse)
