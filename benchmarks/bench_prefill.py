@@ -299,22 +299,30 @@ def by_method(engine, methods: list[str], lengths: list[int],
     return res
 
 
-def by_checkpoint_interval(engine, intervals: list[int], lengths: list[int]) -> dict:
-    """The same engine's TTFT with prefix-cache checkpoints every ``interval`` tokens of a
-    prompt, intervals alternating: the scheduler ends a prefill chunk at each checkpoint,
-    so the interval bounds the chunk length (``PrefixCache.chunk_limit``)."""
-    default = engine.prefix.checkpoint_interval
+def by_checkpoint_interval(engine, intervals: list[str], lengths: list[int]) -> dict:
+    """The same engine's TTFT with prefix-cache checkpoints every ``INTERVAL`` tokens of a
+    prompt, modes alternating: ``INTERVAL`` takes the states inside a chunk from state
+    taps, ``INTERVAL:cut`` ends a prefill chunk at each checkpoint instead (no tap slots)."""
+    prefix = engine.prefix
+    default = prefix.checkpoint_interval, prefix.num_tap_slots
     res: dict = {iv: {} for iv in intervals}
     try:
         for n in lengths:
             for iv in intervals:
-                engine.prefix.checkpoint_interval = iv
-                res[iv][n] = first_token_seconds(engine, n, f"interval-{iv}-{n}")
-                print(f"  checkpoints every {iv:6d} tokens: TTFT {n:7d}: {res[iv][n]:8.3f} s",
+                every, _, how = iv.partition(":")
+                prefix.checkpoint_interval = int(every)
+                prefix.num_tap_slots = 0 if how == "cut" else default[1]
+                res[iv][n] = first_token_seconds(engine, n, f"interval-{every}{how}-{n}")
+                print(f"  checkpoints every {iv:>10} tokens: TTFT {n:7d}: {res[iv][n]:8.3f} s",
                       flush=True)
     finally:
-        engine.prefix.checkpoint_interval = default
+        prefix.checkpoint_interval, prefix.num_tap_slots = default
     return res
+
+
+def _interval_label(iv: str) -> str:
+    every, _, how = iv.partition(":")
+    return f"every {every} tokens, {'chunks cut' if how == 'cut' else 'tapped'}: TTFT s"
 
 
 def _by_method_section(c: dict) -> list[str]:
@@ -348,9 +356,9 @@ def _by_interval_section(c: dict) -> list[str]:
     if not by_iv:
         return []
     ivs = list(by_iv)
-    return [f"\n### Prefix-cache checkpoint interval ({_label(c)}; prefill chunks end at "
-            "each checkpoint; the same engine, intervals alternating)\n\n",
-            _common.md_table(["prompt", *(f"every {iv} tokens: TTFT s" for iv in ivs)],
+    return [f"\n### Prefix-cache checkpoints ({_label(c)}; state taps inside whole chunks, "
+            "or chunks cut at each checkpoint; the same engine, modes alternating)\n\n",
+            _common.md_table(["prompt", *(_interval_label(iv) for iv in ivs)],
                              [[n, *(f"{by_iv[iv][n]:.3f}" for iv in ivs)]
                               for n in by_iv[ivs[0]]])]
 
@@ -517,7 +525,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="ttft: also time each of these methods for long chunks "
                          "(e.g. dequantized,cudnn) in each engine, alternating")
     ap.add_argument("--checkpoint-intervals", default="",
-                    help="e.g. 2048,8192: TTFT with each prefix-cache checkpoint interval")
+                    help="e.g. 2048:cut,2048,8192: TTFT with each prefix-cache checkpoint "
+                         "interval, the states inside a chunk from state taps (':cut': "
+                         "chunks end at each checkpoint instead)")
     ap.add_argument("--op-types", default="bf16,q8_0,q4_0")
     ap.add_argument("--op-cases", default="4096x0,4096x8192,4096x32768,4096x131072",
                     help="CHUNKxPREFIX of the op part")
@@ -529,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     args.lengths = [int(v) for v in args.lengths.split(",")]
     args.profile_lengths = {int(v) for v in args.profile_lengths.split(",") if v}
     args.long_chunk_methods = [m for m in args.long_chunk_methods.split(",") if m]
-    args.checkpoint_intervals = [int(v) for v in args.checkpoint_intervals.split(",") if v]
+    args.checkpoint_intervals = [v for v in args.checkpoint_intervals.split(",") if v]
     args.configs = parse_configs(args.configs)
     args.sweep = [tuple(int(v) for v in c.split("/")) for c in args.sweep.split(";") if c]
     args.sweep_cases = {tuple(int(v) for v in c.split("x")) for c in args.sweep_cases.split(",")}

@@ -9,6 +9,7 @@ import torch
 from pagedserve.kv.handles import Handle
 from pagedserve.kv.kv_manager import KVCacheManager
 from pagedserve.model.forward_batch import ForwardBatch, HostBatch
+from pagedserve.model.state_taps import StateTap, gdn_rounds
 
 
 @dataclass(frozen=True)
@@ -16,13 +17,16 @@ class SeqChunk:
     """One sequence's share of a step: ``token_ids`` written at ``start_pos`` onwards.
 
     The K/V rows ``[start_pos, start_pos + len(token_ids))`` must already be reserved in
-    the ``KVCacheManager`` (``reserve``), so that their slots exist.
+    the ``KVCacheManager`` (``reserve``), so that their slots exist. ``state_taps``:
+    ``(rows, slot)`` pairs, each a copy of the state after the chunk's first ``rows`` rows
+    into state slot ``slot`` (``model/state_taps.py``).
     """
 
     kv_handle: Handle
     state_slot: int
     token_ids: tuple[int, ...]
     start_pos: int
+    state_taps: tuple[tuple[int, int], ...] = ()
 
 
 class HostStaging:
@@ -172,7 +176,8 @@ def build_forward_batch(
                       torch.tensor(seq_lens, dtype=torch.int32),
                       torch.tensor([c.state_slot for c in chunks], dtype=torch.int32)],
                      torch.int32)
-    host = HostBatch(longs, ints, tables, lo, io, num_decode, qsl, seq_lens)
+    taps = [StateTap(i, rows, slot) for i, c in enumerate(chunks) for rows, slot in c.state_taps]
+    host = HostBatch(longs, ints, tables, lo, io, num_decode, qsl, seq_lens, taps)
     return upload(host, device, staging)
 
 
@@ -187,6 +192,11 @@ def upload(host: HostBatch, device: str | torch.device,
     else:
         longs, ints, tables = (t.contiguous().to(device, non_blocking=True)
                                for t in (host.longs, host.ints, host.tables))
+    rounds = None
+    if host.state_taps:
+        slots = host.ints[io[2]:io[2] + B].tolist()
+        rounds = gdn_rounds(host.state_taps, host.query_start_loc, slots,
+                            host.num_decode_seqs, device)
     return ForwardBatch(
         input_ids=longs[lo[0]:lo[0] + T],
         positions=longs[lo[1]:lo[1] + T],
@@ -199,5 +209,6 @@ def upload(host: HostBatch, device: str | torch.device,
         num_decode_seqs=host.num_decode_seqs,
         query_start_loc_cpu=host.query_start_loc,
         seq_lens_cpu=host.seq_lens,
+        gdn_rounds=rounds,
         host=host,
     )

@@ -31,6 +31,7 @@ from pagedserve.engine.prefix_cache import (
     PrefixCache,
     logits_with_cached_rows,
     num_checkpoints_for,
+    tap_slots_for,
 )
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
@@ -46,6 +47,7 @@ from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConf
 from pagedserve.engine.spec_step import SpeculativeDecoding
 from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.warmup import warm_up
+from pagedserve.kv.handles import Handle
 from pagedserve.kv.memory import GiB
 from pagedserve.kv.prefix_hash import salt_of
 from pagedserve.model.fp8_linear import describe_weights
@@ -130,11 +132,15 @@ class LLMEngine:
                      if config.kv_layout == "paged"
                      else f"the {config.kv_layout} K/V layout has no shareable blocks")
         num_checkpoints = num_checkpoints if caching else 0
+        tap_slots = tap_slots_for(
+            min(budget, max(sched_config.prefill_chunk, sched_config.idle_prefill_chunk)),
+            config.prefix_checkpoint_interval) if caching else 0
         runner_config = RunnerConfig(
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             num_blocks=config.num_blocks, gpu_memory_utilization=config.gpu_memory_utilization,
             cuda_graphs=config.cuda_graphs, prefill_graph_tokens=sched_config.prefill_chunk,
-            num_checkpoints=num_checkpoints, state_snapshots=spec is not None,
+            num_checkpoints=num_checkpoints, state_tap_slots=tap_slots,
+            state_snapshots=spec is not None,
             checkpoint_hidden=spec is not None,
             verify_rows=spec.num_speculative_tokens + 1 if spec is not None else 0,
             verify_graph_tokens=budget)
@@ -162,7 +168,7 @@ class LLMEngine:
             self.prefix = PrefixCache(self.kv, self.runner.state_pool,
                                       self.runner.checkpoint_pool, salt,
                                       config.prefix_checkpoint_interval,
-                                      speculative=spec is not None)
+                                      speculative=spec is not None, num_tap_slots=tap_slots)
             log.info("prefix caching on: %d state checkpoints of %.1f MiB (state, a logits "
                      "row and, with speculation, a hidden row; %.2f GiB), one "
                      "every %d prompt tokens and at each prompt's and request's end",
@@ -356,8 +362,11 @@ class LLMEngine:
         # after the forward pass's.
         chunks = sorted(plan.chunks, key=lambda c: c.num_tokens == 0)
         sampling = [i for i, c in enumerate(chunks) if c.completes]
+        forwarded = [c for c in chunks if c.num_tokens]
+        taps = [self._take_taps(c) for c in forwarded]
         return self._launch(chunks, sampling,
-                            [self._seq_chunk(c) for c in chunks if c.num_tokens])
+                            [self._seq_chunk(c, taps=t) for c, t in zip(forwarded, taps)],
+                            taps=taps)
 
     def _launch_lookahead(self, previous: InflightStep) -> InflightStep | None:
         chunks = lookahead_chunks(previous, self.scheduler, self.kv, self.max_model_len)
@@ -375,9 +384,12 @@ class LLMEngine:
 
     def _launch(self, chunks: list[ScheduledChunk], sampling: list[int],
                 seq_chunks: list[SeqChunk], input_ids: torch.Tensor | None = None,
-                defer_sampling: bool = False) -> InflightStep:
+                defer_sampling: bool = False,
+                taps: list[list[tuple[int, Handle]]] | None = None) -> InflightStep:
         """Queue one forward pass of ``seq_chunks`` (the first chunks; any others forward
-        no token) and (unless deferred) its sampling on the device; nothing waits for it."""
+        no token) and (unless deferred) its sampling on the device; nothing waits for it.
+        ``taps``: each forwarded chunk's state taps (``_take_taps``), checkpointed after
+        the pass."""
         if self.kv.pending_copies:
             self.runner.apply_pending_copies(self.kv)
         logits = None
@@ -391,6 +403,8 @@ class LLMEngine:
         if self.prefix is not None and logits is not None:  # queued after the forward pass:
             for i, c in enumerate(chunks[:len(seq_chunks)]):  # its states and logits rows
                 end = c.start_pos + c.num_tokens
+                if taps is not None:
+                    self.prefix.save_taps(c.request, taps[i])
                 if self.prefix.wants_checkpoint(c.request, c.start_pos, end):
                     self.prefix.save(c.request, end, logits[i])
         if len(seq_chunks) < len(chunks):
@@ -443,13 +457,24 @@ class LLMEngine:
             stand_ins.append(r)
         return stand_ins
 
-    def _seq_chunk(self, c: ScheduledChunk, ids: tuple[int, ...] | None = None) -> SeqChunk:
-        """``c`` as the batch builder takes it; ``ids`` default to the request's tokens."""
+    def _seq_chunk(self, c: ScheduledChunk, ids: tuple[int, ...] | None = None,
+                   taps: list[tuple[int, Handle]] | None = None) -> SeqChunk:
+        """``c`` as the batch builder takes it; ``ids`` default to the request's tokens;
+        ``taps``: its state taps' positions and slots."""
         req = c.request
         if ids is None:
             ids = tuple(req.token_slice(c.start_pos, c.start_pos + c.num_tokens))
-        slot = self.runner.state_pool.slot(req.live_state_handle)
-        return SeqChunk(req.live_kv_handle, slot, ids, c.start_pos)
+        pool = self.runner.state_pool
+        slot = pool.slot(req.live_state_handle)
+        return SeqChunk(req.live_kv_handle, slot, ids, c.start_pos,
+                        tuple((p - c.start_pos, pool.slot(h)) for p, h in taps or ()))
+
+    def _take_taps(self, c: ScheduledChunk) -> list[tuple[int, Handle]]:
+        """Spare state slots for the checkpoints inside prefill chunk ``c`` (none without
+        prefix caching, and none in a chunk with drafts)."""
+        if self.prefix is None or c.num_draft:
+            return []
+        return self.prefix.take_taps(c.request, c.start_pos, c.start_pos + c.num_tokens)
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], rows: list[int],
                 tokens_ahead: int) -> SamplerOutput | None:

@@ -134,9 +134,11 @@ class PrefillGraphs:
         torch.cuda.synchronize()
 
     def fits(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` is one prefill chunk that a captured size holds."""
+        """Whether ``batch`` is one prefill chunk that a captured size holds (with no
+        state taps: the graphs advance the linear layers in one round)."""
         return (batch.num_seqs == 1 and batch.num_decode_seqs == 0 and bool(self.sizes)
-                and batch.num_tokens <= self.sizes[-1] and batch.row_valid is None)
+                and batch.num_tokens <= self.sizes[-1] and batch.row_valid is None
+                and batch.gdn_rounds is None)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Replay the graph for ``batch`` (``fits``). Returns float32 ``[1, vocab]``, a

@@ -37,8 +37,11 @@ a one: its last sampled token was not fed back, so its own checkpoint is one tok
 Checkpoints are saved:
 
 * at the end of every prompt, at its exact length;
-* every ``checkpoint_interval`` tokens of a prompt (the scheduler cuts prefill chunks at
-  those positions; the math is unchanged, a chunk boundary is exact);
+* every ``checkpoint_interval`` tokens of a prompt: inside a prefill chunk, a state tap
+  (``model/state_taps.py``) copies the state there into a spare state slot, saved from
+  it after the step; the chunk stays whole. A step has ``num_tap_slots`` spare slots; a
+  chunk that would pass more interval positions than the step has slots left is cut at
+  the first one it cannot tap (a chunk boundary is exact too);
 * when a request finishes or is preempted, at its computed length (prompt plus the
   output tokens fed back), unless a forward pass of it is still in flight;
 * where a request's tokens leave the cached K/V chain beyond its resume point (the last
@@ -90,6 +93,9 @@ from pagedserve.kv.state_pool import StatePool
 # at most doubles a cached prefix's memory and bounds what a reader of a longer shared
 # prefix recomputes (docs/ARCHITECTURE.md, "Prefix caching").
 DEFAULT_CHECKPOINT_INTERVAL = 2048
+# Spare state slots for taps at most (one 27B-shape slot is 150 MB): a chunk that passes
+# more interval positions than a step's slots is cut at the first one it cannot tap.
+MAX_TAP_SLOTS = 8
 # The default checkpoint budget: at most 4 GiB (3% of an H200; 27 checkpoints of the 27B
 # shape, more than one per running sequence at the default max-num-seqs) and at most
 # max(64, 8 * max_num_seqs) checkpoints (small models).
@@ -108,6 +114,12 @@ def num_checkpoints_for(memory_bytes: int | None, bytes_per_checkpoint: int,
     if memory_bytes is not None:
         return memory_bytes // bytes_per_checkpoint
     return min(max(64, 8 * max_num_seqs), DEFAULT_CHECKPOINT_MEMORY // bytes_per_checkpoint)
+
+
+def tap_slots_for(max_chunk: int, checkpoint_interval: int) -> int:
+    """Spare state slots that let a prefill chunk of ``max_chunk`` tokens, wherever it
+    starts, take a tap at every interval position it passes (at most ``MAX_TAP_SLOTS``)."""
+    return min(MAX_TAP_SLOTS, -(-max_chunk // checkpoint_interval))
 
 
 @dataclass(frozen=True)
@@ -145,13 +157,16 @@ class PrefixCache:
         checkpoints: the checkpoint pool (capacity 0 disables reuse: nothing can resume).
         salt: the hash chain's root (``prefix_hash.salt_of`` over model and K/V types).
         checkpoint_interval: tokens between checkpoints inside a long prompt.
+        num_tap_slots: spare state slots for checkpoints inside a step's prefill chunks
+            (``states`` holds them beyond its running sequences' slots; 0: chunks are
+            cut at every interval position instead).
         speculative: serve a drafter too (the module docstring): block names cover the
             next token, and only checkpoints with a hidden row are resumed from.
     """
 
     def __init__(self, kv: KVCacheManager, states: StatePool, checkpoints: CheckpointPool,
                  salt: int, checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-                 speculative: bool = False) -> None:
+                 speculative: bool = False, num_tap_slots: int = 0) -> None:
         if checkpoint_interval <= 0:
             raise ValueError(f"prefix-checkpoint-interval must be > 0, got "
                              f"{checkpoint_interval}")
@@ -161,6 +176,7 @@ class PrefixCache:
         self.salt = salt
         self.block_size = kv.block_size
         self.checkpoint_interval = checkpoint_interval
+        self.num_tap_slots = num_tap_slots
         self.speculative = speculative
         self.num_next_tokens = int(speculative)
         self.half_life = max(16, 2 * checkpoints.num_checkpoints)
@@ -245,15 +261,40 @@ class PrefixCache:
         resume = match.hit.num_tokens if match.hit is not None else 0
         req.checkpoint_branch = match.num_kv_tokens if match.num_kv_tokens > resume else 0
 
-    def chunk_limit(self, req: Request, start: int, n: int) -> int:
-        """``n`` cut so that a prefill chunk from ``start`` ends at the next checkpoint
-        inside the prompt (an interval or the branch point), if it would pass one."""
-        cut = (start // self.checkpoint_interval + 1) * self.checkpoint_interval
-        if cut >= req.num_prompt_tokens:
-            cut = req.num_tokens
-        if start < req.checkpoint_branch < cut:
-            cut = req.checkpoint_branch
-        return min(n, cut - start)
+    def chunk_limit(self, req: Request, start: int, n: int, num_taps: int = 0) -> int:
+        """``n`` cut so that a prefill chunk from ``start`` ends at the branch point, if it
+        would pass it, and passes at most ``num_taps`` interval positions (each a state
+        tap): it ends at the first one past those."""
+        end = start + n
+        if start < req.checkpoint_branch < end:
+            end = req.checkpoint_branch
+        taps = self.tap_positions(req, start, end)
+        if len(taps) > num_taps:
+            end = taps[num_taps]
+        return end - start
+
+    def tap_positions(self, req: Request, start: int, end: int) -> list[int]:
+        """The interval positions strictly inside a prefill chunk ``[start, end)`` of
+        ``req``'s prompt: where its state is checkpointed from a tap."""
+        step = self.checkpoint_interval
+        first = (start // step + 1) * step
+        return list(range(first, min(end, req.num_prompt_tokens), step))
+
+    def take_taps(self, req: Request, start: int, end: int) -> list[tuple[int, Handle]]:
+        """A spare state slot for each tap position of chunk ``[start, end)``: ``(position,
+        slot handle)`` pairs, which ``save_taps`` saves and gives back."""
+        return [(p, self.states.acquire()) for p in self.tap_positions(req, start, end)]
+
+    def save_taps(self, req: Request, taps: list[tuple[int, Handle]],
+                  hidden: list[torch.Tensor] | None = None) -> None:
+        """Checkpoint each of ``taps`` (their step queued) from its slot, with ``hidden``
+        rows (one per tap: the final hidden state of the token before it) if given, and
+        give the slots back. A tap's checkpoint has no logits row (a prompt that ends
+        exactly there resumes at the checkpoint below)."""
+        for j, (p, handle) in enumerate(taps):
+            self.save(req, p, hidden=hidden[j] if hidden is not None else None,
+                      state_slot=self.states.slot(handle))
+            self.states.release(handle)
 
     def wants_checkpoint(self, req: Request, start: int, end: int) -> bool:
         """Whether the state after a prefill chunk ``[start, end)`` is saved."""
@@ -262,10 +303,10 @@ class PrefixCache:
             or end % self.checkpoint_interval == 0)
 
     def save(self, req: Request, end: int, logits: torch.Tensor | None = None,
-             hidden: torch.Tensor | None = None) -> None:
-        """Save ``req``'s state slot, which holds the state after ``end`` tokens, with
-        ``logits`` (``[vocab]`` float32), those of token ``end - 1``, and ``hidden``
-        (``[H]``), that token's final hidden state, if given."""
+             hidden: torch.Tensor | None = None, state_slot: int | None = None) -> None:
+        """Save ``req``'s state after ``end`` tokens, which its state slot holds (or
+        ``state_slot``, a tap's), with ``logits`` (``[vocab]`` float32), those of token
+        ``end - 1``, and ``hidden`` (``[H]``), that token's final hidden state, if given."""
         if self.checkpoints.num_checkpoints == 0:
             return
         chain = self.chain(req, end)
@@ -281,7 +322,8 @@ class PrefixCache:
             older.superseded = older.superseded or older.num_tokens < end
         entry = self.checkpoints.save(
             chain.key_at(end, req.token_slice), end, chain.parents[num_full], tail,
-            self.states, self.states.slot(req.live_state_handle), logits, hidden)
+            self.states, self.states.slot(req.live_state_handle) if state_slot is None
+            else state_slot, logits, hidden)
         req.checkpoints_on_path = [c for c in req.checkpoints_on_path if c.num_tokens > end]
         if entry is not None:
             req.checkpoints_on_path.insert(0, entry)

@@ -108,6 +108,8 @@ class RunnerConfig:
             (``PrefillGraphs``, which caps it at ``max_model_len``; 0: none).
         num_checkpoints: recurrent-state checkpoints kept for prefix caching
             (``CheckpointPool``; 0: none), allocated before the K/V pool is sized.
+        state_tap_slots: state slots beyond ``max_num_seqs``, for the prefix cache's
+            checkpoints inside prefill chunks (``model/state_taps.py``).
         state_snapshots: keep one spare copy of every state slot, for speculative
             decoding's rollback (``save_states`` / ``restore_states``).
         checkpoint_hidden: each checkpoint keeps a hidden-state row too (speculative
@@ -130,6 +132,7 @@ class RunnerConfig:
     max_graph_batch_size: int | None = None
     prefill_graph_tokens: int = 512
     num_checkpoints: int = 0
+    state_tap_slots: int = 0
     state_snapshots: bool = False
     checkpoint_hidden: bool = False
     verify_rows: int = 0
@@ -138,6 +141,8 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.num_checkpoints < 0:
             raise ValueError(f"num_checkpoints must be >= 0, got {self.num_checkpoints}")
+        if self.state_tap_slots < 0:
+            raise ValueError(f"state_tap_slots must be >= 0, got {self.state_tap_slots}")
         if self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
         if self.max_num_seqs <= 0:
@@ -215,7 +220,8 @@ class ModelRunner:
         self.block_size = config.max_model_len if contiguous else cache_config.block_size
         self.max_blocks_per_seq = 1 if contiguous else -(-config.max_model_len // self.block_size)
         self.state_pool = self._new_state_pool(
-            cfg.state_shapes(self.dtype, self.tp.size), config.max_num_seqs)
+            cfg.state_shapes(self.dtype, self.tp.size),
+            config.max_num_seqs + config.state_tap_slots)
         self.checkpoint_pool = CheckpointPool(
             cfg.state_shapes(self.dtype, self.tp.size), config.num_checkpoints, self.device,
             vocab_size=cfg.vocab_size,
@@ -425,7 +431,8 @@ class ModelRunner:
         step does not split so.
         """
         if (self.graphs is None or self.prefill_graphs is None or batch.num_decode_seqs == 0
-                or batch.num_seqs != batch.num_decode_seqs + 1 or batch.row_valid is not None):
+                or batch.num_seqs != batch.num_decode_seqs + 1 or batch.row_valid is not None
+                or batch.gdn_rounds is not None):
             return None
         decode, prefill = batch.split_decode()
         if not self.prefill_graphs.fits(prefill) or not self.graphs.holds(decode):

@@ -146,6 +146,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # State taps the step being scheduled may still place (prefix_cache.py).
+        self._taps_left = 0
 
     # ---- queue management -------------------------------------------------------------
     @property
@@ -210,6 +212,7 @@ class Scheduler:
         decode: list[ScheduledChunk] = []
         prefill: list[ScheduledChunk] = []
         preempted: list[Request] = []
+        self._taps_left = self.prefix.num_tap_slots if self.prefix is not None else 0
 
         chunk_cap = self.config.prefill_chunk
         for want_decode in (True, False):
@@ -229,6 +232,7 @@ class Scheduler:
                 budget -= n + drafts
                 chunk = ScheduledChunk(req, n + drafts, req.num_computed_tokens, drafts)
                 (decode if want_decode or n == 1 else prefill).append(chunk)
+                self._use_taps(chunk)
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -238,8 +242,9 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             budget -= admitted
-            (decode if admitted == 1 else prefill).append(
-                ScheduledChunk(req, admitted, req.num_computed_tokens))
+            chunk = ScheduledChunk(req, admitted, req.num_computed_tokens)
+            (decode if admitted == 1 else prefill).append(chunk)
+            self._use_taps(chunk)
         # A request scheduled early in the step can be the victim of a later reservation,
         # and can even be re-admitted from the queue's front: keep only chunks that start
         # where their request now stands.
@@ -253,8 +258,14 @@ class Scheduler:
             return min(pending, budget)
         n = min(pending, budget, chunk_cap)
         if self.prefix is not None:
-            n = self.prefix.chunk_limit(req, req.num_computed_tokens, n)
+            n = self.prefix.chunk_limit(req, req.num_computed_tokens, n, self._taps_left)
         return n
+
+    def _use_taps(self, chunk: ScheduledChunk) -> None:
+        """Count the state taps ``chunk`` takes against the step's spare slots."""
+        if self.prefix is not None and not chunk.num_draft:
+            self._taps_left -= len(self.prefix.tap_positions(
+                chunk.request, chunk.start_pos, chunk.start_pos + chunk.num_tokens))
 
     def _reserve_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
         while not self.kv.reserve(req.live_kv_handle, n):

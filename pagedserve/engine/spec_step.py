@@ -121,6 +121,7 @@ from pagedserve.engine.sampler import (
 from pagedserve.engine.scheduler import ScheduledChunk
 from pagedserve.engine.spec_verify import verify_greedy, verify_sampled
 from pagedserve.engine.speculative import SpeculativeConfig
+from pagedserve.kv.handles import Handle
 from pagedserve.model.forward_batch import GdnRecord
 
 if TYPE_CHECKING:
@@ -212,7 +213,8 @@ class SpeculativeDecoding:
         on_device = (pure and proposal.device_ids is not None
                      and len(set(proposal.num_drafts)) == 1)
         drafts = None if on_device else dict(zip(spec, proposal.drafts()))
-        seq_chunks = self._seq_chunks(chunks, forwarded, slots, drafts)
+        taps = {i: e._take_taps(chunks[i]) for i in forwarded}
+        seq_chunks = self._seq_chunks(e, chunks, forwarded, drafts, taps)
         if spec:
             e.runner.save_states([slots[i] for i in spec])
         hidden, qsl, record, all_logits = self._forward(
@@ -231,7 +233,12 @@ class SpeculativeDecoding:
         else:
             assert rows == list(range(hidden.shape[0])), rows
         end_logits = {i: logits[k] for k, i in enumerate(ends)} if logits is not None else {}
-        for i in saving:  # queued after the forward pass that computed these states
+        for i in forwarded:  # queued after the forward pass that computed these states
+            if taps[i]:
+                assert e.prefix is not None
+                rows = [qsl[i] + p - chunks[i].start_pos - 1 for p, _ in taps[i]]
+                e.prefix.save_taps(chunks[i].request, taps[i], list(hidden[rows]))
+        for i in saving:
             assert e.prefix is not None
             c = chunks[i]
             e.prefix.save(c.request, c.start_pos + c.num_tokens, end_logits[i],
@@ -240,7 +247,7 @@ class SpeculativeDecoding:
         best = self._verify_argmax(chunks, spec, logits, len(ends))
         if drafts is None:
             drafts = dict(zip(spec, proposal.drafts()))
-            seq_chunks = self._seq_chunks(chunks, forwarded, slots, drafts)
+            seq_chunks = self._seq_chunks(e, chunks, forwarded, drafts)
         verified: dict[int, Verified] = {}
         offset = len(ends)
         for i in spec:
@@ -256,19 +263,20 @@ class SpeculativeDecoding:
         return self._apply(e, chunks, qsl, hidden, sampled, verified)
 
     @staticmethod
-    def _seq_chunks(chunks: list[ScheduledChunk], forwarded: list[int], slots: list[int],
-                    drafts: dict[int, Draft] | None) -> list[SeqChunk]:
+    def _seq_chunks(e: LLMEngine, chunks: list[ScheduledChunk], forwarded: list[int],
+                    drafts: dict[int, Draft] | None,
+                    taps: dict[int, list[tuple[int, Handle]]] | None = None,
+                    ) -> list[SeqChunk]:
         """What the forward pass writes for each forwarded chunk: its tokens, then its
         drafts (``drafts`` ``None``: zeros in their place, the drafts still on the
-        device)."""
+        device), with its state taps (``taps``, none when not given)."""
         seq_chunks = []
         for i in forwarded:
             c = chunks[i]
             ids = c.request.token_slice(c.start_pos, c.start_pos + c.num_tokens - c.num_draft)
             if c.num_draft:
                 ids += drafts[i].token_ids if drafts is not None else [0] * c.num_draft
-            seq_chunks.append(SeqChunk(c.request.live_kv_handle, slots[i], tuple(ids),
-                                       c.start_pos))
+            seq_chunks.append(e._seq_chunk(c, tuple(ids), taps[i] if taps else None))
         return seq_chunks
 
     def _forward(self, e: LLMEngine, seq_chunks: list[SeqChunk], spec: list[int],

@@ -5,9 +5,11 @@ The step contract between the engine and the model; ``engine/batch_builder.py`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from pagedserve.model.state_taps import GdnRound, StateTap
 
 
 @dataclass
@@ -41,6 +43,7 @@ class HostBatch:
     num_decode_seqs: int
     query_start_loc: list[int]
     seq_lens: list[int]
+    state_taps: list[StateTap] = field(default_factory=list)
 
 
 @dataclass
@@ -63,6 +66,11 @@ class ForwardBatch:
     Recording (speculative verify steps, ``engine/spec_step.py``):
         gdn_record:       ``None``, or a ``GdnRecord``: the rows whose Gated DeltaNet
                           inputs every such layer copies out, in layer order.
+
+    State taps (prefix-cache checkpoints inside prefill chunks, ``model/state_taps.py``):
+        gdn_rounds:       ``None``, or the rounds the Gated DeltaNet layers advance the
+                          batch's rows in, so that tap slots receive the states partway
+                          through chunks. Such a batch runs eagerly.
 
     Host form (tensor parallelism, ``parallel/runner.py``):
         host:             the ``HostBatch`` the device tensors were copied from, or ``None``
@@ -88,6 +96,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     row_valid: torch.Tensor | None = None
     gdn_record: GdnRecord | None = None
+    gdn_rounds: list[GdnRound] | None = None
     host: HostBatch | None = None
 
     @property
@@ -112,8 +121,10 @@ class ForwardBatch:
 
     def split_decode(self) -> tuple[ForwardBatch, ForwardBatch]:
         """``(decode rows, the rest)``: two batches that together are this one, each
-        indexing its own rows from 0. Needs decode rows and at least one other sequence."""
+        indexing its own rows from 0. Needs decode rows, at least one other sequence and no
+        state taps."""
         d = self.num_decode_seqs
+        assert self.gdn_rounds is None, "a batch with state taps does not split"
         assert 0 < d < self.num_seqs, (d, self.num_seqs)
         decode = ForwardBatch(
             self.input_ids[:d], self.positions[:d], self.query_start_loc[:d + 1],

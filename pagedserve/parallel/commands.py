@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pagedserve.model.forward_batch import HostBatch
+from pagedserve.model.state_taps import StateTap
 
 
 @dataclass(frozen=True)
@@ -37,17 +38,19 @@ class Execute:
     num_decode_seqs: int
     query_start_loc: list[int]
     seq_lens: list[int]
+    state_taps: list[StateTap]
 
     @classmethod
     def of(cls, host: HostBatch) -> Execute:
         return cls(host.longs.numpy(), host.ints.numpy(), host.tables.numpy(),
                    host.long_offsets, host.int_offsets, host.num_decode_seqs,
-                   host.query_start_loc, host.seq_lens)
+                   host.query_start_loc, host.seq_lens, host.state_taps)
 
     def host(self) -> HostBatch:
         return HostBatch(torch.from_numpy(self.longs), torch.from_numpy(self.ints),
                          torch.from_numpy(self.tables), self.long_offsets, self.int_offsets,
-                         self.num_decode_seqs, self.query_start_loc, self.seq_lens)
+                         self.num_decode_seqs, self.query_start_loc, self.seq_lens,
+                         self.state_taps)
 
 
 @dataclass(frozen=True)

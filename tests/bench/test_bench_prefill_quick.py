@@ -17,7 +17,7 @@ def test_quick_run_writes_every_part(tmp_path, monkeypatch):
     import bench_prefill
 
     assert bench_prefill.main(["--quick", "--out", str(tmp_path),
-                               "--checkpoint-intervals", "16,64"]) == 0
+                               "--checkpoint-intervals", "16:cut,16,64"]) == 0
     res = json.loads((tmp_path / "prefill.json").read_text())
     assert {r["kv_type"] for r in res["op"]} == {"bf16", "q8_0", "q4_0"}
     defaults, chosen = res["ttft"]["configs"]
@@ -26,8 +26,9 @@ def test_quick_run_writes_every_part(tmp_path, monkeypatch):
     assert set(defaults["startup_s"]) >= {"weights", "warm_up"}
     assert len(defaults["first_vs_tenth"]["seconds"]) == 10
     assert set(defaults["ttft_s"]) == {"16", "48"}
-    assert set(defaults["ttft_by_checkpoint_interval"]) == {"16", "64"}
+    assert set(defaults["ttft_by_checkpoint_interval"]) == {"16:cut", "16", "64"}
     assert res["hf"]["ttft_s"] > 0
     md = (tmp_path / "prefill.md").read_text()
-    assert "every 64 tokens: TTFT s" in md
+    assert "every 16 tokens, chunks cut: TTFT s" in md
+    assert "every 64 tokens, tapped: TTFT s" in md
     assert "transformers (sdpa, same weights)" in md and (tmp_path / "prefill.png").is_file()

@@ -104,15 +104,43 @@ def test_a_whole_prompt_hit_samples_as_caching_off(make_engine):
     assert len(hit.output_logprobs) == 8 and len(hit.output_logprobs[0].top) == 3
 
 
+def checkpoint_lengths(engine) -> set[int]:
+    return {c.num_tokens for c in engine.runner.checkpoint_pool._entries.values()}
+
+
 @SYNC
-def test_interval_checkpoints_cut_long_prompts_without_changing_tokens(make_engine, hf_greedy):
-    engine = make_engine(prefill_chunk=64, prefix_checkpoint_interval=16)
+def test_interval_checkpoints_come_from_taps_inside_whole_chunks(make_engine, hf_greedy):
+    """The donor's prompt runs as two chunks (64 + 56 rows); the states at the interval
+    positions inside them come from state taps, and a probe that leaves the donor's path
+    resumes at the last one below: transformers' tokens, no slot left taken."""
+    engine = make_engine(prefill_chunk=64, idle_prefill_chunk=64,
+                         prefix_checkpoint_interval=16)
+    forwarded = count_forwarded(engine)
     run(engine, ("donor", BASE, 2))
+    assert forwarded[:2] == [64, 56]
+    assert checkpoint_lengths(engine) >= set(range(16, 120, 16)) | {120}
     for k in (20, 119):
         probe = BASE[:k] + ids(k, 9)
         got = run(engine, (f"p{k}", probe, 6))[f"p{k}"]
         assert got.num_cached_tokens == k // 16 * 16
         assert got.output_token_ids == hf_greedy(probe, 6)
+    assert engine.runner.state_pool.num_used_slots == 0
+
+
+@SYNC
+def test_a_chunk_passing_more_intervals_than_tap_slots_is_cut(make_engine, hf_greedy):
+    """Interval 8 in 120-row chunks: 14 positions, 8 tap slots (``MAX_TAP_SLOTS``): the
+    first chunk ends at the ninth position (72), the second taps the rest."""
+    engine = make_engine(prefill_chunk=120, prefix_checkpoint_interval=8)
+    assert engine.prefix.num_tap_slots == 8
+    forwarded = count_forwarded(engine)
+    run(engine, ("donor", BASE, 2))
+    assert forwarded[:2] == [72, 48]
+    assert checkpoint_lengths(engine) >= set(range(8, 120, 8)) | {120}
+    probe = BASE[:100] + ids(7, 9)
+    got = run(engine, ("probe", probe, 6))["probe"]
+    assert got.num_cached_tokens == 96
+    assert got.output_token_ids == hf_greedy(probe, 6)
 
 
 @SYNC
