@@ -1,8 +1,9 @@
 """Capacity planning: how many K/V blocks and state slots fit a memory budget.
 
 The budget covers K/V and recurrent state only (weights and activations are separate).
-State slots are taken first, one per concurrently running sequence (``max_num_seqs``),
-then the prefix cache's checkpoints (their own budget: a state slot's bytes and a float32
+State slots are taken first, one per concurrently running sequence (``max_num_seqs``)
+and the prefix cache's spares for state taps (``prefix_cache.tap_slots_for``), then its
+checkpoints (their own budget: a state slot's bytes and a float32
 logits row each); the rest of the budget becomes K/V blocks. Speculative decoding's
 allocations beside the weights and the pool (``SpeculativeFootprint``) come out of a
 device's memory before the budget, as the weights and the activation reserve do.
@@ -129,6 +130,7 @@ class CapacityPlan:
     checkpoint_bytes: int = 0
     bytes_per_checkpoint: int = 0
     speculative: bool = False  # MTP drafting: spare state slots, the head's K/V layer
+    num_tap_slots: int = 0  # of num_state_slots: the prefix cache's state-tap spares
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -143,9 +145,11 @@ def plan_capacity(
     state_dtype: torch.dtype = torch.bfloat16,
     num_checkpoints: int = 0,
     speculative: bool = False,
+    num_tap_slots: int = 0,
 ) -> CapacityPlan:
-    """Split ``budget_bytes`` into ``max_num_seqs`` state slots, ``num_checkpoints``
-    prefix-cache state checkpoints and K/V blocks.
+    """Split ``budget_bytes`` into ``max_num_seqs`` state slots (and ``num_tap_slots``
+    spare ones, the prefix cache's state taps), ``num_checkpoints`` prefix-cache state
+    checkpoints and K/V blocks.
 
     With ``speculative`` (MTP drafting), as the engine allocates it: every state slot
     has a spare copy (the rollback's snapshot), the MTP head's attention layer has K/V
@@ -167,13 +171,13 @@ def plan_capacity(
             f"(K/V {_fmt(max_model_len * kv.bytes_per_token)} + state {_fmt(state)}), above "
             f"the budget of {_fmt(budget_bytes)}; lower --max-model-len or raise the budget"
         )
-    slots = max_num_seqs
+    slots = max_num_seqs + num_tap_slots
     per_checkpoint = bytes_per_checkpoint(model, state_dtype, speculative)
     all_checkpoints = num_checkpoints * per_checkpoint
     num_blocks = (budget_bytes - slots * state - all_checkpoints) // kv.bytes_per_block
     if num_blocks * cache.block_size < max_model_len:
         raise ValueError(
-            f"{max_num_seqs} state slots ({_fmt(max_num_seqs * state)}) leave room for "
+            f"{slots} state slots ({_fmt(slots * state)}) leave room for "
             f"{num_blocks} blocks ({num_blocks * cache.block_size} tokens) besides "
             f"{num_checkpoints} checkpoints ({_fmt(all_checkpoints)}), fewer than one "
             f"max_model_len={max_model_len} sequence; lower --max-num-seqs or raise the budget"
@@ -194,6 +198,7 @@ def plan_capacity(
         checkpoint_bytes=all_checkpoints,
         bytes_per_checkpoint=per_checkpoint,
         speculative=speculative,
+        num_tap_slots=num_tap_slots,
     )
 
 
@@ -289,7 +294,9 @@ def format_plan(model: ModelConfig, cache: CacheConfig, plan: CapacityPlan) -> s
         f"per sequence     {_fmt(plan.bytes_per_max_len_seq)} at max_model_len="
         f"{plan.max_model_len} (K/V + state)",
         f"fits             {plan.num_blocks} blocks ({plan.max_tokens_in_pool} tokens) + "
-        f"{plan.num_state_slots} state slots",
+        f"{plan.num_state_slots} state slots"
+        + (f" ({plan.num_tap_slots} of them spares for state taps)"
+           if plan.num_tap_slots else ""),
         f"padded equiv.    {plan.padded_max_len_seqs} sequences padded to max_model_len",
         f"prefix cache     {plan.num_checkpoints} state checkpoints "
         f"({_fmt(plan.checkpoint_bytes)}, {_fmt(plan.bytes_per_checkpoint)} each: a state "

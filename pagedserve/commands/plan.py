@@ -136,6 +136,21 @@ def speculation_footprint(model_arg: str, spec: SpeculativeConfig, model: ModelC
         max_graph_seqs=max_num_seqs)
 
 
+def default_tap_slots(num_checkpoints: int, max_num_seqs: int, max_model_len: int) -> int:
+    """The spare state slots the engine adds for state taps at its CUDA step sizes and
+    checkpoint interval (none without checkpoints)."""
+    from pagedserve.engine.prefix_cache import DEFAULT_CHECKPOINT_INTERVAL, tap_slots_for
+    from pagedserve.engine.scheduler import SchedulerConfig
+
+    if num_checkpoints == 0:
+        return 0
+    sizes = SchedulerConfig.for_device("cuda", max_num_seqs=max_num_seqs,
+                                       max_model_len=max_model_len)
+    return tap_slots_for(min(sizes.max_num_batched_tokens,
+                             max(sizes.prefill_chunk, sizes.idle_prefill_chunk)),
+                         DEFAULT_CHECKPOINT_INTERVAL)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -188,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
         planning.parse_checkpoint_memory(args.prefix_checkpoint_memory), per_checkpoint,
         args.max_num_seqs)
     result = planning.plan_capacity(model, cache, budget, args.max_num_seqs, max_len,
-                                    num_checkpoints=checkpoints, speculative=speculative)
+                                    num_checkpoints=checkpoints, speculative=speculative,
+                                    num_tap_slots=default_tap_slots(checkpoints,
+                                                                    args.max_num_seqs, max_len))
     report = None
     if seq_lens:
         report = planning.workload_report(planning.footprint(model, cache), seq_lens)

@@ -31,7 +31,8 @@ BASE = prompt_ids(5, 120)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """(checkpoint dir, loaded with MTP, ``greedy(prompt, n)``: transformers' tokens)."""
+    """(checkpoint dir, loaded with MTP, ``greedy(prompt, n)``: transformers' tokens,
+    transformers' model)."""
     hf = build_hf_model(SHAPE)
     path = save_with_mtp(hf, build_mtp(hf), tmp_path_factory.mktemp("spec_prefix"))
     loaded = load_model(path, device="cpu", dtype=torch.float32, progress=False, mtp=True)
@@ -40,11 +41,11 @@ def model(tmp_path_factory):
     def greedy(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
         return tuple(hf_greedy(hf, list(prompt), n))
 
-    return path, loaded, lambda prompt, n: list(greedy(tuple(prompt), n))
+    return path, loaded, lambda prompt, n: list(greedy(tuple(prompt), n)), hf
 
 
 def make_engine(model, k: int = 3, drafter=None, caching: bool = True, **kw) -> LLMEngine:
-    path, loaded, _ = model
+    path, loaded = model[:2]
     kw.setdefault("check_integrity", True)
     kw.setdefault("max_model_len", 160)
     return LLMEngine(EngineConfig(
@@ -158,11 +159,44 @@ def test_drafts_after_a_hit_equal_a_cold_runs(model, shared) -> None:
         torch.testing.assert_close(la, lb, rtol=0, atol=1e-4)
 
 
-def test_drafts_stay_exact_where_requests_branch_at_a_block_boundary(model) -> None:
+def test_drafts_after_a_hit_at_a_state_tap_equal_a_cold_runs(model) -> None:
+    """The donor's 60 tokens run as one chunk, its checkpoints at 16, 32 and 48 taken by
+    state taps with the final hidden states of the rows before them (transformers'); a
+    probe that leaves its path at 50 resumes at 48 and drafts as a cold run does."""
+    on = make_engine(model, prefill_chunk=64, prefix_checkpoint_interval=16)
+    run(on, ("donor", BASE[:60], 4))
+    with torch.no_grad():
+        expected = model[3].model(input_ids=torch.tensor([BASE[:60]])).last_hidden_state[0]
+    pool = on.runner.checkpoint_pool
+    taps = {c.num_tokens: c for c in pool._entries.values() if c.num_tokens in (16, 32, 48)}
+    assert len(taps) == 3
+    for p, entry in taps.items():
+        # float32 on both sides; the chunked rule and transformers' differ by ~6e-4 here.
+        torch.testing.assert_close(pool.hidden_row(entry), expected[p - 1], atol=2e-3,
+                                   rtol=0)
+    probe = BASE[:50] + prompt_ids(18, 10)
+    hit_drafts = record_drafts(on)
+    hit = run(on, ("probe", probe, 16))["probe"]
+    assert hit.num_cached_tokens == 48
+    off = make_engine(model, caching=False, prefill_chunk=64)
+    cold_drafts = record_drafts(off)
+    cold = run(off, ("probe", probe, 16))["probe"]
+    assert hit.output_token_ids == cold.output_token_ids == model[2](probe, 16)
+    a, b = hit_drafts["probe"], cold_drafts["probe"]
+    assert [ids for ids, _ in a] == [ids for ids, _ in b]
+    for (_, la), (_, lb) in zip(a, b):
+        torch.testing.assert_close(la, lb, rtol=0, atol=1e-4)
+    assert_empty(on)
+
+
+@pytest.mark.parametrize("chunk", [16, 64], ids=["chunks end at checkpoints", "state taps"])
+def test_drafts_stay_exact_where_requests_branch_at_a_block_boundary(model, chunk) -> None:
     """The MTP head's K/V row at a block's end holds the next block's first token: two
     requests that share a block but not the token after it share no drafter rows there,
-    so that a third, which shares both with one of them, drafts as a cold run does."""
-    on = make_engine(model, prefill_chunk=16, prefix_checkpoint_interval=16)
+    so that a third, which shares both with one of them, drafts as a cold run does. In
+    64-token chunks the checkpoints at 16 and 32 come from state taps, with their rows'
+    hidden states."""
+    on = make_engine(model, prefill_chunk=chunk, prefix_checkpoint_interval=16)
     branch_b = BASE[:32] + prompt_ids(15, 8)
     run(on, ("a", BASE[:40], 4))  # blocks 0 and 1, checkpoints at 16 and 32
     run(on, ("b", branch_b, 4))  # resumes at 32 with another token 32

@@ -122,6 +122,10 @@ def test_plan_sets_the_prefix_checkpoints_apart(capsys):
     assert some.checkpoint_bytes == 10 * per and some.num_checkpoints == 10
     assert some.bytes_per_checkpoint == per
     assert some.num_blocks == (40 * GiB - 8 * state - 10 * per) // none.bytes_per_block
+    tapped = planning.plan_capacity(cfg, cache, 40 * GiB, 8, 32768, num_checkpoints=10,
+                                    num_tap_slots=4)
+    assert tapped.num_state_slots == 12
+    assert tapped.num_blocks == (40 * GiB - 12 * state - 10 * per) // none.bytes_per_block
     assert planning.parse_checkpoint_memory("0") == 0
     assert planning.parse_checkpoint_memory(None) is None
     assert planning.parse_checkpoint_memory("1GiB") == GiB
@@ -130,6 +134,8 @@ def test_plan_sets_the_prefix_checkpoints_apart(capsys):
     out = capsys.readouterr().out
     assert f"prefix cache     {2 * GiB // per} state checkpoints" in out
     assert "each: a state slot and a logits row" in out
+    # The CUDA step sizes (8192-token idle chunks) over 2048-token intervals: 4 tap spares.
+    assert "+ 12 state slots (4 of them spares for state taps)" in out
 
 
 def test_plan_counts_fp8_weights_and_grows_the_pool(capsys):
