@@ -125,14 +125,21 @@ class GatedDeltaNet(nn.Module):
         ``MAX_CAPTURED_ROWS`` rows can therefore be captured and replayed with fewer rows
         per sequence on the device (none included), its row count ``T`` unchanged.
 
-        With state taps (``batch.gdn_rounds``) the rows advance in rounds, each from the
-        states the one before left (``model/state_taps.py``)."""
+        With state taps (``batch.gdn_rounds``) the conv and the rule advance the rows in
+        rounds, each from the states the one before left (``model/state_taps.py``); the
+        gates are computed once, over every row (a round's row count is never compiled
+        for)."""
+        g, beta = self.ew.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
+        if batch.row_valid is not None:
+            # Padding rows neither decay nor write the state (g = 0, beta = 0), so the
+            # state after a padded chunk is the state after its last real row.
+            keep = batch.row_valid[:, None]  # [T, 1]
+            g, beta = g * keep, beta * keep
         rounds = batch.gdn_rounds
         if rounds is None:
             return self._advance_rows(
-                mixed, b, a, conv_state, recurrent_state, batch.query_start_loc,
-                batch.query_start_loc_cpu, batch.state_slots, batch.num_decode_seqs,
-                batch.row_valid)
+                mixed, g, beta, conv_state, recurrent_state, batch.query_start_loc,
+                batch.query_start_loc_cpu, batch.state_slots, batch.num_decode_seqs)
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim,
                           dtype=mixed.dtype, device=mixed.device)  # [T, Hv, Dv]
         for r in rounds:  # state taps (model/state_taps.py)
@@ -140,19 +147,20 @@ class GatedDeltaNet(nn.Module):
                 conv_state[r.copy_dst] = conv_state[r.copy_src]
                 recurrent_state[r.copy_dst] = recurrent_state[r.copy_src]
             out[r.rows] = self._advance_rows(
-                mixed[r.rows], b[r.rows], a[r.rows], conv_state, recurrent_state,
+                mixed[r.rows], g[r.rows], beta[r.rows], conv_state, recurrent_state,
                 r.query_start_loc, r.query_start_loc_cpu, r.state_slots, r.num_decode_seqs)
         return out
 
     def _advance_rows(
-        self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
-        recurrent_state: torch.Tensor, query_start_loc: torch.Tensor,
-        query_start_loc_cpu: list[int], state_slots: torch.Tensor, num_decode_seqs: int,
-        row_valid: torch.Tensor | None = None,
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+        query_start_loc: torch.Tensor, query_start_loc_cpu: list[int],
+        state_slots: torch.Tensor, num_decode_seqs: int,
     ) -> torch.Tensor:
-        """``advance`` over sequences laid out as ``query_start_loc`` (int32 ``[B + 1]``,
-        host copy ``query_start_loc_cpu``) in the rows given, each from and back to its
-        slot in ``state_slots`` (int32 ``[B]``); ``row_valid`` as ``ForwardBatch``'s."""
+        """The conv and the delta rule over sequences laid out as ``query_start_loc``
+        (int32 ``[B + 1]``, host copy ``query_start_loc_cpu``) in the rows given
+        (``mixed`` ``[T, conv_dim]``, gates ``g``, ``beta`` ``[T, Hv]``), each from and back
+        to its slot in ``state_slots`` (int32 ``[B]``)."""
         T = mixed.shape[0]
         mixed = gdn.causal_conv1d_varlen(
             mixed, self.conv1d.weight[:, 0], conv_state, query_start_loc,
@@ -162,13 +170,6 @@ class GatedDeltaNet(nn.Module):
         q = q.view(T, self.num_k_heads, self.head_k_dim)
         k = k.view(T, self.num_k_heads, self.head_k_dim)
         v = v.view(T, self.num_v_heads, self.head_v_dim)
-
-        g, beta = self.ew.gdn_gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
-        if row_valid is not None:
-            # Padding rows neither decay nor write the state (g = 0, beta = 0), so the
-            # state after a padded chunk is the state after its last real row.
-            keep = row_valid[:, None]  # [T, 1]
-            g, beta = g * keep, beta * keep
         return gdn.gated_delta_rule_varlen(
             q, k, v, g, beta, recurrent_state, query_start_loc,
             query_start_loc_cpu, state_slots, num_decode_seqs,
