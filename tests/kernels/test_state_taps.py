@@ -4,13 +4,16 @@ row's output, every sequence's final states and every tap slot's states after it
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_gdn_oracle import oracle_conv, oracle_rule
+from test_gdn_triton import fake_fla_chunk_rule
 
+from pagedserve.kernels import gdn, gdn_prefill, gdn_recurrent
 from pagedserve.model.gated_deltanet import GatedDeltaNet
 from pagedserve.model.state_taps import StateTap, gdn_rounds
 
@@ -58,20 +61,55 @@ def small_layer(seed: int, dtype: torch.dtype, device: str) -> GatedDeltaNet:
     return layer.to(device=device, dtype=dtype)
 
 
-CPU_AND_GPU = pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                         reason="needs CUDA"))])
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@CPU_AND_GPU
-def test_a_tapped_layer_leaves_each_tap_the_state_after_its_rows(device):
-    """On CUDA the long segments run fla's chunked rule and the short ones the row-walking
-    kernel; on the CPU, the reference."""
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+def fla_contract(q, k, v, g, beta, *, scale, initial_state, output_final_state,
+                 use_qk_l2norm_in_kernel, cu_seqlens=None, cu_seqlens_cpu=None):
+    """fla-core's ``chunk_gated_delta_rule`` contract on the oracle, one sequence when no
+    ``cu_seqlens`` is given (``test_gdn_triton.fake_fla_chunk_rule`` checks the rest)."""
+    if cu_seqlens is None:
+        cu_seqlens_cpu = torch.tensor([0, q.shape[1]])
+        cu_seqlens = cu_seqlens_cpu.to(q.device)
+    return fake_fla_chunk_rule(
+        q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+@pytest.mark.parametrize("path", [
+    "reference",
+    pytest.param("kernels", marks=pytest.mark.skipif(
+        not INTERPRET, reason="the GPU dispatch on the CPU needs TRITON_INTERPRET=1")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs CUDA"))])
+def test_a_tapped_layer_leaves_each_tap_the_state_after_its_rows(path, monkeypatch):
+    """``reference``: the CPU path. ``kernels``: the CUDA dispatch under the Triton
+    interpreter (the conv kernel on each round's rows, the row-walking rule for a round of
+    short segments, fla's contract on the oracle for the others). ``cuda``: the same with
+    fla-core itself, in bfloat16."""
+    device = "cuda" if path == "cuda" else "cpu"
+    calls: list[str] = []
+    if path == "kernels":
+        walk = gdn_recurrent.gated_delta_rule_recurrent
+
+        def chunked(*args, **kw):
+            calls.append("chunked")
+            return fla_contract(*args, **kw)
+
+        def walking(*args, **kw):
+            calls.append("walking")
+            return walk(*args, **kw)
+
+        monkeypatch.setattr(gdn, "_on_gpu", lambda t: True)
+        monkeypatch.setattr(gdn_prefill, "load_fla_chunk_rule", lambda: chunked)
+        monkeypatch.setattr(gdn_recurrent, "gated_delta_rule_recurrent", walking)
+    dtype = torch.bfloat16 if path == "cuda" else torch.float32
     layer = small_layer(0, dtype, device)
     lens, num_decode = [1, 1, 150, 40, 20], 2
     slots = [6, 1, 3, 9, 0]
-    taps = [StateTap(2, 64, 4), StateTap(2, 70, 8), StateTap(2, 141, 2), StateTap(4, 11, 5)]
+    # Sequence 2's segments: 64, 6, 73 and 7 rows (the last round walks its rows).
+    taps = [StateTap(2, 64, 4), StateTap(2, 70, 8), StateTap(2, 143, 2), StateTap(4, 11, 5)]
     qsl = [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
@@ -117,6 +155,8 @@ def test_a_tapped_layer_leaves_each_tap_the_state_after_its_rows(device):
     for slot, (conv_end, rec_end) in expected_slots.items():
         torch.testing.assert_close(conv_state[slot].double().cpu(), conv_end, **tol)
         torch.testing.assert_close(rec_state[slot].double().cpu(), rec_end, **tol)
+    if path == "kernels":  # rounds of 64/40/11, 6/9, 73 and 7 rows per prefill sequence
+        assert calls == ["chunked", "chunked", "chunked", "walking"], calls
     for slot in set(range(11)) - set(expected_slots):
         assert torch.equal(conv_state[slot], conv_before[slot]), slot
         assert torch.equal(rec_state[slot], rec_before[slot]), slot
