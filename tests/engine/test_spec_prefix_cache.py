@@ -137,6 +137,24 @@ def test_a_hit_at_every_prefix_length_gives_transformers_tokens(model) -> None:
     assert_empty(engine)
 
 
+def assert_drafts_as_cold(model, on: LLMEngine, rid: str, probe: list[int], cached: int,
+                          chunk: int) -> None:
+    """``probe``, run on ``on`` after its donors, resumes after ``cached`` tokens, and its
+    tokens and the MTP head's drafts (ids and logits) are those of a run without caching
+    (in ``chunk``-token chunks); its tokens are transformers'."""
+    hit_drafts = record_drafts(on)
+    hit = run(on, (rid, probe, 16))[rid]
+    assert hit.num_cached_tokens == cached
+    off = make_engine(model, caching=False, prefill_chunk=chunk)
+    cold_drafts = record_drafts(off)
+    cold = run(off, (rid, probe, 16))[rid]
+    assert hit.output_token_ids == cold.output_token_ids == model[2](probe, 16)
+    a, b = hit_drafts[rid], cold_drafts[rid]
+    assert [ids for ids, _ in a] == [ids for ids, _ in b]
+    for (_, la), (_, lb) in zip(a, b):
+        torch.testing.assert_close(la, lb, rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("shared", [1, 40, 48, 50])
 def test_drafts_after_a_hit_equal_a_cold_runs(model, shared) -> None:
     """The MTP head's drafts (tokens and logits) after a hit at ``shared`` are those of a
@@ -146,17 +164,7 @@ def test_drafts_after_a_hit_equal_a_cold_runs(model, shared) -> None:
     probe = BASE[:shared] + (prompt_ids(9, 10) if shared < 50 else [])
     on = make_engine(model, prefill_chunk=32)
     run(on, ("donor", BASE[:shared], 4))
-    hit_drafts = record_drafts(on)
-    hit = run(on, ("probe", probe, 16))["probe"]
-    assert hit.num_cached_tokens == shared
-    off = make_engine(model, caching=False, prefill_chunk=32)
-    cold_drafts = record_drafts(off)
-    cold = run(off, ("probe", probe, 16))["probe"]
-    assert hit.output_token_ids == cold.output_token_ids == model[2](probe, 16)
-    a, b = hit_drafts["probe"], cold_drafts["probe"]
-    assert [ids for ids, _ in a] == [ids for ids, _ in b]
-    for (_, la), (_, lb) in zip(a, b):
-        torch.testing.assert_close(la, lb, rtol=0, atol=1e-4)
+    assert_drafts_as_cold(model, on, "probe", probe, shared, 32)
 
 
 def test_drafts_after_a_hit_at_a_state_tap_equal_a_cold_runs(model) -> None:
@@ -174,18 +182,7 @@ def test_drafts_after_a_hit_at_a_state_tap_equal_a_cold_runs(model) -> None:
         # float32 on both sides; the chunked rule and transformers' differ by ~6e-4 here.
         torch.testing.assert_close(pool.hidden_row(entry), expected[p - 1], atol=2e-3,
                                    rtol=0)
-    probe = BASE[:50] + prompt_ids(18, 10)
-    hit_drafts = record_drafts(on)
-    hit = run(on, ("probe", probe, 16))["probe"]
-    assert hit.num_cached_tokens == 48
-    off = make_engine(model, caching=False, prefill_chunk=64)
-    cold_drafts = record_drafts(off)
-    cold = run(off, ("probe", probe, 16))["probe"]
-    assert hit.output_token_ids == cold.output_token_ids == model[2](probe, 16)
-    a, b = hit_drafts["probe"], cold_drafts["probe"]
-    assert [ids for ids, _ in a] == [ids for ids, _ in b]
-    for (_, la), (_, lb) in zip(a, b):
-        torch.testing.assert_close(la, lb, rtol=0, atol=1e-4)
+    assert_drafts_as_cold(model, on, "probe", BASE[:50] + prompt_ids(18, 10), 48, 64)
     assert_empty(on)
 
 
@@ -202,17 +199,7 @@ def test_drafts_stay_exact_where_requests_branch_at_a_block_boundary(model, chun
     run(on, ("b", branch_b, 4))  # resumes at 32 with another token 32
     run(on, ("d", BASE[:32] + prompt_ids(16, 8), 4))  # and a third one
     probe = branch_b + prompt_ids(17, 5)  # follows b past the branch
-    hit_drafts = record_drafts(on)
-    hit = run(on, ("c", probe, 16))["c"]
-    assert hit.num_cached_tokens == 32 + 8
-    off = make_engine(model, caching=False, prefill_chunk=16)
-    cold_drafts = record_drafts(off)
-    cold = run(off, ("c", probe, 16))["c"]
-    assert hit.output_token_ids == cold.output_token_ids == model[2](probe, 16)
-    a, b = hit_drafts["c"], cold_drafts["c"]
-    assert [ids for ids, _ in a] == [ids for ids, _ in b]
-    for (_, la), (_, lb) in zip(a, b):
-        torch.testing.assert_close(la, lb, rtol=0, atol=1e-4)
+    assert_drafts_as_cold(model, on, "c", probe, 32 + 8, 16)
 
 
 def test_multi_turn_resumes_from_the_finished_turn(model) -> None:
