@@ -146,9 +146,7 @@ def default_tap_slots(num_checkpoints: int, max_num_seqs: int, max_model_len: in
         return 0
     sizes = SchedulerConfig.for_device("cuda", max_num_seqs=max_num_seqs,
                                        max_model_len=max_model_len)
-    return tap_slots_for(min(sizes.max_num_batched_tokens,
-                             max(sizes.prefill_chunk, sizes.idle_prefill_chunk)),
-                         DEFAULT_CHECKPOINT_INTERVAL)
+    return tap_slots_for(sizes.longest_chunk, DEFAULT_CHECKPOINT_INTERVAL)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -132,9 +132,8 @@ class LLMEngine:
                      if config.kv_layout == "paged"
                      else f"the {config.kv_layout} K/V layout has no shareable blocks")
         num_checkpoints = num_checkpoints if caching else 0
-        tap_slots = tap_slots_for(
-            min(budget, max(sched_config.prefill_chunk, sched_config.idle_prefill_chunk)),
-            config.prefix_checkpoint_interval) if caching else 0
+        tap_slots = tap_slots_for(sched_config.longest_chunk,
+                                  config.prefix_checkpoint_interval) if caching else 0
         runner_config = RunnerConfig(
             max_model_len=max_len, max_num_seqs=config.max_num_seqs,
             num_blocks=config.num_blocks, gpu_memory_utilization=config.gpu_memory_utilization,

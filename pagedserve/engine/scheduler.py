@@ -76,6 +76,12 @@ class SchedulerConfig:
                    prefill_chunk=chunk, max_model_len=max_model_len,
                    idle_prefill_chunk=idle)
 
+    @property
+    def longest_chunk(self) -> int:
+        """The most tokens one prefill chunk can hold."""
+        return min(self.max_num_batched_tokens, max(self.prefill_chunk,
+                                                    self.idle_prefill_chunk))
+
     def __post_init__(self) -> None:
         if self.idle_prefill_chunk == 0:
             object.__setattr__(self, "idle_prefill_chunk", self.prefill_chunk)
