@@ -69,14 +69,17 @@ def run(engine: LLMEngine, *items: tuple[str, list[int], int | SamplingParams]
 
 
 def record_drafts(engine: LLMEngine) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
-    """Every draft the engine's drafter proposes from now on, by request id."""
+    """Every draft the engine's drafter proposes from now on, by request id: its ids and
+    the MTP head's logits behind the first of them (the request's tail, which every
+    request has, greedy ones included)."""
     drafts: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
     propose = engine.spec.drafter.propose
 
     def recording(wants):
+        tails = [w.request.draft_tail.logits.clone() for w in wants]  # [N'] each
         out = propose(wants)
-        for w, d in zip(wants, out.drafts()):
-            drafts.setdefault(w.request.request_id, []).append((d.token_ids, d.logits))
+        for w, d, tail in zip(wants, out.drafts(), tails):
+            drafts.setdefault(w.request.request_id, []).append((d.token_ids, tail))
         return out
 
     engine.spec.drafter.propose = recording
