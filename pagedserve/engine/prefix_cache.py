@@ -37,17 +37,19 @@ a one: its last sampled token was not fed back, so its own checkpoint is one tok
 Checkpoints are saved:
 
 * at the end of every prompt, at its exact length;
-* every ``checkpoint_interval`` tokens of a prompt: inside a prefill chunk, a state tap
-  (``model/state_taps.py``) copies the state there into a spare state slot, saved from
-  it after the step; the chunk stays whole. A step has ``num_tap_slots`` spare slots; a
-  chunk that would pass more interval positions than the step has slots left is cut at
-  the first one it cannot tap (a chunk boundary is exact too);
-* when a request finishes or is preempted, at its computed length (prompt plus the
-  output tokens fed back), unless a forward pass of it is still in flight;
+* every ``checkpoint_interval`` tokens of a prompt;
 * where a request's tokens leave the cached K/V chain beyond its resume point (the last
   full block it shares): the branch point of prompts that share a system prompt, or of
   a whole prompt sent again after its end checkpoint was evicted, so that every later
-  one resumes there.
+  one resumes there;
+* when a request finishes or is preempted, at its computed length (prompt plus the
+  output tokens fed back), unless a forward pass of it is still in flight.
+
+An interval position or the branch point inside a prefill chunk is a state tap
+(``model/state_taps.py``): the state there is copied into a spare state slot and saved
+from it after the step, and the chunk stays whole. A step has ``num_tap_slots`` spare
+slots; a chunk that would pass more checkpoint positions than the step has slots left is
+cut at the first one it cannot tap (a chunk boundary is exact too).
 
 With speculative decoding the cache serves the drafter too (``engine/spec_step.py``):
 
@@ -76,6 +78,7 @@ finishes themselves get evicted. A hit on a superseded checkpoint lifts the mark
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -262,23 +265,26 @@ class PrefixCache:
         req.checkpoint_branch = match.num_kv_tokens if match.num_kv_tokens > resume else 0
 
     def chunk_limit(self, req: Request, start: int, n: int, num_taps: int = 0) -> int:
-        """``n`` cut so that a prefill chunk from ``start`` ends at the branch point, if it
-        would pass it, and passes at most ``num_taps`` interval positions (each a state
-        tap): it ends at the first one past those."""
+        """``n`` cut so that a prefill chunk from ``start`` passes at most ``num_taps``
+        checkpoint positions (each a state tap): it ends at the first one past those."""
         end = start + n
-        if start < req.checkpoint_branch < end:
-            end = req.checkpoint_branch
         taps = self.tap_positions(req, start, end)
         if len(taps) > num_taps:
             end = taps[num_taps]
         return end - start
 
     def tap_positions(self, req: Request, start: int, end: int) -> list[int]:
-        """The interval positions strictly inside a prefill chunk ``[start, end)`` of
-        ``req``'s prompt: where its state is checkpointed from a tap."""
+        """The checkpoint positions strictly inside a prefill chunk ``[start, end)`` of
+        ``req``'s prompt, ascending: each interval position and the branch point, where
+        the state is checkpointed from a tap."""
         step = self.checkpoint_interval
         first = (start // step + 1) * step
-        return list(range(first, min(end, req.num_prompt_tokens), step))
+        stop = min(end, req.num_prompt_tokens)
+        taps = list(range(first, stop, step))
+        branch = req.checkpoint_branch
+        if start < branch < stop and branch % step:
+            bisect.insort(taps, branch)
+        return taps
 
     def take_taps(self, req: Request, start: int, end: int) -> list[tuple[int, Handle]]:
         """A spare state slot for each tap position of chunk ``[start, end)``: ``(position,

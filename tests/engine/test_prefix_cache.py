@@ -144,6 +144,27 @@ def test_a_chunk_passing_more_intervals_than_tap_slots_is_cut(make_engine, hf_gr
 
 
 @SYNC
+def test_the_branch_point_comes_from_a_tap_inside_a_whole_chunk(make_engine, hf_greedy):
+    """A sibling that leaves the donor's K/V chain at 32 (two full 16-token blocks shared,
+    no checkpoint below) runs as one 80-row chunk, its state at the branch point tapped
+    there; a probe along the sibling's first 40 tokens resumes at 32."""
+    engine = make_engine(prefill_chunk=128, idle_prefill_chunk=128,
+                         prefix_checkpoint_interval=64)
+    assert engine.kv.block_size == 16
+    run(engine, ("donor", BASE[:50], 2))
+    forwarded = count_forwarded(engine)
+    sibling = BASE[:40] + ids(5, 40)
+    run(engine, ("sibling", sibling, 2))
+    assert forwarded[0] == 80
+    assert 32 in checkpoint_lengths(engine)
+    probe = sibling[:40] + ids(6, 20)
+    got = run(engine, ("probe", probe, 6))["probe"]
+    assert got.num_cached_tokens == 32
+    assert got.output_token_ids == hf_greedy(probe, 6)
+    assert engine.runner.state_pool.num_used_slots == 0
+
+
+@SYNC
 def test_multi_turn_chat_reuses_history_through_the_real_template(make_engine, hf_greedy):
     engine = make_engine(prefix_checkpoint_interval=32)
     tok = engine.tokenizer
