@@ -6,8 +6,8 @@ tokens does not keep them either: bf16 verify rows and decode rows round differe
 near-flat random logits tie, and the two runs part after a few dozen tokens. So the
 acceptance is imposed where it is decided. ``ImposedAcceptance`` replaces the engine's
 verify decision only: of a sequence's ``d`` drafts it keeps the first ``m``, each kept
-with probability ``a`` once the one before it was (seeded), and emits them with the
-target's own token at row ``m``. Everything else runs as in production -- the MTP drafts
+with probability ``a`` once the one before it was, and emits them with the target's own
+token at row ``m``. Everything else runs as in production -- the MTP drafts
 through the drafter's head (the shared lm_head, or its rows of a draft vocabulary with
 ``--draft-vocab-size``), the verify forward over ``d + 1`` rows per sequence, the slot
 save, the restore and the GDN re-advance over the kept rows after a rejection, the K/V
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import random
 import sys
 import time
@@ -52,20 +53,29 @@ KS = (1, 2, 3, 4)
 
 class ImposedAcceptance:
     """The verify decision of ``spec`` replaced by a seeded draw (module doc), through
-    ``SpeculativeDecoding.kept_drafts``; the counters are kept as the engine keeps them."""
+    ``SpeculativeDecoding.kept_drafts``; the counters are kept as the engine keeps them.
+
+    Verify ``n`` keeps ``m = min(d, floor(ln(1 - u_n) / ln a))`` drafts, so that
+    ``P(m >= j) = a^j``, with ``u_n`` the golden-ratio sequence from a seeded start rather
+    than independent draws: its kept counts follow the geometric mix within ``O(log n /
+    n)``, not ``O(1 / sqrt n)``. A batch-1 run of about 100 verifies at ``a = 0.7``,
+    ``k = 3`` would otherwise miss the expected 2.53 tokens per verify by 0.12 (one
+    standard deviation), which moves its speed-up by 5%."""
+
+    GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
     def __init__(self, spec: SpeculativeDecoding, acceptance: float, seed: int) -> None:
+        if not 0.0 < acceptance < 1.0:
+            raise ValueError(f"acceptance {acceptance} is outside (0, 1)")
         self.acceptance = acceptance
-        self.rng = random.Random(seed)
+        self.u = random.Random(seed).random()
         spec.kept_drafts = self.kept
 
     def kept(self, req, d: int) -> int:
         """Drafts kept of ``d``: each with probability ``acceptance`` after the one
         before it."""
-        m = 0
-        while m < d and self.rng.random() < self.acceptance:
-            m += 1
-        return m
+        self.u = (self.u + self.GOLDEN) % 1.0
+        return min(d, int(math.log1p(-self.u) / math.log(self.acceptance)))
 
 
 def tiny_with_mtp() -> LoadedModel:
