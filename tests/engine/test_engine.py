@@ -143,15 +143,18 @@ def test_generation_reaching_max_model_len_finishes_with_length(make_engine):
 
 
 def test_nothing_leaks_under_random_cancellation_and_preemption(make_engine):
-    rng = random.Random(7)
+    # Seed 0's 120 requests reach, in both modes, every branch that 300 requests of seed 7
+    # reach, the rare ones included: steps with nothing to schedule, admissions that find no
+    # block to reserve, prefix hits whose tail copy finds no free block, EOS; ~25 preemptions.
+    rng = random.Random(0)
     engine = make_engine(max_num_seqs=6, num_blocks=12, max_model_len=96, prefill_chunk=16,
                          max_num_batched_tokens=48)
     live: list[str] = []
     submitted = 0
     steps = 0
-    while submitted < 300 or engine.has_unfinished_requests():
+    while submitted < 120 or engine.has_unfinished_requests():
         for _ in range(rng.randrange(3)):
-            if submitted < 300:
+            if submitted < 120:
                 rid = f"r{submitted}"
                 n = rng.randrange(1, 40)
                 params = SamplingParams(max_tokens=rng.randrange(1, 24),
