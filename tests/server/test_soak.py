@@ -1,4 +1,4 @@
-"""Soak: a few hundred requests, many of them abandoned by their clients mid-way (streams
+"""Soak: 120 requests, many of them abandoned by their clients mid-way (streams
 closed after a few chunks, non-streaming requests cancelled while they wait). Afterwards
 the engine must be empty -- nothing running or waiting, no K/V block in use -- the
 admission bound must have been given back in full, and the server must not have crashed.
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from server_harness import get_metrics, metric, running
 
-NUM_REQUESTS = 300
+NUM_REQUESTS = 120
 CLIENT_CONCURRENCY = 16
 # capacity = 8 running + 40 waiting = 48 engine requests in flight: the client's 16
 # requests of up to n=2 stay below it even while abandoned ones are still being released.
