@@ -12,6 +12,7 @@ slot, the spares, the record) is compared bit for bit.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -181,14 +182,24 @@ def check_untouched(case: RollbackCase, before: list[torch.Tensor]) -> None:
 CASE = ([2, 0, 4, 1, 3, 0], 4, [7, 2, 9, 0, 4, 10])
 
 
+@functools.cache
+def rolled_back(dtype: torch.dtype, shape: tuple[tuple[str, int], ...]
+                ) -> tuple[RollbackCase, list[torch.Tensor]]:
+    """``CASE`` at ``shape`` after the kernel, and its snapshot from before: one launch per
+    dtype and shape, which the oracle test and the replaced-path test both check, reading
+    only (under the interpreter a launch at ``SMALL`` takes seconds)."""
+    case = make_case(*CASE, dtype=dtype, **dict(shape))
+    before = case.snapshot()
+    case.run_kernel()
+    return case, before
+
+
 @needs_triton
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("shape", [SMALL, {"hk": 2, "hv": 2, "dk": 16, "dv": 32}])
 def test_rollback_matches_the_float64_oracle(dtype, bound, shape):
-    case = make_case(*CASE, dtype=dtype, **shape)
-    before = case.snapshot()
-    want_conv, want_rec = oracle_rollback(case)
-    case.run_kernel()
+    want_conv, want_rec = oracle_rollback(make_case(*CASE, dtype=dtype, **shape))
+    case, before = rolled_back(dtype, tuple(shape.items()))
     for layer in range(case.num_layers):
         for slot, n in zip(case.slots, case.num_rows):
             if n:
@@ -208,9 +219,8 @@ def test_rollback_matches_the_path_it_replaces(monkeypatch, dtype, tol):
     exp and log here, torch's there; in bf16 under the interpreter also beta's rounding,
     which the interpreter truncates where torch and the GPU round to nearest)."""
     monkeypatch.setattr(gdn, "_on_gpu", lambda t: True)  # the Triton kernels, on any device
-    case = make_case(*CASE, dtype=dtype, seed=1, **SMALL)
-    eager = make_case(*CASE, dtype=dtype, seed=1, **SMALL)
-    case.run_kernel()
+    case, _ = rolled_back(dtype, tuple(SMALL.items()))
+    eager = make_case(*CASE, dtype=dtype, **SMALL)
     replaced_path(eager)
     assert torch.equal(case.conv_state, eager.conv_state)
     torch.testing.assert_close(case.rec_state, eager.rec_state, atol=tol, rtol=tol)
