@@ -68,16 +68,22 @@ def test_checks_fail_on_5xx_leaks_and_no_preemption():
 def test_chaos_quick_passes_every_check(serve_env, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OUT"}  # no copies outside tmp_path
     env.update(serve_env)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path),
-                           "--name", "c"], env=env, capture_output=True, text=True,
-                          timeout=240)
+    # 20 requests: 5 of each kind, one burst of 4 long prompts that overfills the K/V pool,
+    # and about 35 prefix checkpoints for a budget of 17 (7 MiB), so that checkpoints are
+    # evicted while the chaos phase and the solo reruns restore others.
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--num-requests", "20",
+                           "--server-args", "--prefix-checkpoint-memory 7MiB",
+                           "--out-dir", str(tmp_path), "--name", "c"], env=env,
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "c.json").read_text())
     checks = {c["check"]: c for c in report["checks"]}
     assert set(checks) == {"workload_sent", "no_5xx", "no_unexpected_errors", "no_leaks",
                            "preempted", "outputs_match", "clean_exit"}
     assert all(c["passed"] for c in checks.values()), checks
-    assert report["passed"] and report["metrics_after_chaos"]["num_preemptions"] > 0
+    after = report["metrics_after_chaos"]
+    assert report["passed"] and after["num_preemptions"] > 0
+    assert after["prefix_checkpoint_usage_perc"] == 1.0  # full: later checkpoints evict
     results = report["results"]
     assert results.get("stream_cut:cut", 0) > 0 and results.get("whole_timeout:timed_out", 0) > 0
     assert len(report["matches"]) >= 10
