@@ -216,8 +216,17 @@ def test_no_leak_with_shared_prefixes_cancellations_and_preemption(make_engine):
     engine = make_engine(max_num_seqs=6, num_blocks=14, max_model_len=96, prefill_chunk=16,
                          max_num_batched_tokens=48, prefix_checkpoint_interval=16,
                          prefix_checkpoint_memory=str(6 * per_checkpoint))
+    taps: list[tuple[int, int]] = []  # (position, the request's branch point) of each tap
+    save_taps = engine.prefix.save_taps
+
+    def counting(req, req_taps, hidden=None):
+        taps.extend((p, req.checkpoint_branch) for p, _ in req_taps)
+        return save_taps(req, req_taps, hidden)
+
+    engine.prefix.save_taps = counting
     reqs = drive_shared_prefixes(engine, rng, ids)
     assert engine.scheduler.num_preemptions > 0 and engine.prefix.stats.num_hits > 0
+    assert taps and any(p == branch for p, branch in taps)  # interval and branch taps
     assert sum(r.num_cached_tokens == r.num_prompt_tokens for r in reqs) >= 3  # resent
     assert all(r.cached_logits is None for r in reqs)
     assert engine.kv.pool.num_used_blocks == 0 and engine.kv.num_live_seqs == 0
