@@ -167,7 +167,8 @@ class LLMEngine:
             self.prefix = PrefixCache(self.kv, self.runner.state_pool,
                                       self.runner.checkpoint_pool, salt,
                                       config.prefix_checkpoint_interval,
-                                      speculative=spec is not None, num_tap_slots=tap_slots)
+                                      speculative=spec is not None, num_tap_slots=tap_slots,
+                                      graphed_chunk_tokens=self.runner.graphed_prefill_tokens)
             log.info("prefix caching on: %d state checkpoints of %.1f MiB (state, a logits "
                      "row and, with speculation, a hidden row; %.2f GiB), one "
                      "every %d prompt tokens and at each prompt's and request's end",

@@ -57,7 +57,7 @@ class PrefillGraphs:
         # A chunk never holds more rows than a sequence may hold tokens (and a larger
         # graph's capture would read past the block table's width).
         self.sizes = prefill_graph_sizes(min(max_tokens, max_model_len))
-        n = self.sizes[-1] if self.sizes else 0
+        n = self.max_tokens
 
         def buf(shape: tuple[int, ...], dtype: torch.dtype, fill: int = 0) -> torch.Tensor:
             return torch.full(shape, fill, dtype=dtype, device=device)
@@ -133,11 +133,16 @@ class PrefillGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
+    @property
+    def max_tokens(self) -> int:
+        """The most rows a captured graph holds (0: none captured)."""
+        return self.sizes[-1] if self.sizes else 0
+
     def fits(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` is one prefill chunk that a captured size holds (with no
         state taps: the graphs advance the linear layers in one round)."""
-        return (batch.num_seqs == 1 and batch.num_decode_seqs == 0 and bool(self.sizes)
-                and batch.num_tokens <= self.sizes[-1] and batch.row_valid is None
+        return (batch.num_seqs == 1 and batch.num_decode_seqs == 0
+                and batch.num_tokens <= self.max_tokens and batch.row_valid is None
                 and batch.gdn_rounds is None)
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:

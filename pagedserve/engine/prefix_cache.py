@@ -49,7 +49,9 @@ An interval position or the branch point inside a prefill chunk is a state tap
 (``model/state_taps.py``): the state there is copied into a spare state slot and saved
 from it after the step, and the chunk stays whole. A step has ``num_tap_slots`` spare
 slots; a chunk that would pass more checkpoint positions than the step has slots left is
-cut at the first one it cannot tap (a chunk boundary is exact too).
+cut at the first one it cannot tap (a chunk boundary is exact too). A chunk short enough
+for a prefill CUDA graph is cut at each of its positions instead: the graphs run the
+linear layers in one round, and replaying two costs less than one eager step.
 
 With speculative decoding the cache serves the drafter too (``engine/spec_step.py``):
 
@@ -169,7 +171,8 @@ class PrefixCache:
 
     def __init__(self, kv: KVCacheManager, states: StatePool, checkpoints: CheckpointPool,
                  salt: int, checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-                 speculative: bool = False, num_tap_slots: int = 0) -> None:
+                 speculative: bool = False, num_tap_slots: int = 0,
+                 graphed_chunk_tokens: int = 0) -> None:
         if checkpoint_interval <= 0:
             raise ValueError(f"prefix-checkpoint-interval must be > 0, got "
                              f"{checkpoint_interval}")
@@ -180,6 +183,11 @@ class PrefixCache:
         self.block_size = kv.block_size
         self.checkpoint_interval = checkpoint_interval
         self.num_tap_slots = num_tap_slots
+        # Prefill chunks of up to this many rows replay a prefill CUDA graph, which runs
+        # the linear layers in one round: such a chunk is cut at its checkpoint positions
+        # instead of tapped, since a short step is bound by the host's launches and two
+        # replays cost less than one eager step (engine/prefill_graphs.py).
+        self.graphed_chunk_tokens = graphed_chunk_tokens
         self.speculative = speculative
         self.num_next_tokens = int(speculative)
         self.half_life = max(16, 2 * checkpoints.num_checkpoints)
@@ -266,7 +274,10 @@ class PrefixCache:
 
     def chunk_limit(self, req: Request, start: int, n: int, num_taps: int = 0) -> int:
         """``n`` cut so that a prefill chunk from ``start`` passes at most ``num_taps``
-        checkpoint positions (each a state tap): it ends at the first one past those."""
+        checkpoint positions (each a state tap), none if a prefill graph holds ``n`` rows:
+        it ends at the first one past those."""
+        if n <= self.graphed_chunk_tokens:
+            num_taps = 0
         end = start + n
         taps = self.tap_positions(req, start, end)
         if len(taps) > num_taps:

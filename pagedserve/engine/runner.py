@@ -389,6 +389,11 @@ class ModelRunner:
         """Release what outlives the runner's tensors: nothing here; the tensor-parallel
         runner stops its workers."""
 
+    @property
+    def graphed_prefill_tokens(self) -> int:
+        """The longest one-sequence prefill chunk a captured graph replays (0: none)."""
+        return self.prefill_graphs.max_tokens if self.prefill_graphs is not None else 0
+
     def create_kv_manager(self) -> KVCacheManager:
         """A sequence manager whose block ids and table width match this runner's storage."""
         bytes_per_block = self._kv_footprint(self.block_size).bytes_per_block

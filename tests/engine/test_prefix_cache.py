@@ -144,18 +144,24 @@ def test_a_chunk_passing_more_intervals_than_tap_slots_is_cut(make_engine, hf_gr
 
 
 @SYNC
-def test_the_branch_point_comes_from_a_tap_inside_a_whole_chunk(make_engine, hf_greedy):
+@pytest.mark.parametrize(("graphed", "steps"), [(0, [80]), (128, [32, 32, 16])],
+                         ids=["tapped", "cut-for-graphs"])
+def test_the_branch_point_is_tapped_unless_a_prefill_graph_holds_the_chunk(
+        make_engine, hf_greedy, graphed, steps):
     """A sibling that leaves the donor's K/V chain at 32 (two full 16-token blocks shared,
-    no checkpoint below) runs as one 80-row chunk, its state at the branch point tapped
-    there; a probe along the sibling's first 40 tokens resumes at 32."""
+    no checkpoint below) runs as one 80-row chunk, its states at the branch point and at
+    the interval position 64 tapped there, unless a prefill graph would hold the chunk
+    (``graphed`` rows): then it is cut at both. A probe along the sibling's first 40
+    tokens resumes at 32."""
     engine = make_engine(prefill_chunk=128, idle_prefill_chunk=128,
                          prefix_checkpoint_interval=64)
     assert engine.kv.block_size == 16
+    engine.prefix.graphed_chunk_tokens = graphed  # the CPU captures no graphs
     run(engine, ("donor", BASE[:50], 2))
     forwarded = count_forwarded(engine)
     sibling = BASE[:40] + ids(5, 40)
     run(engine, ("sibling", sibling, 2))
-    assert forwarded[0] == 80
+    assert forwarded[:len(steps)] == steps
     assert 32 in checkpoint_lengths(engine)
     probe = sibling[:40] + ids(6, 20)
     got = run(engine, ("probe", probe, 6))["probe"]
