@@ -288,9 +288,11 @@ class PrefixCache:
         """The checkpoint positions strictly inside a prefill chunk ``[start, end)`` of
         ``req``'s prompt, ascending: each interval position and the branch point, where
         the state is checkpointed from a tap."""
+        stop = min(end, req.num_prompt_tokens)
+        if stop - start < 2:
+            return []  # a decode row, or rows past the prompt: nothing strictly inside
         step = self.checkpoint_interval
         first = (start // step + 1) * step
-        stop = min(end, req.num_prompt_tokens)
         taps = list(range(first, stop, step))
         branch = req.checkpoint_branch
         if start < branch < stop and branch % step:
