@@ -16,7 +16,8 @@ pays. The tokens themselves are not the model's greedy text.
 
 For each batch size B: B prompts of ``--prompt-len`` random tokens, ``--output-len`` tokens
 each (``ignore_eos``), greedy. Plain: the engine's defaults (CUDA graphs, async
-scheduling). Speculative: k = 1..4 at a = 0.5, 0.7, 0.9. Decode tok/s counts the tokens
+scheduling). Speculative: k = 1..4 at a = 0.5, 0.7, 0.9, with synchronous and with async
+scheduling (``--schedulings``). Decode tok/s counts the tokens
 generated after every request's first one, over the time from the last first token to
 the end. Writes ``spec_e2e.{md,json,png}`` (``spec_e2e_quick`` with ``--quick``, the
 tiny random model on the CPU: a smoke test whose figures mean nothing; ``_draft{N}``
@@ -151,28 +152,35 @@ def run(args) -> dict:
             config = {"method": "mtp", "num_speculative_tokens": k}
             if args.draft_vocab_size is not None:
                 config["draft_vocab_size"] = args.draft_vocab_size
-            spec = LLMEngine(EngineConfig(max_num_seqs=b, speculative_config=config, **base),
-                             loaded=loaded)
-            assert spec.spec is not None
-            decode_rate(spec, prompts[:1], 4)
             point["k"][str(k)] = {}
-            for a in ACCEPTANCE:
-                spec.spec.reset_stats()
-                ImposedAcceptance(spec.spec, a, seed=k * 100 + int(a * 10))
-                compiles = compile_watch.compiles_after_warm_up()
-                r = decode_rate(spec, prompts, args.output_len)
-                r["compiles_after_warm_up"] = compile_watch.compiles_after_warm_up() - compiles
-                s = spec.spec.stats
-                r["mean_acceptance_length"] = s.mean_acceptance_length
-                r["expected_acceptance_length"] = sum(a ** i for i in range(k + 1))
-                r["speedup"] = r["decode_tok_s"] / point["plain"]["decode_tok_s"]
-                point["k"][str(k)][str(a)] = r
-                print(f"B={b:2d} k={k} a={a}: {r['decode_tok_s']:.1f} tok/s "
-                      f"({r['speedup']:.2f}x), {r['mean_acceptance_length']:.2f} tokens/verify",
-                      flush=True)
-            spec.close()
-            del spec
-            free_device_memory()
+            for scheduling in args.schedulings:
+                spec = LLMEngine(EngineConfig(max_num_seqs=b, speculative_config=config,
+                                              async_scheduling=scheduling == "async", **base),
+                                 loaded=loaded)
+                assert spec.spec is not None
+                decode_rate(spec, prompts[:1], 4)
+                point["k"][str(k)][scheduling] = by_a = {}
+                for a in ACCEPTANCE:
+                    spec.spec.reset_stats()
+                    ImposedAcceptance(spec.spec, a, seed=k * 100 + int(a * 10))
+                    compiles = compile_watch.compiles_after_warm_up()
+                    ahead = spec.stats.num_lookahead_steps
+                    r = decode_rate(spec, prompts, args.output_len)
+                    r["compiles_after_warm_up"] = (compile_watch.compiles_after_warm_up()
+                                                   - compiles)
+                    r["steps_launched_ahead"] = spec.stats.num_lookahead_steps - ahead
+                    s = spec.spec.stats
+                    r["mean_acceptance_length"] = s.mean_acceptance_length
+                    r["expected_acceptance_length"] = sum(a ** i for i in range(k + 1))
+                    r["speedup"] = r["decode_tok_s"] / point["plain"]["decode_tok_s"]
+                    by_a[str(a)] = r
+                    print(f"B={b:2d} k={k} {scheduling} a={a}: {r['decode_tok_s']:.1f} tok/s "
+                          f"({r['speedup']:.2f}x), {r['mean_acceptance_length']:.2f} "
+                          f"tokens/verify, {r['steps_launched_ahead']} steps launched ahead",
+                          flush=True)
+                spec.close()
+                del spec
+                free_device_memory()
         results["points"].append(point)
     return results
 
@@ -191,17 +199,25 @@ def markdown(res: dict) -> str:
         "Drafts over " + ("the whole vocabulary." if res.get("draft_vocab_size") is None
                           else f"the draft vocabulary of draft_vocab_size "
                                f"{res['draft_vocab_size']}."), "",
-        "| B | plain tok/s | k | " + " | ".join(
+        "Speculative steps run with synchronous scheduling (sync) or async scheduling "
+        "(async: steady greedy verify steps launched before the previous one is read, "
+        "`engine/spec_async.py`; steps launched ahead in brackets).", "",
+        "| B | plain tok/s | k | scheduling | " + " | ".join(
             f"a={a}: tok/s (speed-up, tokens/verify)" for a in ACCEPTANCE) + " |",
-        "|---|---|---|" + "---|" * len(ACCEPTANCE),
+        "|---|---|---|---|" + "---|" * len(ACCEPTANCE),
     ]
     for p in res["points"]:
-        for k, by_a in p["k"].items():
-            cells = " | ".join(
-                f"{by_a[str(a)]['decode_tok_s']:.1f} ({by_a[str(a)]['speedup']:.2f}x, "
-                f"{by_a[str(a)]['mean_acceptance_length']:.2f})" for a in ACCEPTANCE)
-            lines.append(f"| {p['batch']} | {p['plain']['decode_tok_s']:.1f} | {k} | {cells} |")
-    stalls = [f"B={p['batch']} k={k} a={a}" for p in res["points"] for k, by_a in p["k"].items()
+        for k, by_scheduling in p["k"].items():
+            for scheduling, by_a in by_scheduling.items():
+                cells = " | ".join(
+                    f"{by_a[str(a)]['decode_tok_s']:.1f} ({by_a[str(a)]['speedup']:.2f}x, "
+                    f"{by_a[str(a)]['mean_acceptance_length']:.2f})" for a in ACCEPTANCE)
+                ahead = sum(by_a[str(a)]["steps_launched_ahead"] for a in ACCEPTANCE)
+                label = scheduling + (f" ({ahead})" if scheduling == "async" else "")
+                lines.append(f"| {p['batch']} | {p['plain']['decode_tok_s']:.1f} | {k} | "
+                             f"{label} | {cells} |")
+    stalls = [f"B={p['batch']} k={k} {sched} a={a}" for p in res["points"]
+              for k, by_sched in p["k"].items() for sched, by_a in by_sched.items()
               for a, r in by_a.items() if r.get("compiles_after_warm_up")]
     lines += ["", "Compiles after the warm-up inside a timed run (a request waited): "
               + (", ".join(stalls) if stalls else "none") + ".", "",
@@ -217,10 +233,12 @@ def figure(res: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for p in res["points"]:
-        for a in ACCEPTANCE:
-            ks = [int(k) for k in p["k"]]
-            ax.plot(ks, [p["k"][str(k)][str(a)]["speedup"] for k in ks], marker="o",
-                    label=f"B={p['batch']}, a={a}")
+        ks = [int(k) for k in p["k"]]
+        for scheduling in p["k"][str(ks[0])]:
+            for a in ACCEPTANCE:
+                ax.plot(ks, [p["k"][str(k)][scheduling][str(a)]["speedup"] for k in ks],
+                        marker="o", ls="-" if scheduling == "async" else "--",
+                        label=f"B={p['batch']}, a={a}, {scheduling}")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("draft tokens k")
     ax.set_ylabel("decode tok/s over plain")
@@ -240,7 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ks", default=",".join(map(str, KS)), help="draft counts k to run")
     ap.add_argument("--draft-vocab-size", type=int, default=None,
                     help="draft over a vocabulary subset (speculative-config draft_vocab_size)")
+    ap.add_argument("--schedulings", default="sync,async",
+                    help="speculative engines' scheduling: sync, async or both")
     args = ap.parse_args(argv)
+    args.schedulings = [s for s in str(args.schedulings).split(",") if s]
+    if not args.schedulings or set(args.schedulings) - {"sync", "async"}:
+        ap.error(f"--schedulings takes sync and/or async, got {args.schedulings}")
     args.batches = [int(b) for b in str(args.batches).split(",") if b]
     args.ks = [int(k) for k in str(args.ks).split(",") if k]
     if args.quick:

@@ -43,9 +43,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
                    help="K/V blocks in the pool (default: sized from memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--no-async-scheduling", action="store_true",
-                   help="read each step's tokens back before launching the next "
-                        "(async scheduling is on by default on CUDA)")
+    timing = p.add_mutually_exclusive_group()
+    timing.add_argument("--async-scheduling", action="store_true",
+                        help="launch each steady step before the previous one's tokens are "
+                             "read back (the default on CUDA without speculative decoding; "
+                             "with it, steady greedy verify steps go ahead)")
+    timing.add_argument("--no-async-scheduling", action="store_true",
+                        help="read each step's tokens back before launching the next")
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding, vLLM\'s JSON: {"method": "mtp", '
                         '"num_speculative_tokens": K} with K in 1..4 (drafts with the '
@@ -87,7 +91,8 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         num_blocks=args.num_blocks,
         gpu_memory_utilization=args.gpu_memory_utilization,
         cuda_graphs=not args.no_cuda_graphs, seed=args.engine_seed,
-        async_scheduling=False if args.no_async_scheduling else None,
+        async_scheduling=(False if args.no_async_scheduling
+                          else True if args.async_scheduling else None),
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_checkpoint_memory=args.prefix_checkpoint_memory,
         speculative_config=args.speculative_config,

@@ -127,6 +127,16 @@ def table_width(widest: int, max_blocks: int) -> int:
     return min(max_blocks, -(-max(widest, 2) // 16) * 16)
 
 
+def slots_from_tables(block_tables: torch.Tensor, positions: torch.Tensor,
+                      block_size: int) -> torch.Tensor:
+    """int64 ``[B, n]``: the pool slot of each position of ``positions`` int64 ``[B, n]``
+    through its sequence's row of ``block_tables`` int32 ``[B, w]``, on their device
+    (what ``KVCacheManager.slot_mapping`` computes on the host). Every position must lie
+    in a block the table holds."""
+    blocks = block_tables.gather(1, positions // block_size).long()
+    return blocks * block_size + positions % block_size
+
+
 def build_forward_batch(
     chunks: list[SeqChunk], kv: KVCacheManager, device: str | torch.device = "cpu",
     num_table_cols: int | None = None, staging: HostStaging | None = None,

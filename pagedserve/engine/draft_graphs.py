@@ -158,21 +158,41 @@ class ProposeGraphs:
                 ``j - 1``-th entry, ``c + j - 1``) and its slot, for ``j < d``.
             block_tables: int32 ``[B, w]``, ``w <= max_blocks_per_seq`` (host or device).
         """
-        b, n = self.buffers, hidden.shape[0]
-        size = _smallest_holding(self.sizes, n)
-        b["hidden"][0, :n].copy_(hidden)
-        b["logits"][0, :n].copy_(logits)
-        b["ids"][0, :n].copy_(self.head.token_ids(logits.argmax(dim=-1)))
+        size = _smallest_holding(self.sizes, hidden.shape[0])
         passes = self.num_drafts - 1
         host = [[[0] * size for _ in range(passes)], [[-1] * size for _ in range(passes)]]
         for i, (rows, slots) in enumerate(zip(kv_rows, kv_slots)):
             for j, (row, slot) in enumerate(zip(rows, slots)):
                 host[0][j][i] = row + 1  # RoPE position, and the length after the row
                 host[1][j][i] = slot
-        dev = torch.tensor(host, dtype=torch.long).to(b["ids"].device, non_blocking=True)
-        b["positions"][:, :size].copy_(dev[0])
-        b["seq_lens"][:, :size].copy_(dev[0])
-        b["slot_mapping"][:, :size].copy_(dev[1])
+        dev = torch.tensor(host, dtype=torch.long).to(self.buffers["ids"].device,
+                                                      non_blocking=True)
+        return self._fill(hidden, logits, dev[0], dev[1], block_tables)
+
+    def load_on_device(self, hidden: torch.Tensor, logits: torch.Tensor, kv_rows: torch.Tensor,
+                       kv_slots: torch.Tensor, block_tables: torch.Tensor) -> int:
+        """``load`` for sequences that all draft ``k`` tokens, with no host value read:
+        ``kv_rows`` and ``kv_slots`` int64 ``[B, k - 1]`` on the device (row ``j - 1``
+        of a sequence: what pass ``j`` writes), ``block_tables`` int32 ``[B, w]`` there."""
+        size = _smallest_holding(self.sizes, hidden.shape[0])
+        n, passes = hidden.shape[0], self.num_drafts - 1
+        lengths = kv_rows.new_zeros(passes, size)
+        lengths[:, :n] = kv_rows.T + 1
+        slots = kv_rows.new_full((passes, size), -1)
+        slots[:, :n] = kv_slots.T
+        return self._fill(hidden, logits, lengths, slots, block_tables)
+
+    def _fill(self, hidden: torch.Tensor, logits: torch.Tensor, lengths: torch.Tensor,
+              slots: torch.Tensor, block_tables: torch.Tensor) -> int:
+        """Row 0 from the tails, and the passes' inputs: ``lengths`` and ``slots`` int64
+        ``[k - 1, P]`` on the device (padding: 0 and -1); return ``P``."""
+        b, n, size = self.buffers, hidden.shape[0], lengths.shape[1]
+        b["hidden"][0, :n].copy_(hidden)
+        b["logits"][0, :n].copy_(logits)
+        b["ids"][0, :n].copy_(self.head.token_ids(logits.argmax(dim=-1)))
+        b["positions"][:, :size].copy_(lengths)
+        b["seq_lens"][:, :size].copy_(lengths)
+        b["slot_mapping"][:, :size].copy_(slots)
         width = block_tables.shape[1]
         b["block_tables"][:n, :width].copy_(block_tables, non_blocking=True)
         return size

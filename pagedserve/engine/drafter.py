@@ -165,6 +165,22 @@ class MTPDrafter:
         tail = getattr(req, "draft_tail", None)
         return isinstance(tail, _Tail) and tail.num_computed == req.num_computed_tokens
 
+    @staticmethod
+    def tails(reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tails of ``reqs`` (each ``ready``): the head's outputs ``[B, H]`` and their
+        draft logits ``[B, N']``."""
+        tails = [q.draft_tail for q in reqs]
+        assert all(isinstance(t, _Tail) for t in tails)
+        return torch.stack([t.hidden for t in tails]), torch.stack([t.logits for t in tails])
+
+    @staticmethod
+    def set_tail(req: Request, num_computed: int, hidden: torch.Tensor,
+                 logits: torch.Tensor) -> None:
+        """Give ``req`` the tail an observe computed elsewhere (an async speculative
+        step's observe graph, ``spec_async.py``): the head's output ``hidden`` ``[H]`` at
+        row ``num_computed - 1`` and its draft logits ``[N']``."""
+        req.draft_tail = _Tail(num_computed, hidden, logits)
+
     def observe(self, kept: list[Observed]) -> None:
         if not kept:
             return
@@ -193,10 +209,7 @@ class MTPDrafter:
     def propose(self, wants: list[DraftRequest]) -> Proposal:
         if not wants:
             return Proposal([])
-        tails = [w.request.draft_tail for w in wants]
-        assert all(isinstance(t, _Tail) for t in tails)
-        hidden = torch.stack([t.hidden for t in tails])  # [B, H]
-        first = torch.stack([t.logits for t in tails])  # [B, N']
+        hidden, first = self.tails([w.request for w in wants])  # [B, H], [B, N']
         d_max = max(w.num_drafts for w in wants)
         graphs = self.runner.draft_graphs
         propose = graphs.propose if graphs is not None else None

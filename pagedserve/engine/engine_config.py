@@ -135,13 +135,7 @@ class EngineConfig:
         what speculative steps do not support (``engine/spec_step.py``)."""
         if self.speculative_config is None:
             return None
-        spec = SpeculativeConfig.parse(self.speculative_config)
-        if self.async_scheduling:
-            raise ValueError("speculative-config needs synchronous scheduling: the next "
-                             "step's positions depend on how many drafts a verify step "
-                             "keeps, known only once its tokens are read back; drop async "
-                             "scheduling (--no-async-scheduling)")
-        return spec
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def prefix_caching(self) -> bool:

@@ -44,6 +44,7 @@ from pagedserve.engine.sampler import (
     sample,
 )
 from pagedserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from pagedserve.engine.spec_async import AsyncSpeculation, ChainStep
 from pagedserve.engine.spec_step import SpeculativeDecoding
 from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.warmup import warm_up
@@ -204,11 +205,19 @@ class LLMEngine:
         # Async scheduling (lookahead.py): on CUDA by default; on the CPU every op is
         # synchronous, so it would only cost the extra row after a late stop. Off under
         # tensor parallelism: workers build each step from its host form, which a
-        # lookahead step's ids (still on rank 0's device) are not in.
+        # lookahead step's ids (still on rank 0's device) are not in. With speculation
+        # (spec_async.py) only when asked for.
         self.async_scheduling = (cuda and spec is None and tp_size == 1) \
             if config.async_scheduling is None else config.async_scheduling
-        self._inflight: InflightStep | None = None
+        self._inflight: InflightStep | ChainStep | None = None
         self._readback = TokenReadback(config.max_num_seqs) if cuda else None
+        if self.spec is not None and self.async_scheduling:
+            self.spec.chain = AsyncSpeculation(self)
+            if not self.spec.chain.graphs_ready():
+                log.warning("async scheduling with speculative decoding launches steps "
+                            "ahead only through the verify, rollback and draft CUDA "
+                            "graphs, which this runner lacks: every speculative step "
+                            "runs synchronously")
         self.tokenizer = self.loaded.tokenizer
         self.vocab_size = cfg.vocab_size
         self.requests: dict[str, Request] = {}
@@ -329,11 +338,13 @@ class LLMEngine:
             if self._inflight is None:
                 return self._take_failed()
         done = self._inflight
-        self._inflight = self._launch_lookahead(done) if self.async_scheduling else None
+        assert isinstance(done, InflightStep)
+        ahead = self._launch_lookahead(done) if self.async_scheduling else None
+        self._inflight = ahead
         outputs = self._post_process(done)
-        if self._inflight is not None and self._inflight.logits is not None:
+        if ahead is not None and ahead.logits is not None:
             # Its grammars have seen ``done``'s tokens now: its sampling can be queued.
-            self._queue_sampling(self._inflight, tokens_ahead=0)
+            self._queue_sampling(ahead, tokens_ahead=0)
         return self._take_failed() + outputs
 
     def _take_failed(self) -> list[RequestOutput]:
@@ -547,9 +558,8 @@ class LLMEngine:
             return self.fail_request(req, exc)
         if status is not None:
             # A step launched ahead has moved its state past its computed tokens.
-            in_flight = self._inflight is not None and any(
-                c.request is req for c in self._inflight.chunks)
-            self.scheduler.finish(req, status, save_state=state_exact and not in_flight)
+            self.scheduler.finish(req, status,
+                                  save_state=state_exact and not self.is_in_flight(req))
             req.finished_time = now
         if req.is_finished:
             self.requests.pop(req.request_id, None)
@@ -558,6 +568,11 @@ class LLMEngine:
             req.request_id, [token], text, req.is_finished, req.finish_reason,
             [logprob] if logprob is not None else [], req.num_prompt_tokens,
             len(req.output_token_ids), req)
+
+    def is_in_flight(self, req: Request) -> bool:
+        """Whether a step launched ahead (async scheduling) holds ``req``."""
+        return self._inflight is not None and any(
+            c.request is req for c in self._inflight.chunks)
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         """Stop ids and EOS end a request (their text is not emitted); then a grammar that

@@ -108,19 +108,26 @@ class RollbackGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
 
-    def load(self, num_rows: list[int]) -> int:
+    def load(self, num_rows: list[int] | torch.Tensor) -> int:
         """Write each sequence's rows to advance over (``1 .. r``; 0 leaves it as it is),
         in the last verify replay's order, and zeros for its padding sequences; return
-        that replay's size."""
+        that replay's size. ``num_rows``: host ints, or int32 ``[B]`` on the device
+        (computed there by an async speculative step, ``spec_async.py``: no host value
+        is read)."""
         size = self.verify.last_size
         assert size is not None and 0 < len(num_rows) <= size, (size, num_rows)
+        counts = self.buffers["num_rows"]
+        if isinstance(num_rows, torch.Tensor):
+            counts[len(num_rows):size].zero_()
+            counts[: len(num_rows)].copy_(num_rows)
+            return size
         assert all(0 <= n <= self.rows_per_seq for n in num_rows), num_rows
         host = torch.zeros(size, dtype=torch.int32)
         host[: len(num_rows)] = torch.tensor(num_rows, dtype=torch.int32)
-        self.buffers["num_rows"][:size].copy_(host, non_blocking=True)
+        counts[:size].copy_(host, non_blocking=True)
         return size
 
-    def run(self, num_rows: list[int]) -> None:
+    def run(self, num_rows: list[int] | torch.Tensor) -> None:
         """Roll back the last verify replay's sequences to their first ``num_rows`` rows
         each (``load``; 0: not rolled back), by one replay."""
         self.graphs[self.load(num_rows)].replay()

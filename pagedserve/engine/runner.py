@@ -468,11 +468,12 @@ class ModelRunner:
         return VerifyOutput(hidden, self.model.compute_logits(hidden), batch.gdn_record.inputs)
 
     @torch.inference_mode()
-    def roll_back_verify(self, num_rows: list[int]) -> bool:
+    def roll_back_verify(self, num_rows: list[int] | torch.Tensor) -> bool:
         """Roll the sequences of the last verify graph replay back to their first
         ``num_rows`` rows each (in the batch's order; ``1 .. verify_rows``, 0: leave the
-        sequence as it is): each such state slot back from its spare and advanced over
-        those rows of the replay's record, by one replay (``RollbackGraphs.run``).
+        sequence as it is; host ints or an int32 device tensor): each such state slot
+        back from its spare and advanced over those rows of the replay's record, by one
+        replay (``RollbackGraphs.run``).
         ``False`` when no rollback graph is captured (the caller rolls back eagerly)."""
         if self.rollback_graphs is None:
             return False

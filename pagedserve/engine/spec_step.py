@@ -1,7 +1,7 @@
 """Speculative steps: draft, verify ``d + 1`` rows per sequence, keep what the target
 would have chosen, roll the rest back.
 
-One step (synchronous: its tokens are read back before the next is scheduled)::
+One step (its tokens are read back before the next is scheduled)::
 
     schedule        a decoding request that may speculate gets 1 + d rows (d <= k),
                     reserved in the K/V manager like any chunk
@@ -68,10 +68,11 @@ drafts themselves are unconstrained. The drafter may propose from a vocabulary s
 outside it, and every verify row still scores the whole vocabulary, so the kept tokens
 do not depend on the subset, only how many drafts are kept does.
 
-Speculation needs synchronous scheduling (its default; the engine rejects async
-scheduling with it at start-up): the next step's rows start at the committed length,
-which a verify step fixes only once its tokens are read back, and the drafter's first
-draft comes from the kept rows' hidden states.
+Steps here are synchronous: the next step's rows start at the committed length, which a
+verify step fixes only once its tokens are read back, and the drafter's first draft comes
+from the kept rows' hidden states. With async scheduling (``spec_async.py``), steady
+greedy verify steps instead run as chains of device work that compute those on the
+device, each launched before the previous one is read; every other step runs here.
 
 CUDA graphs: a step whose chunks all verify ``k`` drafts (``k + 1`` rows each, no plain
 decode rows, no prompt chunk) and whose batch a captured size holds is a *pure verify*
@@ -119,7 +120,8 @@ from pagedserve.engine.sampler import (
     sample,
 )
 from pagedserve.engine.scheduler import ScheduledChunk
-from pagedserve.engine.spec_verify import verify_greedy, verify_sampled
+from pagedserve.engine.spec_async import AsyncSpeculation, ChainStep
+from pagedserve.engine.spec_verify import Verified, verify_greedy, verify_sampled
 from pagedserve.engine.speculative import SpeculativeConfig
 from pagedserve.kv.handles import Handle
 from pagedserve.model.forward_batch import GdnRecord
@@ -156,14 +158,6 @@ class SpecStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-@dataclass
-class Verified:
-    """One speculating chunk's outcome: ``tokens`` emitted (m + 1), their logprobs."""
-
-    tokens: list[int]
-    logprobs: list[TokenLogprob | None]
-
-
 class SpeculativeDecoding:
     """The speculative step of one engine, with its drafter and counters."""
 
@@ -176,6 +170,8 @@ class SpeculativeDecoding:
         # request: decided as usual). The warm-up keeps every count in turn
         # (``warmup.py``); benchmarks set an acceptance rate. ``None``: off.
         self.kept_drafts: Callable[[Request, int], int | None] | None = None
+        # Async scheduling's chains (``spec_async.py``), set by the engine; ``None``: off.
+        self.chain: AsyncSpeculation | None = None
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -195,12 +191,29 @@ class SpeculativeDecoding:
 
     @torch.inference_mode()
     def step(self, e: LLMEngine) -> list[RequestOutput]:
-        plan = e.scheduler.schedule()
-        if e.kv.pending_copies:
-            e.runner.apply_pending_copies(e.kv)
-        if not plan.chunks:
-            return []
-        chunks = sorted(plan.chunks, key=_batch_order)
+        """One speculative step. With async scheduling (``chain``, ``spec_async.py``) a
+        steady greedy step runs as a chain of device work, and the next one is launched
+        before its tokens are read; any other step runs synchronously (``_step``), once
+        nothing is in flight."""
+        chain = self.chain
+        if e._inflight is None:
+            plan = e.scheduler.schedule()
+            if e.kv.pending_copies:
+                e.runner.apply_pending_copies(e.kv)
+            if not plan.chunks:
+                return []
+            chunks = sorted(plan.chunks, key=_batch_order)
+            launched = chain.launch(chunks) if chain is not None else None
+            if launched is None:
+                return self._step(e, chunks)
+            e._inflight = launched
+        done = e._inflight
+        assert chain is not None and isinstance(done, ChainStep)
+        e._inflight = chain.launch_after(done)
+        return chain.finish(done)
+
+    def _step(self, e: LLMEngine, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """The synchronous step of ``chunks`` (scheduled, in ``_batch_order``)."""
         forwarded = [i for i, c in enumerate(chunks) if c.num_tokens]  # a leading run
         spec = [i for i, c in enumerate(chunks) if c.num_draft]
         slots = [e.runner.state_pool.slot(c.request.live_state_handle) for c in chunks]
@@ -484,8 +497,8 @@ class SpeculativeDecoding:
                 if req.status is not RequestStatus.RUNNING:
                     break
             if req.status is RequestStatus.RUNNING:
-                if c.num_draft:
-                    e.kv.unreserve(req.live_kv_handle)
+                if c.num_draft and not e.is_in_flight(req):  # else its next rows are
+                    e.kv.unreserve(req.live_kv_handle)  # reserved past these
                 if e.prefix is not None:
                     e.prefix.on_commit(req)
             if parts:

@@ -21,12 +21,22 @@ output index is decided once, so a seeded request repeats itself whatever shares
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from pagedserve.engine.request import SEED_RANGE
+from pagedserve.engine.request import SEED_RANGE, TokenLogprob
 from pagedserve.engine.sampler import _fmix32, exponential_noise
 
 _M32 = 0xFFFFFFFF
+
+
+@dataclass
+class Verified:
+    """One speculating chunk's outcome: ``tokens`` emitted (m + 1), their logprobs."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
 
 # Streams of noise, each hashed with the seed (``_seed_halves``); 0 is the sampler's own.
 DRAFT_STREAM = 0x5EC0_0001

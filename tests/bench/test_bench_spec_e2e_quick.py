@@ -33,8 +33,9 @@ def test_quick_run_writes_every_point(tmp_path, monkeypatch):
         plain = p["plain"]
         assert plain["decode_tokens"] == p["batch"] * (res["output_len"] - 1)
         assert sorted(p["k"]) == ["1", "2", "3", "4"]
-        for k, by_a in p["k"].items():
-            for r in by_a.values():
+        for k, by_scheduling in p["k"].items():
+            assert sorted(by_scheduling) == ["async", "sync"]
+            for r in (r for by_a in by_scheduling.values() for r in by_a.values()):
                 assert r["decode_tokens"] >= p["batch"] * (res["output_len"] - int(k) - 1)
                 assert math.isclose(r["speedup"], r["decode_tok_s"] / plain["decode_tok_s"])
                 assert 1.0 <= r["mean_acceptance_length"] <= int(k) + 1

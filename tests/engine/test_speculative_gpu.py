@@ -14,6 +14,7 @@ import pytest
 import torch
 from near_tie import assert_equal_or_near_ties
 from test_engine import run_keeping_requests
+from test_spec_async import KeptInTurn
 from test_speculative import NEW, PROMPTS, ForcedDrafter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
@@ -39,15 +40,15 @@ def spec_dir(tmp_path_factory) -> Path:
     return save_with_mtp(hf, build_mtp(hf), tmp_path_factory.mktemp("spec-gpu"))
 
 
-def _engine(path: Path, k: int | None, drafter=None) -> LLMEngine:
+def _engine(path: Path, k: int | None, drafter=None, **kw) -> LLMEngine:
     spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k}
     return LLMEngine(EngineConfig(
         model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=3, max_model_len=128,
-        check_integrity=True, progress=False, speculative_config=spec), drafter=drafter)
+        check_integrity=True, progress=False, speculative_config=spec, **kw), drafter=drafter)
 
 
-def _run(engine: LLMEngine) -> dict:
-    return run_keeping_requests(engine, [(0, str(i), p, GREEDY) for i, p in enumerate(PROMPTS)])
+def _run(engine: LLMEngine, params: SamplingParams = GREEDY) -> dict:
+    return run_keeping_requests(engine, [(0, str(i), p, params) for i, p in enumerate(PROMPTS)])
 
 
 def _assert_pools_empty(engine: LLMEngine) -> None:
@@ -81,3 +82,38 @@ def test_forced_drafts_roll_back_and_keep_on_cuda(spec_dir) -> None:
     kept = engine.spec.stats.num_by_accepted
     assert kept[0] > 0 and sum(kept[1:]) > 0, kept
     _assert_pools_empty(engine)
+
+
+# Steady greedy steps go ahead only without logprobs (``spec_async.py``).
+PLAIN_GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_async_speculation_matches_plain_decoding_on_cuda(spec_dir, k) -> None:
+    """Async scheduling's chains through the captured verify, rollback and draft graphs:
+    plain decoding's greedy tokens (equal, or first differing at a near-tie), with steps
+    launched ahead and nothing leaked."""
+    plain = _run(_engine(spec_dir, None))
+    engine = _engine(spec_dir, k, async_scheduling=True)
+    assert engine.spec.chain is not None and engine.spec.chain.graphs_ready()
+    got = _run(engine, PLAIN_GREEDY)
+    assert_equal_or_near_ties(plain, got)
+    assert engine.stats.num_lookahead_steps > 0
+    _assert_pools_empty(engine)
+
+
+def test_async_speculation_keeps_every_count_as_the_synchronous_engine(spec_dir) -> None:
+    """Every kept count imposed in turn: the chains (the decision, rollback counts and
+    observe rows computed on the device) give the synchronous engine's tokens exactly.
+    Both replay the same graphs at the same padded sizes, and a GEMM's or attention's
+    row does not depend on the other rows, so no rounding separates them."""
+    outs = {}
+    for async_scheduling in (False, True):
+        engine = _engine(spec_dir, 3, async_scheduling=async_scheduling)
+        engine.spec.kept_drafts = KeptInTurn()
+        got = _run(engine, PLAIN_GREEDY)
+        outs[async_scheduling] = {rid: r.output_token_ids for rid, r in got.items()}
+        assert all(n > 0 for n in engine.spec.stats.num_by_accepted)
+        assert (engine.stats.num_lookahead_steps > 0) == async_scheduling
+        _assert_pools_empty(engine)
+    assert outs[True] == outs[False]

@@ -1,0 +1,302 @@
+"""Async scheduling for speculative steps: a verify step launched before the previous
+one's tokens reach the host.
+
+A synchronous speculative step (``spec_step.py``) reads its verify rows back, decides on
+the host, and only then launches the drafter's observe pass, the rollback and the next
+step's proposals: the GPU waits while the host decides, commits, detokenizes, schedules
+and builds the next batch. In a steady run of verify steps whose requests are all greedy,
+every decision can be made on the device, so a step is a chain of launches that needs
+nothing from the host but what it knows before the step (block tables, state slots)::
+
+    propose    k drafts per sequence from its tail (the drafter's propose graphs)
+    verify     the verify graph over [pending token, drafts], rows c .. c + k
+    decide     m = how many drafts equal the target's argmax before the first that
+               does not; the bonus token = the argmax at row m; the m + 1 emitted ids
+    roll back  the rollback graph, with m + 1 rows for each sequence where m < k
+    observe    the drafter's observe graph over every verify row, the K/V writes of
+               rows past m masked: the new tail is the head's output at row c + m
+    read back  [emitted ids | m] to pinned host memory, with no wait
+
+The chain of step N+1 is launched before step N is read: its rows start at N's
+``c + m + 1``, computed on the device, its pending token is N's bonus token and its
+tails are N's observe outputs. The host applies N's tokens one step late::
+
+    host   | launch N | launch N+1 | read N, apply | launch N+2 | read N+1, apply ...
+    GPU    |   . . .  N  . . . . . | N+1 . . . . . . . . . . . | N+2 ...
+
+What the host cannot know at launch time it covers:
+
+- **K/V rows.** N+1 writes rows ``c + m + 1 .. c + m + 1 + k``; the host reserves them
+  for every ``m`` (through ``c + 2(k + 1)``), so every row N+1 may write has its block
+  in the table it uploads, and the slots are looked up on the device
+  (``slots_from_tables``). Blocks that only rejected rows reached go back when the last
+  step of the run is read (``unreserve``), as after a synchronous step.
+- **Length limits.** A step goes ahead only when the step after it drafts ``k`` whatever
+  N keeps: ``max_tokens`` and ``max_model_len`` leave room for ``2(k + 1)`` more tokens.
+- **A stop found late** (EOS, a stop id or string among N's tokens): N+1 computed rows of
+  a finished request. Its blocks and slot are freed when N is read (every later use is
+  launched after N+1, on the same stream), N+1's rows of it are dropped when N+1 is
+  read, and its state, moved past its tokens, is not checkpointed.
+- **What goes ahead**: steps whose every chunk verifies ``k`` drafts, whose requests are
+  greedy with no logprobs, penalties, grammar or ``min_tokens`` still to reach, while
+  the head of the queue cannot be admitted, and whose batch the verify, rollback and
+  draft graphs hold. Any other step runs synchronously once nothing is in flight.
+
+The tokens are the synchronous engine's: the decision is ``verify_greedy``'s argmax
+comparison, and an imposed acceptance (``SpeculativeDecoding.kept_drafts``: benchmarks
+and the warm-up) is drawn at launch and applied on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedserve.engine.batch_builder import build_forward_batch, slots_from_tables
+from pagedserve.engine.drafter import MTPDrafter
+from pagedserve.engine.lookahead import HostTokens, TokenReadback
+from pagedserve.engine.request import Request, RequestStatus
+from pagedserve.engine.sampler import plain_argmax
+from pagedserve.engine.scheduler import ScheduledChunk
+from pagedserve.engine.spec_verify import Verified
+from pagedserve.model.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import LLMEngine, RequestOutput
+
+
+@dataclass
+class ChainStep:
+    """A launched speculative step whose tokens the host has not read.
+
+    ``chunks``: its verify chunks (a step launched ahead places them as if the step
+    before kept every draft; the host learns the real start when that step is read).
+    Device tensors: ``bonus`` int64 ``[B]`` the token at row ``m``; ``kept`` int64 ``[B]``
+    the drafts kept (``m``); ``hidden`` ``[B r, H]`` the verify rows' final hidden
+    states; ``tail_hidden`` ``[B, H]`` and ``tail_logits`` float32 ``[B, N']`` the
+    drafter's new tails; ``result`` int64 ``[B, r + 1]`` the emitted ids and ``m``, on
+    their way to the host in ``readback`` (CUDA)."""
+
+    chunks: list[ScheduledChunk]
+    bonus: torch.Tensor
+    kept: torch.Tensor
+    hidden: torch.Tensor
+    tail_hidden: torch.Tensor
+    tail_logits: torch.Tensor
+    result: torch.Tensor
+    readback: HostTokens | None
+
+    def host_result(self) -> list[list[int]]:
+        """``[B][r + 1]``: each sequence's emitted ids, then ``m``; waits for the device."""
+        flat = self.readback.wait() if self.readback is not None else self.result.flatten().tolist()
+        width = self.result.shape[1]
+        return [flat[i:i + width] for i in range(0, len(flat), width)]
+
+
+class PinnedUpload:
+    """Two pinned int64 rows used in turn for a step's one small host->device copy (the
+    imposed acceptance), so that the copy does not wait for the stream: the row a step
+    uses is written again two launches later, after that step has been read."""
+
+    def __init__(self, max_len: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self._rows = [torch.empty(max_len, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
+        self.device = device
+
+    def __call__(self, values: list[int]) -> torch.Tensor:
+        row = self._rows[self._turn][: len(values)]
+        self._turn ^= 1
+        row.copy_(torch.tensor(values, dtype=torch.long))
+        if self.device.type == "cpu":
+            return row.clone()
+        return row.to(self.device, non_blocking=True)
+
+
+class AsyncSpeculation:
+    """The chains of one engine's steady speculative steps (module docstring)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        assert engine.spec is not None
+        self.engine = engine
+        self.spec = engine.spec
+        self.k = k = self.spec.config.num_speculative_tokens
+        self.r = k + 1
+        device = engine.runner.device
+        max_seqs = engine.config.max_num_seqs
+        self._readback = (TokenReadback(max_seqs * (self.r + 1))
+                          if device.type == "cuda" else None)
+        self._imposed = PinnedUpload(max_seqs, device)
+
+    def graphs_ready(self) -> bool:
+        """Whether the runner holds every graph a chain replays (else no step goes
+        ahead: every speculative step runs synchronously)."""
+        rn = self.engine.runner
+        return (rn.verify_graphs is not None and rn.rollback_graphs is not None
+                and rn.draft_graphs is not None and isinstance(self.spec.drafter, MTPDrafter)
+                and (self.k == 1 or rn.draft_graphs.propose is not None))
+
+    # ---- launching --------------------------------------------------------------------
+    def launch(self, chunks: list[ScheduledChunk]) -> ChainStep | None:
+        """The chain of a scheduled step, or ``None`` when the step is not a steady one
+        (it then runs synchronously)."""
+        e, k = self.engine, self.k
+        if not all(c.num_draft == k and c.num_tokens == self.r for c in chunks):
+            return None
+        reqs = [c.request for c in chunks]
+        if not self._steady(reqs):
+            return None
+        seq_chunks = [e._seq_chunk(c, ids=(*c.request.token_slice(c.start_pos, c.start_pos + 1),
+                                           *[0] * k)) for c in chunks]
+        batch = build_forward_batch(seq_chunks, e.kv, e.runner.device, staging=e._staging)
+        assert isinstance(self.spec.drafter, MTPDrafter)
+        return self._chain(chunks, batch, *self.spec.drafter.tails(reqs))
+
+    def launch_after(self, prev: ChainStep) -> ChainStep | None:
+        """The chain of the step after ``prev``, launched before ``prev`` is read, or
+        ``None`` when that step must wait for the scheduler."""
+        e, k, r = self.engine, self.k, self.r
+        reqs = [c.request for c in prev.chunks]
+        if any(q.status is not RequestStatus.RUNNING for q in reqs):
+            return None  # finished or aborted since the launch
+        if e.scheduler.can_admit_next() or not self._steady(reqs):
+            return None
+        if not all(self._room_after_next(q) for q in reqs):
+            return None
+        for q in reqs:  # committed: prev's start c; rows up to c + 2r - 1 may be written
+            if not e.kv.reserve(q.live_kv_handle, 2 * r):
+                return None  # the pool is full: the scheduler preempts once prev is read
+        if e.kv.pending_copies:  # none in practice: a sequence's partial block is private
+            e.runner.apply_pending_copies(e.kv)
+        # Placed as if prev kept every draft (c + r), then moved back by k - m there.
+        chunks = [ScheduledChunk(q, r, q.num_computed_tokens + r, k) for q in reqs]
+        batch = build_forward_batch([e._seq_chunk(c, ids=(0,) * r) for c in chunks], e.kv,
+                                    e.runner.device, staging=e._staging)
+        shift = k - prev.kept  # [B]
+        positions = batch.positions.view(-1, r) - shift[:, None]  # [B, r]
+        batch.positions = positions.reshape(-1)
+        batch.seq_lens = batch.seq_lens - shift.to(torch.int32)
+        batch.slot_mapping = slots_from_tables(batch.block_tables, positions,
+                                               e.kv.block_size).reshape(-1)
+        batch.input_ids.view(-1, r)[:, 0].copy_(prev.bonus)
+        e.stats.num_lookahead_steps += 1
+        return self._chain(chunks, batch, prev.tail_hidden, prev.tail_logits)
+
+    def _steady(self, reqs: list[Request]) -> bool:
+        """Whether a chain may run ``reqs``: greedy with nothing read from the host's
+        history, and a batch every graph holds."""
+        if not self.graphs_ready() or not plain_argmax(reqs):
+            return False
+        if any(q.grammar is not None or q.resume_hidden is not None
+               or len(q.output_token_ids) < q.params.min_tokens for q in reqs):
+            return False
+        rn, n = self.engine.runner, len(reqs)
+        assert rn.verify_graphs is not None and rn.draft_graphs is not None
+        propose = rn.draft_graphs.propose
+        return (n <= rn.verify_graphs.sizes[-1] and rn.draft_graphs.observe.fits([self.r] * n)
+                and (propose is None or propose.holds(n, self.k)))
+
+    def _room_after_next(self, req: Request) -> bool:
+        """Whether the step after the one in flight drafts ``k`` however many that one
+        keeps (it emits at most ``r`` tokens)."""
+        p, k, r = req.params, self.k, self.r
+        return (p.max_tokens - (len(req.output_token_ids) + r) - 1 >= k
+                and self.spec.max_model_len - (req.num_tokens + r) - 1 >= k)
+
+    def _chain(self, chunks: list[ScheduledChunk], batch: ForwardBatch,
+               tail_hidden: torch.Tensor, tail_logits: torch.Tensor) -> ChainStep:
+        """Queue one step's chain on ``batch`` (its verify rows placed, each sequence's
+        pending token in its first row) from the drafter's tails ``[B, H]``, ``[B, N']``."""
+        e, k, r = self.engine, self.k, self.r
+        rn = e.runner
+        reqs = [c.request for c in chunks]
+        imposed = None
+        if self.spec.kept_drafts is not None:
+            drawn = [self.spec.kept_drafts(q, k) for q in reqs]
+            imposed = self._imposed([-1 if m is None else m for m in drawn])  # [B]
+        positions = batch.positions.view(-1, r)  # [B, r]
+        drafts = self._propose(tail_hidden, tail_logits, positions[:, 0], batch.block_tables)
+        batch.input_ids.view(-1, r)[:, 1:].copy_(drafts)
+        batch.host = None  # its host form holds placeholder ids and positions now
+        rn.save_states([rn.state_pool.slot(q.live_state_handle) for q in reqs])
+        out = rn.verify(batch)
+        assert out is not None, "a steady step's batch is one the verify graphs hold"
+        best = out.logits.argmax(dim=-1).view(-1, r)  # [B, r]
+        kept = (best[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [B]
+        if imposed is not None:
+            kept = torch.where(imposed >= 0, imposed, kept)
+        bonus = best.gather(1, kept[:, None])  # [B, 1]
+        emitted = torch.cat([drafts, bonus], dim=1).scatter_(1, kept[:, None], bonus)
+        rn.roll_back_verify(torch.where(kept < k, kept + 1, 0).to(torch.int32))
+        tail_hidden, tail_logits = self._observe(batch, out.hidden, emitted, kept)
+        result = torch.cat([emitted, kept[:, None]], dim=1)  # [B, r + 1]
+        readback = self._readback.start(result.flatten()) if self._readback else None
+        return ChainStep(chunks, bonus[:, 0], kept, out.hidden, tail_hidden, tail_logits,
+                         result, readback)
+
+    def _propose(self, tail_hidden: torch.Tensor, tail_logits: torch.Tensor,
+                 starts: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """int64 ``[B, k]``: the drafts from the tails, through the propose graphs (views
+        of their buffers, read by this step's launches before the next proposal).
+        ``starts`` int64 ``[B]``: each sequence's computed tokens ``c``."""
+        rn, k = self.engine.runner, self.k
+        assert rn.draft_head is not None and rn.draft_graphs is not None
+        if k == 1:
+            return rn.draft_head.token_ids(tail_logits.argmax(dim=-1))[:, None]
+        graphs = rn.draft_graphs.propose
+        assert graphs is not None
+        rows = starts[:, None] + torch.arange(k - 1, device=starts.device)  # [B, k - 1]
+        size = graphs.load_on_device(
+            tail_hidden, tail_logits, rows,
+            slots_from_tables(block_tables, rows, self.engine.kv.block_size), block_tables)
+        for j in range(1, k):
+            graphs.replay(size, j)
+        return graphs.buffers["ids"][:k, : len(starts)].T
+
+    def _observe(self, batch: ForwardBatch, hidden: torch.Tensor, emitted: torch.Tensor,
+                 kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The observe graph over every verify row of ``batch`` (row ``j`` of a sequence
+        fed ``hidden``'s row and ``emitted[:, j]``, the token after it), with the K/V
+        writes of rows past ``kept`` masked: the causal attention of a kept row never
+        reads a later one. Returns the tails at row ``c + m``: ``[B, H]``, ``[B, N']``."""
+        rn, r = self.engine.runner, self.r
+        assert rn.draft_graphs is not None
+        n = emitted.shape[0]
+        row = torch.arange(r, device=emitted.device)
+        keep = (row[None, :] <= kept[:, None]).reshape(-1)  # [B r]
+        observed = ForwardBatch(
+            input_ids=emitted.reshape(-1),
+            positions=batch.positions + 1,  # RoPE position i + 1 for K/V row i
+            query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+            block_tables=batch.block_tables,
+            slot_mapping=torch.where(keep, batch.slot_mapping, -1),
+            state_slots=batch.state_slots,
+            logits_indices=torch.arange(n, device=emitted.device) * r + kept,
+            num_decode_seqs=0, query_start_loc_cpu=batch.query_start_loc_cpu,
+            seq_lens_cpu=batch.seq_lens_cpu)
+        return rn.draft_graphs.observe.run(observed, hidden)
+
+    # ---- reading ----------------------------------------------------------------------
+    def finish(self, step: ChainStep) -> list[RequestOutput]:
+        """Read ``step``'s tokens and apply them; a request finished or aborted since
+        its launch gets nothing from it."""
+        e, k, r = self.engine, self.k, self.r
+        rows = step.host_result()
+        chunks, verified = [], {}
+        for i, c in enumerate(step.chunks):
+            req = c.request
+            chunks.append(ScheduledChunk(req, r, req.num_computed_tokens, k))
+            if req.status is RequestStatus.RUNNING:
+                m = rows[i][r]
+                verified[i] = Verified(rows[i][:m + 1], [None] * (m + 1))
+                self.spec.stats.record(k, m)
+        outputs = self.spec._apply(e, chunks, list(range(0, len(chunks) * r + 1, r)),
+                                   step.hidden, {}, verified)
+        for i, c in enumerate(chunks):
+            req = c.request
+            if req.status is RequestStatus.RUNNING:
+                MTPDrafter.set_tail(req, req.num_computed_tokens, step.tail_hidden[i],
+                                    step.tail_logits[i])
+        return outputs

@@ -1,0 +1,178 @@
+"""Async scheduling with speculative decoding (``engine/spec_async.py``) on the CPU.
+
+The chains replay the runner's graphs, so the engines here hold stand-ins for all of
+them (``stand_in_graphs``, ``stand_in_draft_graphs``: the captured passes run eagerly
+over the graphs' buffers, reading device values only). Oracles: transformers' greedy
+tokens, and under an imposed acceptance, transformers' argmax at every token the
+target chose (teacher-forced over the whole output), which a wrong kept count, row
+position, K/V slot or rolled-back state would change.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3_5ForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+
+from draft_stand_in import stand_in_draft_graphs  # noqa: E402
+from hybrid_checkpoints import prompt_ids  # noqa: E402
+from test_engine import run_keeping_requests  # noqa: E402
+from test_speculative import (  # noqa: E402
+    NEW,
+    PROMPTS,
+    build_spec_model,
+    make_engine,
+    stand_in_graphs,
+)
+
+from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pagedserve.engine.request import Request, SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def spec_model(tmp_path_factory):
+    return build_spec_model(tmp_path_factory)
+
+
+def graphed_engine(spec_model, k: int, async_scheduling: bool, **kw) -> LLMEngine:
+    """A speculative engine whose runner holds stand-ins for every graph a chain
+    replays."""
+    kw.setdefault("max_num_seqs", 3)
+    engine = make_engine(spec_model, k, async_scheduling=async_scheduling, **kw)
+    calls: list[tuple] = []
+    stand_in_graphs(engine, k, calls)
+    engine.runner.draft_graphs = stand_in_draft_graphs(engine.runner, kw["max_num_seqs"],
+                                                       calls)
+    assert async_scheduling == (engine.spec.chain is not None)
+    assert engine.spec.chain is None or engine.spec.chain.graphs_ready()
+    return engine
+
+
+def staggered(lengths: list[int], **params) -> list[tuple]:
+    """The three prompts arriving two steps apart, greedy, ``lengths`` tokens each."""
+    return [(2 * i, str(i), p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                              **params))
+            for i, (p, n) in enumerate(zip(PROMPTS, lengths))]
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    assert engine.kv.pool.num_used_blocks == 0
+    assert engine.runner.state_pool.num_used_slots == 0 and engine.kv.num_live_seqs == 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_async_speculation_gives_transformers_tokens(spec_model, k) -> None:
+    """The MTP head's own drafts (mostly rejected by the random target): transformers'
+    tokens, with steps launched ahead of the previous one's read, finishing apart."""
+    refs = spec_model[2]
+    engine = graphed_engine(spec_model, k, True)
+    lengths = [NEW, NEW - 7, NEW - 3]
+    got = run_keeping_requests(engine, staggered(lengths))
+    assert [got[str(i)].output_token_ids for i in range(3)] == \
+        [r[:n] for r, n in zip(refs, lengths)]
+    assert engine.stats.num_lookahead_steps > 5, engine.stats.num_lookahead_steps
+    assert_all_free(engine)
+
+
+class KeptInTurn:
+    """An imposed acceptance: a request's ``n``-th verify keeps ``(n + offset) % (d + 1)``
+    of its ``d`` drafts (``offset`` from its id), and each ``(d, m)`` is recorded per
+    request in order."""
+
+    def __init__(self) -> None:
+        self.decided: dict[str, list[tuple[int, int]]] = defaultdict(list)
+
+    def __call__(self, req: Request, d: int) -> int:
+        seq = self.decided[req.request_id]
+        m = (len(seq) + int(req.request_id)) % (d + 1)
+        seq.append((d, m))
+        return m
+
+
+def target_positions(decided: list[tuple[int, int]], num_tokens: int) -> list[int]:
+    """The output indices the target chose, given each verify's ``(d, m)`` in order: the
+    prompt's sampled token, each verify's token after its kept drafts, and the plain
+    decode steps' tokens at the end (where one token is left, none is drafted)."""
+    chosen, i = [0], 1
+    for _, m in decided:
+        i += m
+        chosen.append(i)
+        i += 1
+    assert 0 <= num_tokens - i <= 1, (i, num_tokens)
+    return chosen + list(range(i, num_tokens))
+
+
+def test_imposed_acceptance_keeps_the_targets_choices_exact(spec_model) -> None:
+    """Every kept count in turn (k = 3), so each step launched ahead starts 0 .. 3 rows
+    short of where it was placed: every token the target chose is transformers' argmax
+    over the output so far, and the synchronous engine gives the same tokens."""
+    k, lengths = 3, [60, 45, 52]
+    outs = {}
+    for async_scheduling in (False, True):
+        engine = graphed_engine(spec_model, k, async_scheduling, max_model_len=128)
+        kept = KeptInTurn()
+        engine.spec.kept_drafts = kept
+        got = run_keeping_requests(engine, staggered(lengths))
+        outs[async_scheduling] = {rid: list(r.output_token_ids) for rid, r in got.items()}
+        assert all(n > 4 for n in engine.spec.stats.num_by_accepted), \
+            engine.spec.stats.num_by_accepted
+        assert_all_free(engine)
+    assert engine.stats.num_lookahead_steps > 10, engine.stats.num_lookahead_steps
+    assert outs[True] == outs[False]
+    hf = Qwen3_5ForCausalLM.from_pretrained(spec_model[0], dtype=torch.float32).eval()
+    for i, prompt in enumerate(PROMPTS):
+        out = outs[True][str(i)]
+        assert len(out) == lengths[i]
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt + out])).logits[0]  # [L, V]
+        for j in target_positions(kept.decided[str(i)], len(out)):
+            row = logits[len(prompt) + j - 1]
+            assert row[out[j]] >= row.max() - 1e-4, (i, j, out[j], int(row.argmax()))
+
+
+def test_a_stop_found_late_truncates_exactly_and_leaks_nothing(spec_model) -> None:
+    """A stop id among a step's tokens is found when the next step is already in flight:
+    the output ends where the synchronous engine's does, and the rows, blocks and slot
+    of the step launched ahead are given back."""
+    refs = spec_model[2]
+    stop = refs[0][12]
+    outs = {}
+    for async_scheduling in (False, True):
+        engine = graphed_engine(spec_model, 3, async_scheduling)
+        got = run_keeping_requests(engine, staggered([NEW] * 3, stop_token_ids=[stop]))
+        outs[async_scheduling] = {rid: list(r.output_token_ids) for rid, r in got.items()}
+        assert_all_free(engine)
+    assert outs[True] == outs[False]
+    for i, ref in enumerate(refs):
+        out = outs[True][str(i)]
+        assert out == ref[:len(out)]
+        assert len(out) == NEW or out[-1] == stop
+    assert len(outs[True]["0"]) <= 13
+
+
+def test_no_leaks_with_preemptions_and_aborts_while_launched_ahead(spec_model) -> None:
+    """Many requests through a small pool with random aborts, steps launched ahead
+    throughout: every step passes the integrity checks and everything ends free."""
+    engine = graphed_engine(spec_model, 2, True, num_blocks=9, max_num_seqs=3,
+                            block_size=16)
+    rng = random.Random(3)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for i in range(8):
+        engine.add_request(f"r{i}", prompt_ids(i, rng.randint(20, 40)), params)
+    aborted = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = [r.request_id for r in engine.scheduler.running]
+        if running and engine._inflight is not None and rng.random() < 0.1:
+            engine.abort_request(rng.choice(running))
+            aborted += 1
+    assert aborted > 0 and engine.stats.num_lookahead_steps > 0
+    assert engine.scheduler.num_preemptions > 0
+    assert_all_free(engine)
