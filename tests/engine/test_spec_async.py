@@ -34,11 +34,44 @@ from test_speculative import (  # noqa: E402
 
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.engine.request import Request, SamplingParams  # noqa: E402
+from pagedserve.model.forward_batch import ForwardBatch  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def spec_model(tmp_path_factory):
     return build_spec_model(tmp_path_factory)
+
+
+def eager_rollback(engine: LLMEngine, k: int) -> None:
+    """Run the stand-in rollback graph's replays as the eager restore and re-advance that
+    its kernel fuses (the interpreted kernel takes seconds a replay; its own tests and
+    the graph tests cover it), reading the counts and slots from the graphs' device
+    buffers as the kernel does."""
+    runner, r = engine.runner, k + 1
+    rollback, verify = runner.rollback_graphs, runner.verify_graphs
+
+    def step(size: int) -> None:
+        counts = rollback.buffers["num_rows"][:size].tolist()
+        slots = verify.buffers["state_slots"][:size].tolist()
+        redo = sorted((s for s, n in enumerate(counts) if n), key=lambda s: counts[s] > 1)
+        if not redo:
+            return
+        runner.restore_states([slots[s] for s in redo])
+        qsl = [0]
+        for s in redo:
+            qsl.append(qsl[-1] + counts[s])
+        rows = torch.tensor([s * r + j for s in redo for j in range(counts[s])])
+        none = torch.empty(0, dtype=torch.long)
+        batch = ForwardBatch(
+            input_ids=none, positions=none, query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=none, block_tables=none, slot_mapping=none,
+            state_slots=torch.tensor([slots[s] for s in redo], dtype=torch.int32),
+            logits_indices=none, num_decode_seqs=sum(counts[s] == 1 for s in redo),
+            query_start_loc_cpu=qsl, seq_lens_cpu=[0] * len(redo))
+        runner.model.advance_linear_states(batch, runner.caches, verify.output.gdn_inputs,
+                                           rows)
+
+    rollback.step = step
 
 
 def graphed_engine(spec_model, k: int, async_scheduling: bool, **kw) -> LLMEngine:
@@ -48,6 +81,7 @@ def graphed_engine(spec_model, k: int, async_scheduling: bool, **kw) -> LLMEngin
     engine = make_engine(spec_model, k, async_scheduling=async_scheduling, **kw)
     calls: list[tuple] = []
     stand_in_graphs(engine, k, calls)
+    eager_rollback(engine, k)
     engine.runner.draft_graphs = stand_in_draft_graphs(engine.runner, kw["max_num_seqs"],
                                                        calls)
     assert async_scheduling == (engine.spec.chain is not None)
