@@ -213,7 +213,11 @@ class LLMEngine:
         self._readback = TokenReadback(config.max_num_seqs) if cuda else None
         if self.spec is not None and self.async_scheduling:
             self.spec.chain = AsyncSpeculation(self)
-            if not self.spec.chain.graphs_ready():
+            if self.spec.chain.graphs_ready():
+                log.info("async scheduling with speculative decoding: steady greedy verify "
+                         "steps run on the device and launch before the previous step's "
+                         "tokens are read; other steps run synchronously")
+            else:
                 log.warning("async scheduling with speculative decoding launches steps "
                             "ahead only through the verify, rollback and draft CUDA "
                             "graphs, which this runner lacks: every speculative step "
