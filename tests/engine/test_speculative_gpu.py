@@ -14,7 +14,7 @@ import pytest
 import torch
 from near_tie import assert_equal_or_near_ties
 from test_engine import run_keeping_requests
-from test_spec_async import KeptInTurn
+from test_spec_async import KeptInTurn, target_positions
 from test_speculative import NEW, PROMPTS, ForcedDrafter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
@@ -104,16 +104,23 @@ def test_async_speculation_matches_plain_decoding_on_cuda(spec_dir, k) -> None:
 
 def test_async_speculation_keeps_every_count_as_the_synchronous_engine(spec_dir) -> None:
     """Every kept count imposed in turn: the chains (the decision, rollback counts and
-    observe rows computed on the device) give the synchronous engine's tokens exactly.
-    Both replay the same graphs at the same padded sizes, and a GEMM's or attention's
-    row does not depend on the other rows, so no rounding separates them."""
-    outs = {}
+    observe rows computed on the device) give the synchronous engine's tokens, up to
+    the first kept draft on which the two part. Kept drafts are the MTP head's, whose
+    observe pass runs over other rows in the two engines (a sequence's kept rows packed,
+    or all its verify rows with the rest masked), so its bf16 rounding, and at a
+    near-tie a draft, may differ; a token the target chose after the same context may
+    not, since both replay the same verify graph."""
+    outs, kept = {}, {}
     for async_scheduling in (False, True):
         engine = _engine(spec_dir, 3, async_scheduling=async_scheduling)
-        engine.spec.kept_drafts = KeptInTurn()
+        kept[async_scheduling] = engine.spec.kept_drafts = KeptInTurn()
         got = _run(engine, PLAIN_GREEDY)
         outs[async_scheduling] = {rid: r.output_token_ids for rid, r in got.items()}
         assert all(n > 0 for n in engine.spec.stats.num_by_accepted)
         assert (engine.stats.num_lookahead_steps > 0) == async_scheduling
         _assert_pools_empty(engine)
-    assert outs[True] == outs[False]
+    for rid, tokens in outs[True].items():
+        diff = [i for i, (a, b) in enumerate(zip(outs[False][rid], tokens)) if a != b]
+        if diff:
+            chosen = target_positions(kept[True].decided[rid], len(tokens))
+            assert diff[0] not in chosen, (rid, diff[0], outs[False][rid], tokens)
