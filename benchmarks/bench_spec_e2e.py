@@ -200,7 +200,7 @@ def markdown(res: dict) -> str:
                           else f"the draft vocabulary of draft_vocab_size "
                                f"{res['draft_vocab_size']}."), "",
         "Speculative steps run with synchronous scheduling (sync) or async scheduling "
-        "(async: steady greedy verify steps launched before the previous one is read, "
+        "(async: steady verify steps launched before the previous one is read, "
         "`engine/spec_async.py`; steps launched ahead in brackets).", "",
         "| B | plain tok/s | k | scheduling | " + " | ".join(
             f"a={a}: tok/s (speed-up, tokens/verify)" for a in ACCEPTANCE) + " |",

@@ -47,7 +47,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
     timing.add_argument("--async-scheduling", action="store_true",
                         help="launch each steady step before the previous one's tokens are "
                              "read back (the default on CUDA without speculative decoding; "
-                             "with it, steady greedy verify steps go ahead)")
+                             "with it, steady verify steps go ahead)")
     timing.add_argument("--no-async-scheduling", action="store_true",
                         help="read each step's tokens back before launching the next")
     p.add_argument("--speculative-config", default=None,

@@ -214,9 +214,9 @@ class LLMEngine:
         if self.spec is not None and self.async_scheduling:
             self.spec.chain = AsyncSpeculation(self)
             if self.spec.chain.graphs_ready():
-                log.info("async scheduling with speculative decoding: steady greedy verify "
-                         "steps run on the device and launch before the previous step's "
-                         "tokens are read; other steps run synchronously")
+                log.info("async scheduling with speculative decoding: steady verify steps "
+                         "run on the device and launch before the previous step's tokens "
+                         "are read; other steps run synchronously")
             else:
                 log.warning("async scheduling with speculative decoding launches steps "
                             "ahead only through the verify, rollback and draft CUDA "

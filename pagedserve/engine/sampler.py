@@ -18,7 +18,7 @@ murmur3's 32-bit finalizer.)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -104,6 +104,21 @@ class SamplingTensors:
                 p.logprobs is not None for p in ps) else -1,
         )
 
+
+    # The per-row settings (the rest are a batch's flags and token histories).
+    ROW_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence", "frequency",
+                  "repetition", "seed_lo", "seed_hi", "step")
+
+    def first_rows(self, n: int) -> SamplingTensors:
+        """The first ``n`` rows (per-row settings only: no token histories)."""
+        return replace(self, **{name: getattr(self, name)[:n] for name in self.ROW_FIELDS})
+
+    def rows_repeated(self, n: int, step: torch.Tensor) -> SamplingTensors:
+        """Each row ``n`` times in a row, drawing at output indices ``step`` int64
+        ``[B n]`` (one sequence's verify rows; per-row settings only: no token
+        histories)."""
+        rows = {name: getattr(self, name).repeat_interleave(n) for name in self.ROW_FIELDS}
+        return replace(self, **{**rows, "step": step})
 
     @classmethod
     def along_drafts(cls, request: Request, drafts: list[int], vocab_size: int,

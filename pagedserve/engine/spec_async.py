@@ -4,14 +4,16 @@ one's tokens reach the host.
 A synchronous speculative step (``spec_step.py``) reads its verify rows back, decides on
 the host, and only then launches the drafter's observe pass, the rollback and the next
 step's proposals: the GPU waits while the host decides, commits, detokenizes, schedules
-and builds the next batch. In a steady run of verify steps whose requests are all greedy,
-every decision can be made on the device, so a step is a chain of launches that needs
-nothing from the host but what it knows before the step (block tables, state slots)::
+and builds the next batch. In a steady run of verify steps, every decision can be made on
+the device, so a step is a chain of launches that needs nothing from the host but what it
+knows before the step (block tables, state slots, sampling settings)::
 
-    propose    k drafts per sequence from its tail (the drafter's propose graphs)
+    propose    k drafts per sequence from its tail (the drafter's propose graphs; a
+               sampled request's drafts drawn between the passes)
     verify     the verify graph over [pending token, drafts], rows c .. c + k
-    decide     m = how many drafts equal the target's argmax before the first that
-               does not; the bonus token = the argmax at row m; the m + 1 emitted ids
+    decide     m kept drafts and the token at row m: for a greedy request the drafts
+               that equal the target's argmax, then the argmax; for a sampled one
+               rejection sampling (``rejection_sample_rows``); the m + 1 emitted ids
     roll back  the rollback graph, with m + 1 rows for each sequence where m < k
     observe    the drafter's observe graph over every verify row, the K/V writes of
                rows past m masked: the new tail is the head's output at row c + m
@@ -37,14 +39,16 @@ What the host cannot know at launch time it covers:
   a finished request. Its blocks and slot are freed when N is read (every later use is
   launched after N+1, on the same stream), N+1's rows of it are dropped when N+1 is
   read, and its state, moved past its tokens, is not checkpointed.
-- **What goes ahead**: steps whose every chunk verifies ``k`` drafts, whose requests are
-  greedy with no logprobs, penalties, grammar or ``min_tokens`` still to reach, while
-  the head of the queue cannot be admitted, and whose batch the verify, rollback and
-  draft graphs hold. Any other step runs synchronously once nothing is in flight.
+- **What goes ahead**: steps whose every chunk verifies ``k`` drafts, whose requests ask
+  for no logprobs, penalties, grammar or ``min_tokens`` still to reach, while the head of
+  the queue cannot be admitted, and whose batch the verify, rollback and draft graphs
+  hold. Any other step runs synchronously once nothing is in flight.
 
-The tokens are the synchronous engine's: the decision is ``verify_greedy``'s argmax
-comparison, and an imposed acceptance (``SpeculativeDecoding.kept_drafts``: benchmarks
-and the warm-up) is drawn at launch and applied on the device.
+The tokens are the synchronous engine's: the decisions are ``verify_greedy``'s and
+``verify_sampled``'s, with the noise of the same output indices (the index of a step's
+first token moves on the device with ``m``, as its rows do); an imposed acceptance
+(``SpeculativeDecoding.kept_drafts``: benchmarks and the warm-up) is drawn at launch and
+applied on the device.
 """
 
 from __future__ import annotations
@@ -57,10 +61,17 @@ import torch
 from pagedserve.engine.batch_builder import build_forward_batch, slots_from_tables
 from pagedserve.engine.drafter import MTPDrafter
 from pagedserve.engine.lookahead import HostTokens, TokenReadback
-from pagedserve.engine.request import Request, RequestStatus
-from pagedserve.engine.sampler import plain_argmax
+from pagedserve.engine.request import GREEDY_TEMPERATURE, Request, RequestStatus
+from pagedserve.engine.sampler import SamplingTensors, filtered_logits, sample, uses_host_history
 from pagedserve.engine.scheduler import ScheduledChunk
-from pagedserve.engine.spec_verify import Verified
+from pagedserve.engine.spec_verify import (
+    ACCEPT_STREAM,
+    DRAFT_STREAM,
+    RESIDUAL_STREAM,
+    Verified,
+    race_rows,
+    uniforms_rows,
+)
 from pagedserve.model.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -77,7 +88,8 @@ class ChainStep:
     the drafts kept (``m``); ``hidden`` ``[B r, H]`` the verify rows' final hidden
     states; ``tail_hidden`` ``[B, H]`` and ``tail_logits`` float32 ``[B, N']`` the
     drafter's new tails; ``result`` int64 ``[B, r + 1]`` the emitted ids and ``m``, on
-    their way to the host in ``readback`` (CUDA)."""
+    their way to the host in ``readback`` (CUDA); ``sampling``: the sampled rows'
+    settings, ``None`` when every request is greedy."""
 
     chunks: list[ScheduledChunk]
     bonus: torch.Tensor
@@ -87,12 +99,32 @@ class ChainStep:
     tail_logits: torch.Tensor
     result: torch.Tensor
     readback: HostTokens | None
+    sampling: Sampling | None
 
     def host_result(self) -> list[list[int]]:
         """``[B][r + 1]``: each sequence's emitted ids, then ``m``; waits for the device."""
         flat = self.readback.wait() if self.readback is not None else self.result.flatten().tolist()
         width = self.result.shape[1]
         return [flat[i:i + width] for i in range(0, len(flat), width)]
+
+
+@dataclass
+class Sampling:
+    """The settings of a chain's requests (built when the chain starts: they do not
+    change) and ``index`` int64 ``[B]``, the output index of each sequence's first token
+    of the step, on the device."""
+
+    settings: SamplingTensors
+    index: torch.Tensor
+
+    @property
+    def sampled(self) -> torch.Tensor:
+        """bool ``[B]``: the rows that sample (the others are greedy)."""
+        return self.settings.temperature >= GREEDY_TEMPERATURE
+
+    def after(self, kept: torch.Tensor) -> Sampling:
+        """The next step's: ``m + 1`` tokens further."""
+        return Sampling(self.settings, self.index + kept + 1)
 
 
 class PinnedUpload:
@@ -152,7 +184,11 @@ class AsyncSpeculation:
                                            *[0] * k)) for c in chunks]
         batch = build_forward_batch(seq_chunks, e.kv, e.runner.device, staging=e._staging)
         assert isinstance(self.spec.drafter, MTPDrafter)
-        return self._chain(chunks, batch, *self.spec.drafter.tails(reqs))
+        sampling = None
+        if not all(q.params.greedy for q in reqs):  # nothing is in flight: a plain upload
+            settings = SamplingTensors.from_requests(reqs, e.vocab_size, e.runner.device)
+            sampling = Sampling(settings, settings.step)
+        return self._chain(chunks, batch, *self.spec.drafter.tails(reqs), sampling)
 
     def launch_after(self, prev: ChainStep) -> ChainStep | None:
         """The chain of the step after ``prev``, launched before ``prev`` is read, or
@@ -182,12 +218,15 @@ class AsyncSpeculation:
                                                e.kv.block_size).reshape(-1)
         batch.input_ids.view(-1, r)[:, 0].copy_(prev.bonus)
         e.stats.num_lookahead_steps += 1
-        return self._chain(chunks, batch, prev.tail_hidden, prev.tail_logits)
+        sampling = prev.sampling.after(prev.kept) if prev.sampling is not None else None
+        return self._chain(chunks, batch, prev.tail_hidden, prev.tail_logits, sampling)
 
     def _steady(self, reqs: list[Request]) -> bool:
-        """Whether a chain may run ``reqs``: greedy with nothing read from the host's
+        """Whether a chain may run ``reqs``: no logprobs, nothing read from the host's
         history, and a batch every graph holds."""
-        if not self.graphs_ready() or not plain_argmax(reqs):
+        if not self.graphs_ready() or uses_host_history(reqs):
+            return False
+        if any(q.params.logprobs is not None for q in reqs):
             return False
         if any(q.grammar is not None or q.resume_hidden is not None
                or len(q.output_token_ids) < q.params.min_tokens for q in reqs):
@@ -206,7 +245,8 @@ class AsyncSpeculation:
                 and self.spec.max_model_len - (req.num_tokens + r) - 1 >= k)
 
     def _chain(self, chunks: list[ScheduledChunk], batch: ForwardBatch,
-               tail_hidden: torch.Tensor, tail_logits: torch.Tensor) -> ChainStep:
+               tail_hidden: torch.Tensor, tail_logits: torch.Tensor,
+               sampling: Sampling | None) -> ChainStep:
         """Queue one step's chain on ``batch`` (its verify rows placed, each sequence's
         pending token in its first row) from the drafter's tails ``[B, H]``, ``[B, N']``."""
         e, k, r = self.engine, self.k, self.r
@@ -217,43 +257,91 @@ class AsyncSpeculation:
             drawn = [self.spec.kept_drafts(q, k) for q in reqs]
             imposed = self._imposed([-1 if m is None else m for m in drawn])  # [B]
         positions = batch.positions.view(-1, r)  # [B, r]
-        drafts = self._propose(tail_hidden, tail_logits, positions[:, 0], batch.block_tables)
+        drafts, draft_probs = self._propose(tail_hidden, tail_logits, positions[:, 0],
+                                            batch.block_tables, sampling)
         batch.input_ids.view(-1, r)[:, 1:].copy_(drafts)
         batch.host = None  # its host form holds placeholder ids and positions now
         rn.save_states([rn.state_pool.slot(q.live_state_handle) for q in reqs])
         out = rn.verify(batch)
         assert out is not None, "a steady step's batch is one the verify graphs hold"
-        best = out.logits.argmax(dim=-1).view(-1, r)  # [B, r]
-        kept = (best[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [B]
-        if imposed is not None:
-            kept = torch.where(imposed >= 0, imposed, kept)
-        bonus = best.gather(1, kept[:, None])  # [B, 1]
+        kept, chosen = self._decide(out.logits, drafts, draft_probs, sampling, imposed)
+        bonus = chosen[:, None]  # [B, 1]
         emitted = torch.cat([drafts, bonus], dim=1).scatter_(1, kept[:, None], bonus)
         rn.roll_back_verify(torch.where(kept < k, kept + 1, 0).to(torch.int32))
         tail_hidden, tail_logits = self._observe(batch, out.hidden, emitted, kept)
         result = torch.cat([emitted, kept[:, None]], dim=1)  # [B, r + 1]
         readback = self._readback.start(result.flatten()) if self._readback else None
-        return ChainStep(chunks, bonus[:, 0], kept, out.hidden, tail_hidden, tail_logits,
-                         result, readback)
+        return ChainStep(chunks, chosen, kept, out.hidden, tail_hidden, tail_logits,
+                         result, readback, sampling)
+
+    def _decide(self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
+                sampling: Sampling | None, imposed: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(m, token at row m)``, int64 ``[B]`` each, from the verify rows' logits
+        float32 ``[B r, V]``: greedy rows as ``verify_greedy``, sampled rows by
+        ``rejection_sample_rows`` (``q`` ``[B, k, V]`` the drafts' distributions),
+        imposed counts (``>= 0``) with the target's argmax after them, as
+        ``SpeculativeDecoding._verify`` decides."""
+        k, r = self.k, self.r
+        best = logits.argmax(dim=-1).view(-1, r)  # [B, r]
+        kept = (best[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [B]
+        chosen = best.gather(1, kept[:, None])[:, 0]
+        if sampling is not None:
+            assert q is not None
+            s_kept, s_chosen = rejection_sample_rows(logits, drafts, q, sampling.settings,
+                                                     sampling.index)
+            kept = torch.where(sampling.sampled, s_kept, kept)
+            chosen = torch.where(sampling.sampled, s_chosen, chosen)
+        if imposed is not None:
+            forced = imposed >= 0
+            kept = torch.where(forced, imposed, kept)
+            chosen = torch.where(forced, best.gather(1, kept[:, None])[:, 0], chosen)
+        return kept, chosen
 
     def _propose(self, tail_hidden: torch.Tensor, tail_logits: torch.Tensor,
-                 starts: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """int64 ``[B, k]``: the drafts from the tails, through the propose graphs (views
-        of their buffers, read by this step's launches before the next proposal).
+                 starts: torch.Tensor, block_tables: torch.Tensor, sampling: Sampling | None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafts from the tails, int64 ``[B, k]`` (views of the propose graphs'
+        buffers, read by this step's launches before the next proposal), and with
+        ``sampling`` the distributions ``[B, k, V]`` the sampled rows drew from.
         ``starts`` int64 ``[B]``: each sequence's computed tokens ``c``."""
         rn, k = self.engine.runner, self.k
         assert rn.draft_head is not None and rn.draft_graphs is not None
+        q: list[torch.Tensor] = []
         if k == 1:
-            return rn.draft_head.token_ids(tail_logits.argmax(dim=-1))[:, None]
+            ids = rn.draft_head.token_ids(tail_logits.argmax(dim=-1))  # [B]
+            if sampling is not None:
+                q.append(self._draw(tail_logits, ids, sampling, 0))
+            return ids[:, None], torch.stack(q, dim=1) if q else None
         graphs = rn.draft_graphs.propose
         assert graphs is not None
+        n = len(starts)
         rows = starts[:, None] + torch.arange(k - 1, device=starts.device)  # [B, k - 1]
         size = graphs.load_on_device(
             tail_hidden, tail_logits, rows,
             slots_from_tables(block_tables, rows, self.engine.kv.block_size), block_tables)
-        for j in range(1, k):
-            graphs.replay(size, j)
-        return graphs.buffers["ids"][:k, : len(starts)].T
+        ids, logits = graphs.buffers["ids"], graphs.buffers["logits"]  # [k, P], [k, P, N']
+        for j in range(k):
+            if j:
+                graphs.replay(size, j)  # embeds draft j, as drawn
+            if sampling is not None:
+                q.append(self._draw(logits[j, :n], ids[j, :n], sampling, j))
+        return ids[:k, :n].T, torch.stack(q, dim=1) if q else None
+
+    def _draw(self, logits: torch.Tensor, ids: torch.Tensor, sampling: Sampling,
+              j: int) -> torch.Tensor:
+        """Draft ``j`` of the sampled rows: overwrite ``ids`` int64 ``[B]`` there with a
+        draw from each row's filtered distribution over the whole vocabulary (from the
+        draft logits float32 ``[B, N']``), with the draft stream's noise at output index
+        ``index + j``, as ``MTPDrafter._draw_sampled``; return the distributions
+        ``[B, V]``."""
+        assert self.engine.runner.draft_head is not None
+        full = self.engine.runner.draft_head.full_logits(logits)  # [B, V]
+        st = sampling.settings
+        probs = torch.softmax(filtered_logits(full, st), dim=-1)
+        drawn = race_rows(probs, st.seed_lo, st.seed_hi, sampling.index + j, DRAFT_STREAM)
+        ids.copy_(torch.where(sampling.sampled, drawn, ids))
+        return probs
 
     def _observe(self, batch: ForwardBatch, hidden: torch.Tensor, emitted: torch.Tensor,
                  kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,3 +388,40 @@ class AsyncSpeculation:
                 MTPDrafter.set_tail(req, req.num_computed_tokens, step.tail_hidden[i],
                                     step.tail_logits[i])
         return outputs
+
+
+def rejection_sample_rows(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
+                          st: SamplingTensors, index: torch.Tensor,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_sampled`` for a whole batch on the device: ``(m, token at row m)``, int64
+    ``[B]`` each.
+
+    Args:
+        logits: float32 ``[B r, V]``, each sequence's ``r = k + 1`` verify rows.
+        drafts: int64 ``[B, k]``; q: float32 ``[B, k, V]`` the distributions they were
+            drawn from.
+        st: the sequences' settings (``B`` rows); index: int64 ``[B]`` the output index
+            of each sequence's first draft.
+
+    Draft ``j`` is kept while ``u_j q_j(t_j) <= p_j(t_j)``; the first rejected one is
+    replaced by a draw from ``max(0, p_m - q_m)``; after ``k`` kept comes the plain
+    sampler's draw from ``p_k``. The noise is that of output index ``index + j`` in each
+    stream, as ``verify_sampled`` draws it."""
+    n, k = drafts.shape
+    r, device = k + 1, drafts.device
+    steps = index[:, None] + torch.arange(r, device=device)  # [B, r]
+    rows = st.rows_repeated(r, steps.reshape(-1))
+    p = torch.softmax(filtered_logits(logits, rows), dim=-1).view(n, r, -1)  # [B, r, V]
+    p_draft = p[:, :k].gather(2, drafts[..., None])[..., 0]  # [B, k]
+    q_draft = q.gather(2, drafts[..., None])[..., 0]
+    u = uniforms_rows(st.seed_lo.repeat_interleave(k), st.seed_hi.repeat_interleave(k),
+                      steps[:, :k].reshape(-1), ACCEPT_STREAM).view(n, k)
+    kept = (u * q_draft <= p_draft).long().cumprod(dim=1).sum(dim=1)  # [B]
+    bonus = sample(logits, rows).token_ids.view(n, r)[:, k]  # the sampler's own draw
+    at = kept.clamp(max=k - 1)
+    seq = torch.arange(n, device=device)
+    p_m, q_m = p[seq, at], q[seq, at]  # [B, V]
+    residual = (p_m - q_m).clamp_min(0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_m)
+    fix = race_rows(residual, st.seed_lo, st.seed_hi, index + at, RESIDUAL_STREAM)
+    return kept, torch.where(kept == k, bonus, fix)

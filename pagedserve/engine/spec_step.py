@@ -71,7 +71,7 @@ do not depend on the subset, only how many drafts are kept does.
 Steps here are synchronous: the next step's rows start at the committed length, which a
 verify step fixes only once its tokens are read back, and the drafter's first draft comes
 from the kept rows' hidden states. With async scheduling (``spec_async.py``), steady
-greedy verify steps instead run as chains of device work that compute those on the
+verify steps instead run as chains of device work that compute those on the
 device, each launched before the previous one is read; every other step runs here.
 
 CUDA graphs: a step whose chunks all verify ``k`` drafts (``k + 1`` rows each, no plain
@@ -192,7 +192,7 @@ class SpeculativeDecoding:
     @torch.inference_mode()
     def step(self, e: LLMEngine) -> list[RequestOutput]:
         """One speculative step. With async scheduling (``chain``, ``spec_async.py``) a
-        steady greedy step runs as a chain of device work, and the next one is launched
+        steady step runs as a chain of device work, and the next one is launched
         before its tokens are read; any other step runs synchronously (``_step``), once
         nothing is in flight."""
         chain = self.chain
@@ -389,7 +389,7 @@ class SpeculativeDecoding:
             p = torch.softmax(filtered_logits(scores, st), dim=-1)  # [d + 1, V]
             q = None
             if draft.logits is not None:
-                q = torch.softmax(filtered_logits(draft.logits, _first_rows(st, d)), dim=-1)
+                q = torch.softmax(filtered_logits(draft.logits, st.first_rows(d)), dim=-1)
             tokens = verify_sampled(p, q, draft.token_ids, req.sample_seed,
                                     len(req.output_token_ids), sample(allowed, st).token_ids)
         self.stats.record(d, len(tokens) - 1)
@@ -528,13 +528,6 @@ def _batch_order(c: ScheduledChunk) -> int:
     if c.num_tokens == 0:
         return 3
     return 0 if c.num_tokens == 1 else 1 if c.num_draft else 2
-
-
-def _first_rows(st: SamplingTensors, n: int) -> SamplingTensors:
-    """``st`` cut to its first ``n`` rows (per-row settings only; no penalties here)."""
-    return replace(st, **{name: getattr(st, name)[:n] for name in (
-        "temperature", "top_p", "top_k", "min_p", "presence", "frequency", "repetition",
-        "seed_lo", "seed_hi", "step")})
 
 
 def _merge(parts: list[RequestOutput]) -> RequestOutput:

@@ -48,7 +48,14 @@ def race(probs: torch.Tensor, seed: int, index: torch.Tensor, stream: int) -> to
     """One draw per row of ``probs`` float ``[N, V]`` (rows need not be normalized) by the
     exponential race, with the noise of (``seed``, output index ``index`` int64 ``[N]``,
     ``stream``). Returns int64 ``[N]``."""
-    lo, hi = _seed_halves(seed, stream, index)
+    return race_rows(probs, *_seed_halves(seed, index), index, stream)
+
+
+def race_rows(probs: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+              index: torch.Tensor, stream: int) -> torch.Tensor:
+    """``race`` with a seed per row: ``seed_lo``, ``seed_hi`` int64 ``[N]`` the 32-bit
+    halves of each row's seed (``SamplingTensors``'), all on the device."""
+    lo, hi = _stream_halves(seed_lo, seed_hi, stream)
     noise = exponential_noise(lo, hi, index, probs.shape[1])  # [N, V]
     return (probs / noise).argmax(dim=-1)
 
@@ -57,19 +64,29 @@ def uniforms(seed: int, index: torch.Tensor, stream: int) -> torch.Tensor:
     """float32 ``[N]`` in (0, 1] (the top noise value rounds to 1 in float32, which the
     acceptance test ``u * q <= p`` treats as it should): one uniform per output index of
     ``index`` int64 ``[N]``."""
-    lo, hi = _seed_halves(seed, stream, index)
+    return uniforms_rows(*_seed_halves(seed, index), index, stream)
+
+
+def uniforms_rows(seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor,
+                  stream: int) -> torch.Tensor:
+    """``uniforms`` with a seed per row (halves as in ``race_rows``)."""
+    lo, hi = _stream_halves(seed_lo, seed_hi, stream)
     return torch.exp(-exponential_noise(lo, hi, index, 1)[:, 0])
 
 
-def _seed_halves(seed: int, stream: int, index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _seed_halves(seed: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``seed``, folded as the sampler folds it, as 32-bit halves shaped like ``index``."""
+    seed %= SEED_RANGE
+    return torch.full_like(index, seed & _M32), torch.full_like(index, (seed >> 32) & _M32)
+
+
+def _stream_halves(lo: torch.Tensor, hi: torch.Tensor,
+                   stream: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The 32-bit seed halves of ``stream``: two rounds of the hash over (seed, stream),
     so that streams of one seed are independent. (Only XORing the stream into a half
     leaves the rows of two streams related by a fixed XOR, which the finalizer does not
     hide: draft and accept noise then correlate measurably.)"""
-    seed %= SEED_RANGE  # as the sampler folds it
-    lo = torch.full_like(index, seed & _M32)
-    hi = torch.full_like(index, (seed >> 32) & _M32)
-    s = _fmix32(torch.full_like(index, stream))
+    s = _fmix32(torch.full_like(lo, stream))
     lo = _fmix32(_fmix32(lo ^ s) + hi + 0x9E3779B9)
     return lo, _fmix32(_fmix32(hi + s) ^ lo)
 

@@ -171,6 +171,30 @@ def test_imposed_acceptance_keeps_the_targets_choices_exact(spec_model) -> None:
             assert row[out[j]] >= row.max() - 1e-4, (i, j, out[j], int(row.argmax()))
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_seeded_sampling_gives_the_synchronous_engines_tokens(spec_model, k) -> None:
+    """Two seeded sampled requests beside a greedy one: the chains draw the drafts,
+    accept and resample with the noise of the output indices the synchronous engine
+    uses (moved on the device with each step's kept count), so the tokens are its
+    own."""
+    outs, kept = {}, {}
+    for async_scheduling in (False, True):
+        engine = graphed_engine(spec_model, k, async_scheduling)
+        items = [(2 * i, str(i), p, SamplingParams(
+            max_tokens=40, ignore_eos=True, **({"temperature": 0.0} if i == 1 else
+                                               {"temperature": 0.8, "top_k": 40,
+                                                "seed": 11 + i})))
+            for i, p in enumerate(PROMPTS)]
+        got = run_keeping_requests(engine, items)
+        outs[async_scheduling] = {rid: list(r.output_token_ids) for rid, r in got.items()}
+        kept[async_scheduling] = engine.spec.stats.num_by_accepted
+        assert_all_free(engine)
+    assert engine.stats.num_lookahead_steps > 10, engine.stats.num_lookahead_steps
+    assert sum(kept[True][1:]) > 0, kept  # some sampled draft was accepted
+    assert kept[True] == kept[False]
+    assert outs[True] == outs[False]
+
+
 def test_a_stop_found_late_truncates_exactly_and_leaks_nothing(spec_model) -> None:
     """A stop id among a step's tokens is found when the next step is already in flight:
     the output ends where the synchronous engine's does, and the rows, blocks and slot

@@ -88,3 +88,31 @@ def test_greedy_keeps_the_matching_prefix() -> None:
     assert verify_greedy(logits, [1, 0]) == [1, 0, 2]  # both kept, then the bonus
     assert verify_greedy(logits, [1, 2]) == [1, 0]  # second rejected: the target's 0
     assert verify_greedy(logits, [2, 0]) == [1]  # first rejected
+
+
+def test_batched_rejection_sampling_follows_the_target() -> None:
+    """``rejection_sample_rows`` (async speculative steps decide on the device, every
+    sequence of a batch at once): over ``N`` sequences of one batch, each with its own
+    seed, the first emitted token follows ``p_0``, and the second, where the first draft
+    was kept, ``p_1``."""
+    from pagedserve.engine.request import Request, SamplingParams
+    from pagedserve.engine.sampler import SamplingTensors
+    from pagedserve.engine.spec_async import rejection_sample_rows
+    from pagedserve.engine.spec_verify import race_rows
+
+    reqs = []
+    for seed in range(N):
+        req = Request(str(seed), [0], SamplingParams(temperature=1.0, seed=seed))
+        req.sample_seed = seed
+        reqs.append(req)
+    st = SamplingTensors.from_requests(reqs, 6, "cpu")
+    index = torch.zeros(N, dtype=torch.long)
+    drafts = torch.stack([race_rows(Q[j].expand(N, 6), st.seed_lo, st.seed_hi, index + j,
+                                    DRAFT_STREAM) for j in range(2)], dim=1)  # [N, 2]
+    logits = P.log().repeat(N, 1)  # [N 3, 6]: each sequence's verify rows
+    kept, chosen = rejection_sample_rows(logits, drafts, Q.expand(N, 2, 6), st, index)
+    first = torch.where(kept >= 1, drafts[:, 0], chosen)
+    second = torch.where(kept >= 2, drafts[:, 1], chosen)[kept >= 1]
+    assert chi_square(torch.bincount(first, minlength=6).float(), P[0]) < CHI2_5_999
+    assert len(second) > N / 25
+    assert chi_square(torch.bincount(second, minlength=6).float(), P[1]) < CHI2_5_999

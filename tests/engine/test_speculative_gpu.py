@@ -124,3 +124,20 @@ def test_async_speculation_keeps_every_count_as_the_synchronous_engine(spec_dir)
         if diff:
             chosen = target_positions(kept[True].decided[rid], len(tokens))
             assert diff[0] not in chosen, (rid, diff[0], outs[False][rid], tokens)
+
+
+def test_async_speculation_with_seeded_sampling_repeats_on_cuda(spec_dir) -> None:
+    """Seeded sampled requests beside greedy ones through the chains (drafts drawn and
+    rejection sampling on the device): two runs give the same tokens, steps go ahead,
+    nothing leaks."""
+    params = [SamplingParams(max_tokens=NEW, temperature=0.8, top_k=40, seed=5 + i,
+                             ignore_eos=True) if i != 1 else PLAIN_GREEDY for i in range(3)]
+    outs = []
+    for _ in range(2):
+        engine = _engine(spec_dir, 3, async_scheduling=True)
+        got = run_keeping_requests(engine, [(0, str(i), p, params[i])
+                                            for i, p in enumerate(PROMPTS)])
+        outs.append({rid: r.output_token_ids for rid, r in got.items()})
+        assert engine.stats.num_lookahead_steps > 0
+        _assert_pools_empty(engine)
+    assert outs[0] == outs[1]
