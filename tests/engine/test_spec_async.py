@@ -195,6 +195,25 @@ def test_seeded_sampling_gives_the_synchronous_engines_tokens(spec_model, k) -> 
     assert outs[True] == outs[False]
 
 
+def test_requests_ending_at_max_model_len_stop_launching_ahead_in_time(spec_model) -> None:
+    """Requests that run into ``max_model_len`` (not ``max_tokens``): no step goes ahead
+    past what the model length leaves, each ends exactly at it (finish reason
+    ``length``), and the tokens are the synchronous engine's."""
+    outs = {}
+    for async_scheduling in (False, True):
+        engine = graphed_engine(spec_model, 3, async_scheduling, max_model_len=64)
+        engine.spec.kept_drafts = KeptInTurn()
+        got = run_keeping_requests(engine, staggered([200, 200, 200]))
+        outs[async_scheduling] = {rid: list(r.output_token_ids) for rid, r in got.items()}
+        for i, prompt in enumerate(PROMPTS):
+            req = got[str(i)]
+            assert req.finish_reason == "length"
+            assert len(prompt) + len(req.output_token_ids) == 64
+        assert_all_free(engine)
+    assert engine.stats.num_lookahead_steps > 5
+    assert outs[True] == outs[False]
+
+
 def test_a_stop_found_late_truncates_exactly_and_leaks_nothing(spec_model) -> None:
     """A stop id among a step's tokens is found when the next step is already in flight:
     the output ends where the synchronous engine's does, and the rows, blocks and slot
