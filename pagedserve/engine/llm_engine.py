@@ -575,8 +575,7 @@ class LLMEngine:
 
     def is_in_flight(self, req: Request) -> bool:
         """Whether a step launched ahead (async scheduling) holds ``req``."""
-        return self._inflight is not None and any(
-            c.request is req for c in self._inflight.chunks)
+        return self._inflight is not None and id(req) in self._inflight.request_ids
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         """Stop ids and EOS end a request (their text is not emitted); then a grammar that

@@ -30,6 +30,7 @@ them one step later. What that costs, and how each case stays exact:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,11 @@ class InflightStep:
     sampled: SamplerOutput | None
     readback: HostTokens | None = None
     logits: torch.Tensor | None = None  # [B, V] float32
+
+    @functools.cached_property
+    def request_ids(self) -> frozenset[int]:
+        """``id()`` of each request the step holds (``LLMEngine.is_in_flight``)."""
+        return frozenset(id(c.request) for c in self.chunks)
 
     def host_output(self) -> dict | None:
         """The sampled ids (and logprobs) as lists; waits for the device if needed."""

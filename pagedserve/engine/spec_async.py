@@ -53,6 +53,7 @@ applied on the device.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -100,6 +101,11 @@ class ChainStep:
     result: torch.Tensor
     readback: HostTokens | None
     sampling: Sampling | None
+
+    @functools.cached_property
+    def request_ids(self) -> frozenset[int]:
+        """``id()`` of each request the step holds (``LLMEngine.is_in_flight``)."""
+        return frozenset(id(c.request) for c in self.chunks)
 
     def host_result(self) -> list[list[int]]:
         """``[B][r + 1]``: each sequence's emitted ids, then ``m``; waits for the device."""
