@@ -79,7 +79,8 @@ class InflightStep:
 
 
 class HostTokens:
-    """One step's sampled ids on their way to pinned host memory (CUDA)."""
+    """One step's sampled ids (or other values) on their way to pinned host memory
+    (CUDA)."""
 
     def __init__(self, buffer: torch.Tensor, ready: torch.cuda.Event, ids: torch.Tensor) -> None:
         self._host = buffer[: ids.numel()]
@@ -87,17 +88,17 @@ class HostTokens:
         self._ready = ready
         self._ready.record()
 
-    def wait(self) -> list[int]:
+    def wait(self) -> list:
         self._ready.synchronize()
         return self._host.tolist()
 
 
 class TokenReadback:
     """Two pinned buffers used in turn: while one step's ids are read, the next step's
-    copy may already be writing the other."""
+    copy may already be writing the other. ``dtype``: int64 ids by default."""
 
-    def __init__(self, max_rows: int) -> None:
-        self._buffers = [(torch.empty(max_rows, dtype=torch.long, pin_memory=True),
+    def __init__(self, max_rows: int, dtype: torch.dtype = torch.long) -> None:
+        self._buffers = [(torch.empty(max_rows, dtype=dtype, pin_memory=True),
                           torch.cuda.Event()) for _ in range(2)]
         self._turn = 0
 

@@ -40,9 +40,10 @@ What the host cannot know at launch time it covers:
   launched after N+1, on the same stream), N+1's rows of it are dropped when N+1 is
   read, and its state, moved past its tokens, is not checkpointed.
 - **What goes ahead**: steps whose every chunk verifies ``k`` drafts, whose requests ask
-  for no logprobs, penalties, grammar or ``min_tokens`` still to reach, while the head of
-  the queue cannot be admitted, and whose batch the verify, rollback and draft graphs
-  hold. Any other step runs synchronously once nothing is in flight.
+  for no penalties, grammar or ``min_tokens`` still to reach, while the head of the queue
+  cannot be admitted, and whose batch the verify, rollback and draft graphs hold. Any
+  other step runs synchronously once nothing is in flight. Logprobs are computed on the
+  device with the decision and read back beside the tokens.
 
 The tokens are the synchronous engine's: the decisions are ``verify_greedy``'s and
 ``verify_sampled``'s, with the noise of the same output indices (the index of a step's
@@ -62,7 +63,13 @@ import torch
 from pagedserve.engine.batch_builder import build_forward_batch, slots_from_tables
 from pagedserve.engine.drafter import MTPDrafter
 from pagedserve.engine.lookahead import HostTokens, TokenReadback
-from pagedserve.engine.request import GREEDY_TEMPERATURE, Request, RequestStatus
+from pagedserve.engine.request import (
+    GREEDY_TEMPERATURE,
+    MAX_LOGPROBS,
+    Request,
+    RequestStatus,
+    TokenLogprob,
+)
 from pagedserve.engine.sampler import SamplingTensors, filtered_logits, sample, uses_host_history
 from pagedserve.engine.scheduler import ScheduledChunk
 from pagedserve.engine.spec_verify import (
@@ -90,7 +97,9 @@ class ChainStep:
     states; ``tail_hidden`` ``[B, H]`` and ``tail_logits`` float32 ``[B, N']`` the
     drafter's new tails; ``result`` int64 ``[B, r + 1]`` the emitted ids and ``m``, on
     their way to the host in ``readback`` (CUDA); ``sampling``: the sampled rows'
-    settings, ``None`` when every request is greedy."""
+    settings, ``None`` when every request is greedy; ``logprobs``: the verify rows'
+    log-probabilities, when some request asks for them; ``imposed``: each sequence's
+    imposed kept count (-1: decided), when one is imposed."""
 
     chunks: list[ScheduledChunk]
     bonus: torch.Tensor
@@ -101,6 +110,8 @@ class ChainStep:
     result: torch.Tensor
     readback: HostTokens | None
     sampling: Sampling | None
+    logprobs: ChainLogprobs | None
+    imposed: list[int] | None
 
     @functools.cached_property
     def request_ids(self) -> frozenset[int]:
@@ -112,6 +123,37 @@ class ChainStep:
         flat = self.readback.wait() if self.readback is not None else self.result.flatten().tolist()
         width = self.result.shape[1]
         return [flat[i:i + width] for i in range(0, len(flat), width)]
+
+
+@dataclass
+class ChainLogprobs:
+    """The model's own log-probabilities at a chain step's verify rows, as the
+    synchronous step reports them: ``values`` float32 ``[B, r, 1 + 2n]``, each row's
+    emitted token's, then the top ``n`` ids (exact in float32 below 2^24) and their
+    log-probabilities; on their way to the host in ``readback`` (CUDA)."""
+
+    values: torch.Tensor
+    top: int
+    readback: HostTokens | None
+
+    @functools.cached_property
+    def host_values(self) -> list[float]:
+        """``values`` flattened on the host; waits for the device."""
+        if self.readback is not None:
+            return self.readback.wait()
+        return self.values.flatten().tolist()
+
+    def host(self, seq: int, num_rows: int, n: int, tokens: list[int]) -> list[TokenLogprob]:
+        """Sequence ``seq``'s first ``num_rows`` rows, whose emitted tokens are
+        ``tokens``, with their top ``n`` (``n <= top``)."""
+        _, r, width = self.values.shape
+        out = []
+        for j in range(num_rows):
+            start = (seq * r + j) * width
+            row = self.host_values[start:start + width]
+            top = list(zip(map(int, row[1:1 + n]), row[1 + self.top:1 + self.top + n]))
+            out.append(TokenLogprob(tokens[j], row[0], top))
+        return out
 
 
 @dataclass
@@ -164,8 +206,10 @@ class AsyncSpeculation:
         self.r = k + 1
         device = engine.runner.device
         max_seqs = engine.config.max_num_seqs
-        self._readback = (TokenReadback(max_seqs * (self.r + 1))
-                          if device.type == "cuda" else None)
+        cuda = device.type == "cuda"
+        self._readback = TokenReadback(max_seqs * (self.r + 1)) if cuda else None
+        self._logprob_readback = (TokenReadback(max_seqs * self.r * (1 + 2 * MAX_LOGPROBS),
+                                                torch.float32) if cuda else None)
         self._imposed = PinnedUpload(max_seqs, device)
 
     def graphs_ready(self) -> bool:
@@ -228,11 +272,9 @@ class AsyncSpeculation:
         return self._chain(chunks, batch, prev.tail_hidden, prev.tail_logits, sampling)
 
     def _steady(self, reqs: list[Request]) -> bool:
-        """Whether a chain may run ``reqs``: no logprobs, nothing read from the host's
-        history, and a batch every graph holds."""
+        """Whether a chain may run ``reqs``: nothing read from the host's history, and a
+        batch every graph holds."""
         if not self.graphs_ready() or uses_host_history(reqs):
-            return False
-        if any(q.params.logprobs is not None for q in reqs):
             return False
         if any(q.grammar is not None or q.resume_hidden is not None
                or len(q.output_token_ids) < q.params.min_tokens for q in reqs):
@@ -258,10 +300,11 @@ class AsyncSpeculation:
         e, k, r = self.engine, self.k, self.r
         rn = e.runner
         reqs = [c.request for c in chunks]
-        imposed = None
+        imposed, imposed_host = None, None
         if self.spec.kept_drafts is not None:
             drawn = [self.spec.kept_drafts(q, k) for q in reqs]
-            imposed = self._imposed([-1 if m is None else m for m in drawn])  # [B]
+            imposed_host = [-1 if m is None else m for m in drawn]
+            imposed = self._imposed(imposed_host)  # [B]
         positions = batch.positions.view(-1, r)  # [B, r]
         drafts, draft_probs = self._propose(tail_hidden, tail_logits, positions[:, 0],
                                             batch.block_tables, sampling)
@@ -277,8 +320,24 @@ class AsyncSpeculation:
         tail_hidden, tail_logits = self._observe(batch, out.hidden, emitted, kept)
         result = torch.cat([emitted, kept[:, None]], dim=1)  # [B, r + 1]
         readback = self._readback.start(result.flatten()) if self._readback else None
+        tops = [q.params.logprobs for q in reqs if q.params.logprobs is not None]
+        logprobs = self._logprobs(out.logits, emitted, max(tops)) if tops else None
         return ChainStep(chunks, chosen, kept, out.hidden, tail_hidden, tail_logits,
-                         result, readback, sampling)
+                         result, readback, sampling, logprobs, imposed_host)
+
+    def _logprobs(self, logits: torch.Tensor, emitted: torch.Tensor,
+                  top: int) -> ChainLogprobs:
+        """The log-probabilities of the model's own distribution (before filters) at
+        every verify row: the emitted token's and the ``top`` best."""
+        logp = torch.log_softmax(logits, dim=-1)  # [B r, V]
+        parts = [logp.gather(1, emitted.reshape(-1, 1))]
+        if top:
+            values, ids = logp.topk(top, dim=-1)
+            parts += [ids.float(), values]
+        rows = torch.cat(parts, dim=1).view(emitted.shape[0], self.r, -1)  # [B, r, 1 + 2n]
+        readback = (self._logprob_readback.start(rows.flatten())
+                    if self._logprob_readback is not None else None)
+        return ChainLogprobs(rows, top, readback)
 
     def _decide(self, logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
                 sampling: Sampling | None, imposed: torch.Tensor | None,
@@ -384,7 +443,13 @@ class AsyncSpeculation:
             chunks.append(ScheduledChunk(req, r, req.num_computed_tokens, k))
             if req.status is RequestStatus.RUNNING:
                 m = rows[i][r]
-                verified[i] = Verified(rows[i][:m + 1], [None] * (m + 1))
+                tokens = rows[i][:m + 1]
+                n = req.params.logprobs
+                logprobs: list[TokenLogprob | None] = [None] * (m + 1)
+                if n is not None and not (step.imposed and step.imposed[i] >= 0):
+                    assert step.logprobs is not None
+                    logprobs = list(step.logprobs.host(i, m + 1, n, tokens))
+                verified[i] = Verified(tokens, logprobs)
                 self.spec.stats.record(k, m)
         outputs = self.spec._apply(e, chunks, list(range(0, len(chunks) * r + 1, r)),
                                    step.hidden, {}, verified)

@@ -214,6 +214,34 @@ def test_requests_ending_at_max_model_len_stop_launching_ahead_in_time(spec_mode
     assert outs[True] == outs[False]
 
 
+def test_logprobs_are_the_synchronous_engines(spec_model) -> None:
+    """Requests asking for logprobs (top 3 greedy, top 0 sampled) beside one that does
+    not: the chains report each emitted token's log-probability and the top ones of the
+    model's own distribution, as the synchronous step does (itself checked against plain
+    decoding in test_speculative.py)."""
+    got = {}
+    for async_scheduling in (False, True):
+        engine = graphed_engine(spec_model, 3, async_scheduling)
+        params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=3),
+                  SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True,
+                                 logprobs=0),
+                  SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)]
+        got[async_scheduling] = run_keeping_requests(
+            engine, [(0, str(i), p, params[i]) for i, p in enumerate(PROMPTS)])
+        assert_all_free(engine)
+    assert engine.stats.num_lookahead_steps > 5
+    for rid, req in got[True].items():
+        sync = got[False][rid]
+        assert req.output_token_ids == sync.output_token_ids
+        assert len(req.output_logprobs) == (0 if rid == "2" else 30)
+        for a, b in zip(req.output_logprobs, sync.output_logprobs):
+            assert a.token_id == b.token_id
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-5)
+            assert len(a.top) == (3 if rid == "0" else 0)
+
+
 def test_a_stop_found_late_truncates_exactly_and_leaks_nothing(spec_model) -> None:
     """A stop id among a step's tokens is found when the next step is already in flight:
     the output ends where the synchronous engine's does, and the rows, blocks and slot
