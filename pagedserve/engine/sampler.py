@@ -113,12 +113,17 @@ class SamplingTensors:
         """The first ``n`` rows (per-row settings only: no token histories)."""
         return replace(self, **{name: getattr(self, name)[:n] for name in self.ROW_FIELDS})
 
-    def rows_repeated(self, n: int, step: torch.Tensor) -> SamplingTensors:
-        """Each row ``n`` times in a row, drawing at output indices ``step`` int64
-        ``[B n]`` (one sequence's verify rows; per-row settings only: no token
-        histories)."""
+    def rows_repeated(self, n: int, step: torch.Tensor,
+                      output_ids: torch.Tensor | None = None) -> SamplingTensors:
+        """Each row ``n`` times in a row (one sequence's verify rows), drawing at output
+        indices ``step`` int64 ``[B n]``, with the rows' output histories ``output_ids``
+        ``[B n, L]`` (padded with the vocabulary size; needed with penalties) and each
+        row's prompt."""
         rows = {name: getattr(self, name).repeat_interleave(n) for name in self.ROW_FIELDS}
-        return replace(self, **{**rows, "step": step})
+        prompt = (self.prompt_ids.repeat_interleave(n, dim=0)
+                  if self.prompt_ids is not None else None)
+        return replace(self, **{**rows, "step": step}, prompt_ids=prompt,
+                       output_ids=output_ids)
 
     @classmethod
     def along_drafts(cls, request: Request, drafts: list[int], vocab_size: int,

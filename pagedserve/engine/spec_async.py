@@ -39,11 +39,12 @@ What the host cannot know at launch time it covers:
   a finished request. Its blocks and slot are freed when N is read (every later use is
   launched after N+1, on the same stream), N+1's rows of it are dropped when N+1 is
   read, and its state, moved past its tokens, is not checkpointed.
-- **What goes ahead**: steps whose every chunk verifies ``k`` drafts, whose requests ask
-  for no penalties, grammar or ``min_tokens`` still to reach, while the head of the queue
-  cannot be admitted, and whose batch the verify, rollback and draft graphs hold. Any
-  other step runs synchronously once nothing is in flight. Logprobs are computed on the
-  device with the decision and read back beside the tokens.
+- **What goes ahead**: steps whose every chunk verifies ``k`` drafts, whose requests have
+  no grammar and no ``min_tokens`` still to reach, while the head of the queue cannot be
+  admitted, and whose batch the verify, rollback and draft graphs hold. Any other step
+  runs synchronously once nothing is in flight. Logprobs are computed on the device with
+  the decision and read back beside the tokens; penalties count each sequence's outputs
+  in a history kept on the device (``Sampling``), grown by each step's kept tokens.
 
 The tokens are the synchronous engine's: the decisions are ``verify_greedy``'s and
 ``verify_sampled``'s, with the noise of the same output indices (the index of a step's
@@ -70,7 +71,13 @@ from pagedserve.engine.request import (
     RequestStatus,
     TokenLogprob,
 )
-from pagedserve.engine.sampler import SamplingTensors, filtered_logits, sample, uses_host_history
+from pagedserve.engine.sampler import (
+    SamplingTensors,
+    apply_penalties,
+    filtered_logits,
+    sample,
+    uses_host_history,
+)
 from pagedserve.engine.scheduler import ScheduledChunk
 from pagedserve.engine.spec_verify import (
     ACCEPT_STREAM,
@@ -159,20 +166,48 @@ class ChainLogprobs:
 @dataclass
 class Sampling:
     """The settings of a chain's requests (built when the chain starts: they do not
-    change) and ``index`` int64 ``[B]``, the output index of each sequence's first token
-    of the step, on the device."""
+    change), ``index`` int64 ``[B]`` the output index of each sequence's first token of
+    the step, and with penalties ``outputs`` int64 ``[B, W]`` each sequence's outputs so
+    far (padded with ``vocab_size``), all on the device."""
 
     settings: SamplingTensors
     index: torch.Tensor
+    outputs: torch.Tensor | None
+    vocab_size: int
 
     @property
     def sampled(self) -> torch.Tensor:
         """bool ``[B]``: the rows that sample (the others are greedy)."""
         return self.settings.temperature >= GREEDY_TEMPERATURE
 
-    def after(self, kept: torch.Tensor) -> Sampling:
-        """The next step's: ``m + 1`` tokens further."""
-        return Sampling(self.settings, self.index + kept + 1)
+    def verify_rows(self, drafts: torch.Tensor) -> SamplingTensors:
+        """The settings of each sequence's verify rows, for drafts int64 ``[B, k]``: row
+        ``j`` draws output index ``index + j``, and with penalties its history is the
+        outputs followed by the first ``j`` drafts (``SamplingTensors.along_drafts``)."""
+        n, k = drafts.shape
+        device = drafts.device
+        steps = (self.index[:, None] + torch.arange(k + 1, device=device)).reshape(-1)
+        histories = None
+        if self.outputs is not None:
+            before = torch.arange(k, device=device)[None, :] < torch.arange(
+                k + 1, device=device)[:, None]  # [r, k]: draft i precedes row j
+            tail = torch.where(before[None], drafts[:, None, :], self.vocab_size)  # [B, r, k]
+            histories = torch.cat([self.outputs.repeat_interleave(k + 1, dim=0),
+                                   tail.reshape(n * (k + 1), k)], dim=1)
+        return self.settings.rows_repeated(k + 1, steps, histories)
+
+    def after(self, kept: torch.Tensor, emitted: torch.Tensor, width: int) -> Sampling:
+        """The next step's, after this one emitted ``emitted[:, :m + 1]`` (int64 ``[B, r]``,
+        ``m = kept``): ``m + 1`` tokens further, the outputs at least ``width`` wide."""
+        outputs = self.outputs
+        if outputs is not None:
+            n, r = emitted.shape
+            grow = max(0, width - outputs.shape[1])
+            outputs = torch.cat([outputs, outputs.new_full((n, grow), self.vocab_size)], 1)
+            row = torch.arange(r, device=emitted.device)
+            emitted_only = torch.where(row[None] <= kept[:, None], emitted, self.vocab_size)
+            outputs.scatter_(1, self.index[:, None] + row, emitted_only)
+        return Sampling(self.settings, self.index + kept + 1, outputs, self.vocab_size)
 
 
 class PinnedUpload:
@@ -235,9 +270,10 @@ class AsyncSpeculation:
         batch = build_forward_batch(seq_chunks, e.kv, e.runner.device, staging=e._staging)
         assert isinstance(self.spec.drafter, MTPDrafter)
         sampling = None
-        if not all(q.params.greedy for q in reqs):  # nothing is in flight: a plain upload
+        if not all(q.params.greedy for q in reqs) or uses_host_history(reqs):
+            # Nothing is in flight: a plain upload costs no overlap.
             settings = SamplingTensors.from_requests(reqs, e.vocab_size, e.runner.device)
-            sampling = Sampling(settings, settings.step)
+            sampling = Sampling(settings, settings.step, settings.output_ids, e.vocab_size)
         return self._chain(chunks, batch, *self.spec.drafter.tails(reqs), sampling)
 
     def launch_after(self, prev: ChainStep) -> ChainStep | None:
@@ -268,13 +304,16 @@ class AsyncSpeculation:
                                                e.kv.block_size).reshape(-1)
         batch.input_ids.view(-1, r)[:, 0].copy_(prev.bonus)
         e.stats.num_lookahead_steps += 1
-        sampling = prev.sampling.after(prev.kept) if prev.sampling is not None else None
+        sampling = None
+        if prev.sampling is not None:  # histories wide enough for two more steps
+            width = max(len(q.output_token_ids) for q in reqs) + 2 * r
+            sampling = prev.sampling.after(prev.kept, prev.result[:, :r], width)
         return self._chain(chunks, batch, prev.tail_hidden, prev.tail_logits, sampling)
 
     def _steady(self, reqs: list[Request]) -> bool:
-        """Whether a chain may run ``reqs``: nothing read from the host's history, and a
-        batch every graph holds."""
-        if not self.graphs_ready() or uses_host_history(reqs):
+        """Whether a chain may run ``reqs``: no grammar, no ``min_tokens`` left to reach,
+        and a batch every graph holds."""
+        if not self.graphs_ready():
             return False
         if any(q.grammar is not None or q.resume_hidden is not None
                or len(q.output_token_ids) < q.params.min_tokens for q in reqs):
@@ -348,19 +387,25 @@ class AsyncSpeculation:
         imposed counts (``>= 0``) with the target's argmax after them, as
         ``SpeculativeDecoding._verify`` decides."""
         k, r = self.k, self.r
-        best = logits.argmax(dim=-1).view(-1, r)  # [B, r]
+        raw_best = logits.argmax(dim=-1).view(-1, r)  # [B, r]
+        rows, scores, best = None, logits, raw_best
+        if sampling is not None:
+            rows = sampling.verify_rows(drafts)
+            if rows.any_penalty:
+                scores = apply_penalties(logits, rows)  # [B r, V]
+                best = scores.argmax(dim=-1).view(-1, r)
         kept = (best[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [B]
         chosen = best.gather(1, kept[:, None])[:, 0]
-        if sampling is not None:
-            assert q is not None
-            s_kept, s_chosen = rejection_sample_rows(logits, drafts, q, sampling.settings,
+        if rows is not None and not rows.all_greedy:
+            assert sampling is not None and q is not None
+            s_kept, s_chosen = rejection_sample_rows(logits, scores, drafts, q, rows,
                                                      sampling.index)
             kept = torch.where(sampling.sampled, s_kept, kept)
             chosen = torch.where(sampling.sampled, s_chosen, chosen)
         if imposed is not None:
             forced = imposed >= 0
             kept = torch.where(forced, imposed, kept)
-            chosen = torch.where(forced, best.gather(1, kept[:, None])[:, 0], chosen)
+            chosen = torch.where(forced, raw_best.gather(1, kept[:, None])[:, 0], chosen)
         return kept, chosen
 
     def _propose(self, tail_hidden: torch.Tensor, tail_logits: torch.Tensor,
@@ -461,18 +506,19 @@ class AsyncSpeculation:
         return outputs
 
 
-def rejection_sample_rows(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor,
-                          st: SamplingTensors, index: torch.Tensor,
+def rejection_sample_rows(logits: torch.Tensor, scores: torch.Tensor, drafts: torch.Tensor,
+                          q: torch.Tensor, rows: SamplingTensors, index: torch.Tensor,
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``verify_sampled`` for a whole batch on the device: ``(m, token at row m)``, int64
     ``[B]`` each.
 
     Args:
-        logits: float32 ``[B r, V]``, each sequence's ``r = k + 1`` verify rows.
+        logits: float32 ``[B r, V]``, each sequence's ``r = k + 1`` verify rows;
+            scores: the same with penalties applied (``logits`` itself without).
         drafts: int64 ``[B, k]``; q: float32 ``[B, k, V]`` the distributions they were
             drawn from.
-        st: the sequences' settings (``B`` rows); index: int64 ``[B]`` the output index
-            of each sequence's first draft.
+        rows: the settings of the ``B r`` rows (``Sampling.verify_rows``); index: int64
+            ``[B]`` the output index of each sequence's first draft.
 
     Draft ``j`` is kept while ``u_j q_j(t_j) <= p_j(t_j)``; the first rejected one is
     replaced by a draw from ``max(0, p_m - q_m)``; after ``k`` kept comes the plain
@@ -480,13 +526,13 @@ def rejection_sample_rows(logits: torch.Tensor, drafts: torch.Tensor, q: torch.T
     stream, as ``verify_sampled`` draws it."""
     n, k = drafts.shape
     r, device = k + 1, drafts.device
-    steps = index[:, None] + torch.arange(r, device=device)  # [B, r]
-    rows = st.rows_repeated(r, steps.reshape(-1))
-    p = torch.softmax(filtered_logits(logits, rows), dim=-1).view(n, r, -1)  # [B, r, V]
+    seed_lo, seed_hi = rows.seed_lo.view(n, r)[:, 0], rows.seed_hi.view(n, r)[:, 0]  # [B]
+    p = torch.softmax(filtered_logits(scores, rows), dim=-1).view(n, r, -1)  # [B, r, V]
     p_draft = p[:, :k].gather(2, drafts[..., None])[..., 0]  # [B, k]
     q_draft = q.gather(2, drafts[..., None])[..., 0]
-    u = uniforms_rows(st.seed_lo.repeat_interleave(k), st.seed_hi.repeat_interleave(k),
-                      steps[:, :k].reshape(-1), ACCEPT_STREAM).view(n, k)
+    steps = index[:, None] + torch.arange(k, device=device)  # [B, k]
+    u = uniforms_rows(seed_lo.repeat_interleave(k), seed_hi.repeat_interleave(k),
+                      steps.reshape(-1), ACCEPT_STREAM).view(n, k)
     kept = (u * q_draft <= p_draft).long().cumprod(dim=1).sum(dim=1)  # [B]
     bonus = sample(logits, rows).token_ids.view(n, r)[:, k]  # the sampler's own draw
     at = kept.clamp(max=k - 1)
@@ -494,5 +540,5 @@ def rejection_sample_rows(logits: torch.Tensor, drafts: torch.Tensor, q: torch.T
     p_m, q_m = p[seq, at], q[seq, at]  # [B, V]
     residual = (p_m - q_m).clamp_min(0)
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_m)
-    fix = race_rows(residual, st.seed_lo, st.seed_hi, index + at, RESIDUAL_STREAM)
+    fix = race_rows(residual, seed_lo, seed_hi, index + at, RESIDUAL_STREAM)
     return kept, torch.where(kept == k, bonus, fix)

@@ -22,12 +22,14 @@ from transformers import Qwen3_5ForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 
 from draft_stand_in import stand_in_draft_graphs  # noqa: E402
-from hybrid_checkpoints import prompt_ids  # noqa: E402
+from hybrid_checkpoints import build_hf_model, prompt_ids  # noqa: E402
 from test_engine import run_keeping_requests  # noqa: E402
 from test_speculative import (  # noqa: E402
     NEW,
     PROMPTS,
+    SHAPE,
     build_spec_model,
+    hf_greedy_penalized,
     make_engine,
     stand_in_graphs,
 )
@@ -242,6 +244,53 @@ def test_logprobs_are_the_synchronous_engines(spec_model) -> None:
             assert len(a.top) == (3 if rid == "0" else 0)
 
 
+PENALTIES = dict(presence=0.4, frequency=0.3, repetition=1.3)
+
+
+def penalized(scale: float = 1.0, **params) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW, ignore_eos=True,
+                          presence_penalty=scale * PENALTIES["presence"],
+                          frequency_penalty=scale * PENALTIES["frequency"],
+                          repetition_penalty=PENALTIES["repetition"] ** scale, **params)
+
+
+def test_penalized_greedy_requests_match_the_oracle(spec_model) -> None:
+    """Presence, frequency and repetition penalties on the device: each verify row's
+    history is the outputs so far (grown on the device by each step's kept tokens) and
+    the drafts before it, so the tokens are transformers' float64 logits penalized by
+    hand, greedy."""
+    engine = graphed_engine(spec_model, 3, True)
+    got = run_keeping_requests(engine, [(0, str(i), p, penalized(temperature=0.0))
+                                        for i, p in enumerate(PROMPTS)])
+    hf = build_hf_model(SHAPE)
+    for i, prompt in enumerate(PROMPTS):
+        assert got[str(i)].output_token_ids == hf_greedy_penalized(hf, prompt, NEW,
+                                                                   **PENALTIES)
+    assert engine.stats.num_lookahead_steps > 5
+    assert_all_free(engine)
+
+
+def test_penalized_seeded_sampling_gives_the_synchronous_engines_tokens(spec_model) -> None:
+    """Penalties with seeded sampling (and one greedy request): the synchronous
+    engine's tokens. At a high temperature the random draft head's distribution
+    overlaps the target's, so drafts are kept and the rows after them, whose
+    histories hold those drafts, decide too; strong penalties make those histories
+    count."""
+    outs, kept = {}, {}
+    for async_scheduling in (False, True):
+        engine = graphed_engine(spec_model, 3, async_scheduling)
+        params = [penalized(4.0, temperature=2.0, seed=21 + i) if i != 1 else
+                  penalized(4.0, temperature=0.0) for i in range(3)]
+        got = run_keeping_requests(engine, [(0, str(i), p, params[i])
+                                            for i, p in enumerate(PROMPTS)])
+        outs[async_scheduling] = {rid: list(r.output_token_ids) for rid, r in got.items()}
+        kept[async_scheduling] = engine.spec.stats.num_by_accepted
+        assert_all_free(engine)
+    assert engine.stats.num_lookahead_steps > 5
+    assert sum(kept[True][2:]) > 0, kept  # rows behind a kept draft decided
+    assert outs[True] == outs[False]
+
+
 def test_a_stop_found_late_truncates_exactly_and_leaks_nothing(spec_model) -> None:
     """A stop id among a step's tokens is found when the next step is already in flight:
     the output ends where the synchronous engine's does, and the rows, blocks and slot
@@ -281,3 +330,32 @@ def test_no_leaks_with_preemptions_and_aborts_while_launched_ahead(spec_model) -
     assert aborted > 0 and engine.stats.num_lookahead_steps > 0
     assert engine.scheduler.num_preemptions > 0
     assert_all_free(engine)
+
+
+def test_each_verify_row_counts_the_outputs_and_the_drafts_before_it() -> None:
+    """The penalties' histories on the device: verify row ``j`` holds the outputs so far
+    and the first ``j`` drafts; after a step the outputs grow by its ``m + 1`` emitted
+    tokens, at each sequence's own length."""
+    from pagedserve.engine.sampler import SamplingTensors
+    from pagedserve.engine.spec_async import Sampling
+
+    vocab, outputs = 50, [[3, 4], [7]]
+    reqs = []
+    for i, out in enumerate(outputs):
+        req = Request(str(i), [1, 2], SamplingParams(temperature=0.0, presence_penalty=0.5))
+        req.output_token_ids.extend(out)
+        reqs.append(req)
+    settings = SamplingTensors.from_requests(reqs, vocab, "cpu")
+    sampling = Sampling(settings, settings.step, settings.output_ids, vocab)
+    drafts = [[10, 11, 12], [20, 21, 22]]
+    rows = sampling.verify_rows(torch.tensor(drafts))
+    for b, out in enumerate(outputs):
+        for j in range(4):
+            history = [t for t in rows.output_ids[b * 4 + j].tolist() if t != vocab]
+            assert sorted(history) == sorted(out + drafts[b][:j]), (b, j)
+            assert int(rows.step[b * 4 + j]) == len(out) + j
+    emitted = torch.tensor([[10, 11, 30, 9], [25, 9, 9, 9]])  # m = 2 and 0
+    after = sampling.after(torch.tensor([2, 0]), emitted, width=12)
+    assert [[t for t in row if t != vocab] for row in after.outputs.tolist()] == \
+        [[3, 4, 10, 11, 30], [7, 25]]
+    assert after.index.tolist() == [5, 2] and after.outputs.shape[1] == 12

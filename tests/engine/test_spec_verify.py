@@ -110,7 +110,9 @@ def test_batched_rejection_sampling_follows_the_target() -> None:
     drafts = torch.stack([race_rows(Q[j].expand(N, 6), st.seed_lo, st.seed_hi, index + j,
                                     DRAFT_STREAM) for j in range(2)], dim=1)  # [N, 2]
     logits = P.log().repeat(N, 1)  # [N 3, 6]: each sequence's verify rows
-    kept, chosen = rejection_sample_rows(logits, drafts, Q.expand(N, 2, 6), st, index)
+    rows = st.rows_repeated(3, (index[:, None] + torch.arange(3)).reshape(-1))
+    kept, chosen = rejection_sample_rows(logits, logits, drafts, Q.expand(N, 2, 6), rows,
+                                         index)
     first = torch.where(kept >= 1, drafts[:, 0], chosen)
     second = torch.where(kept >= 2, drafts[:, 1], chosen)[kept >= 1]
     assert chi_square(torch.bincount(first, minlength=6).float(), P[0]) < CHI2_5_999
