@@ -413,11 +413,14 @@ class AsyncSpeculation:
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafts from the tails, int64 ``[B, k]`` (views of the propose graphs'
         buffers, read by this step's launches before the next proposal), and with
-        ``sampling`` the distributions ``[B, k, V]`` the sampled rows drew from.
+        ``sampling`` of a batch with sampled rows, the distributions ``[B, k, V]`` they
+        drew from (``None`` when every row is greedy: their drafts are the argmax).
         ``starts`` int64 ``[B]``: each sequence's computed tokens ``c``."""
         rn, k = self.engine.runner, self.k
         assert rn.draft_head is not None and rn.draft_graphs is not None
         q: list[torch.Tensor] = []
+        if sampling is not None and sampling.settings.all_greedy:
+            sampling = None  # penalties alone: the verify rows read them, drafts do not
         if k == 1:
             ids = rn.draft_head.token_ids(tail_logits.argmax(dim=-1))  # [B]
             if sampling is not None:
