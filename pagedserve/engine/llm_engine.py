@@ -206,9 +206,11 @@ class LLMEngine:
         # synchronous, so it would only cost the extra row after a late stop. Off under
         # tensor parallelism: workers build each step from its host form, which a
         # lookahead step's ids (still on rank 0's device) are not in. With speculation
-        # (spec_async.py) only when asked for.
-        self.async_scheduling = (cuda and spec is None and tp_size == 1) \
-            if config.async_scheduling is None else config.async_scheduling
+        # (spec_async.py) it launches verify steps ahead only through their CUDA graphs,
+        # so by default only where those are captured.
+        default = cuda and tp_size == 1 and (spec is None or config.cuda_graphs)
+        self.async_scheduling = default if config.async_scheduling is None \
+            else config.async_scheduling
         self._inflight: InflightStep | ChainStep | None = None
         self._readback = TokenReadback(config.max_num_seqs) if cuda else None
         if self.spec is not None and self.async_scheduling:
