@@ -8,19 +8,22 @@ they hold), timed side by side in one run:
 
 - **decode**: one row per sequence through ``ModelRunner.execute``, the CUDA graph that
   plain decoding replays;
-- **verify k**: k + 1 rows per sequence, eagerly (``forward_hidden``, then the head over
-  every row), as ``engine/spec_step.py`` runs a verify step, for k = 1..4;
-- **draft k**: k passes of the MTP head over one row per sequence, each through the
-  drafter's head (``ModelRunner.draft_logits``: the shared lm_head, or its rows of a draft
-  vocabulary with ``--draft-vocab-size``), as ``MTPDrafter.propose`` chains them.
+- **verify**: k + 1 rows per sequence through the runner's verify graph (``runner.verify``),
+  as a steady speculative step replays it;
+- **rollback**: the rollback graph after that replay, every sequence keeping k rows (the
+  longest re-advance of the Gated DeltaNet states);
+- **draft**: the drafter's graphs as a step chains them: the observe pass over the k + 1
+  verified rows (its tails' draft logits give the first draft), then k - 1 propose passes
+  of the MTP head, each through the drafter's head (the shared lm_head, or its rows of a
+  draft vocabulary with ``--draft-vocab-size``).
 
-Reported per (B, k): each step's ms, ``(draft + verify) / decode``, and the speed-up that
-these costs predict at per-token acceptance a = 0.5, 0.7, 0.9: expected tokens per step
-``(1 - a^(k+1)) / (1 - a)`` over the step's cost in decode steps. Two predictions: without
-the rollback's cost (an upper bound), and with a rollback costed as one more verify step
-whenever a draft is rejected (probability ``1 - a^k``; a lower bound on speed, since a
-rollback runs only the Gated DeltaNet layers' conv and delta rule over the kept rows).
-``bench_spec_e2e.py`` measures the end-to-end side.
+One engine per k (its graphs are captured for k + 1 rows), the sides of each (B, k) timed
+side by side. Reported per (B, k): each side's GPU ms, ``(verify + draft) / decode``, and
+the speed-up these times predict at per-token acceptance a = 0.5, 0.7, 0.9: expected
+tokens per step ``(1 - a^(k+1)) / (1 - a)`` over the step's time in decode steps, with the
+rollback counted whenever some sequence of the batch rejects a draft (probability
+``1 - a^(kB)``). The host's work between the replays is not counted; ``bench_spec_e2e.py``
+measures the end-to-end side.
 
 ``--quick`` runs the tests' tiny random model with a random MTP head on the CPU (a smoke test;
 its numbers mean nothing). Writes ``spec.{md,json,png}`` (``spec_quick`` with
@@ -30,6 +33,7 @@ its numbers mean nothing). Writes ``spec.{md,json,png}`` (``spec_quick`` with
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -41,6 +45,7 @@ import _common  # noqa: E402
 
 from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch  # noqa: E402
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from pagedserve.model.forward_batch import ForwardBatch  # noqa: E402
 from pagedserve.model.loader import LoadedModel, load_model  # noqa: E402
 from pagedserve.model.mtp import SUPPORTED_MTP_LAYERS  # noqa: E402
 from pagedserve.model.random_checkpoint import random_model_path  # noqa: E402
@@ -56,17 +61,16 @@ def expected_tokens(a: float, k: int) -> float:
     return sum(a ** i for i in range(k + 1))
 
 
-def predictions(decode_ms: float, verify_ms: float, draft_ms: float, k: int) -> dict:
+def predictions(decode_ms: float, verify_ms: float, draft_ms: float, rollback_ms: float,
+                k: int, batch: int) -> dict:
     """Predicted speed-ups over plain decoding at each acceptance (module doc)."""
     out = {}
     for a in ACCEPTANCE:
         tokens = expected_tokens(a, k)
-        step = draft_ms + verify_ms
-        out[str(a)] = {
-            "tokens_per_step": tokens,
-            "speedup_no_replay": tokens * decode_ms / step,
-            "speedup_with_replay": tokens * decode_ms / (step + (1 - a ** k) * verify_ms),
-        }
+        any_rejects = 1 - a ** (k * batch)
+        step = verify_ms + draft_ms + any_rejects * rollback_ms
+        out[str(a)] = {"tokens_per_step": tokens, "step_ms": step,
+                       "speedup": tokens * decode_ms / step}
     return out
 
 
@@ -93,84 +97,129 @@ class Sequences:
             self.handles.append(h)
             self.slots.append(states.slot(states.acquire()))
 
-    def batch(self, b: int, rows: int):
+    def batch(self, b: int, rows: int) -> ForwardBatch:
         chunks = [SeqChunk(h, s, tuple(range(1, rows + 1)), self.context)
                   for h, s in zip(self.handles[:b], self.slots[:b])]
         return build_forward_batch(chunks, self.engine.kv, self.engine.runner.device)
 
 
-def run(args) -> dict:
+def step_sides(engine: LLMEngine, seqs: Sequences, b: int, k: int,
+               hidden_size: int) -> dict[str, list]:
+    """The timed calls at batch ``b`` with ``k`` drafts, as a speculative step makes them:
+    through the runner's verify, rollback and draft graphs where they are captured (CUDA),
+    else eagerly (the CPU's quick run, which has no rollback side)."""
+    runner, kv = engine.runner, engine.kv
+    decode, verify = seqs.batch(b, 1), seqs.batch(b, k + 1)
+    dtype = next(runner.model.parameters()).dtype
+    rows_hidden = torch.zeros(b * (k + 1), hidden_size, dtype=dtype,
+                              device=runner.device)  # [b (k + 1), H]
+    sides: dict[str, list] = {"decode": [lambda: runner.execute(decode)]}
+    graphs = runner.draft_graphs
+    if runner.verify_graphs is not None and runner.verify_graphs.fits(verify) \
+            and graphs is not None:
+        def verify_graphed() -> None:
+            runner.verify(verify)
+
+        def roll_back() -> None:
+            runner.roll_back_verify([k] * b)  # k kept rows: the longest re-advance
+
+        kv_rows = [[seqs.context + j for j in range(k - 1)] for _ in range(b)]
+        kv_slots = [[kv.slot_of(h, r) for r in rs] for h, rs in zip(seqs.handles, kv_rows)]
+
+        def draft_graphed() -> None:
+            tail_hidden, tail_logits = graphs.observe.run(verify, rows_hidden)
+            if graphs.propose is not None:
+                size = graphs.propose.load(tail_hidden, tail_logits, kv_rows, kv_slots,
+                                           verify.block_tables)
+                for j in range(1, k):
+                    graphs.propose.replay(size, j)
+
+        runner.verify(verify)  # the replay the rollback graph reads
+        sides.update(verify=[verify_graphed], rollback=[roll_back], draft=[draft_graphed])
+        return sides
+    ends = [q - 1 for q in verify.query_start_loc_cpu[1:]]
+
+    def draft_eager() -> None:
+        tails = runner.mtp_forward(verify, rows_hidden)[ends]  # [b, H]
+        runner.draft_logits(tails)
+        for _ in range(k - 1):
+            tails = runner.mtp_forward(decode, tails)
+            runner.draft_logits(tails)
+
+    sides.update(verify=[lambda: runner.compute_logits(runner.forward_hidden(verify))],
+                 draft=[draft_eager])
+    return sides
+
+
+def run(args: argparse.Namespace) -> dict:
     meta = _common.run_meta()
     if args.quick:
         loaded, device = tiny_with_mtp(), "cpu"
     else:
         loaded = load_model(args.model, "cuda", torch.bfloat16, progress=False, mtp=True)
         device = "cuda"
-    spec = {"method": "mtp", "num_speculative_tokens": MAX_K}
-    if args.draft_vocab_size is not None:
-        spec["draft_vocab_size"] = args.draft_vocab_size
-    engine = LLMEngine(EngineConfig(
-        model=args.model, device=device, max_model_len=args.context + 64,
-        max_num_seqs=max(args.batches), cache_type_k=args.kv_type, cache_type_v=args.kv_type,
-        speculative_config=spec, warm_up=False, progress=False), loaded=loaded)
-    runner = engine.runner
-    assert runner.draft_head is not None
-    seqs = Sequences(engine, max(args.batches), args.context)
     hidden_size = loaded.config.hidden_size
     results = {"meta": meta, "model": "tiny random + random MTP (CPU quick run)"
                if args.quick else args.model, "context": args.context,
-               "kv_type": args.kv_type, "draft_vocab_rows": runner.draft_head.num_rows,
-               "vocab_size": loaded.config.vocab_size, "points": []}
-    for b in args.batches:
-        decode = seqs.batch(b, 1)
-        hidden = torch.zeros(b, hidden_size, dtype=next(loaded.model.parameters()).dtype,
-                             device=runner.device)
-        sides = {"decode": [lambda d=decode: runner.execute(d)]}
-        for k in range(1, MAX_K + 1):
-            verify = seqs.batch(b, k + 1)
-            sides[f"verify {k}"] = [
-                lambda v=verify: runner.compute_logits(runner.forward_hidden(v))]
-            sides[f"draft {k}"] = [
-                lambda n=k, d=decode, h=hidden: [
-                    runner.draft_logits(runner.mtp_forward(d, h)) for _ in range(n)]]
-        us = _common.time_sides(sides, "eager")
-        ms = {name: t / 1e3 for name, t in us.items()}
-        point = {"batch": b, "decode_ms": ms["decode"], "k": {}}
-        for k in range(1, MAX_K + 1):
-            v, d = ms[f"verify {k}"], ms[f"draft {k}"]
-            point["k"][str(k)] = {"verify_ms": v, "draft_ms": d,
-                                  "cost_in_decode_steps": (v + d) / ms["decode"],
-                                  "predicted": predictions(ms["decode"], v, d, k)}
-        results["points"].append(point)
-        print(f"B={b:2d} decode {ms['decode']:.2f} ms; " + "; ".join(
-            f"k={k}: verify {ms[f'verify {k}']:.2f} + draft {ms[f'draft {k}']:.2f} ms"
-            for k in range(1, MAX_K + 1)))
+               "kv_type": args.kv_type, "vocab_size": loaded.config.vocab_size,
+               "points": []}
+    points = {b: {"batch": b, "k": {}} for b in args.batches}
+    for k in range(1, MAX_K + 1):
+        spec = {"method": "mtp", "num_speculative_tokens": k}
+        if args.draft_vocab_size is not None:
+            spec["draft_vocab_size"] = args.draft_vocab_size
+        engine = LLMEngine(EngineConfig(
+            model=args.model, device=device, max_model_len=args.context + 64,
+            max_num_seqs=max(args.batches), cache_type_k=args.kv_type,
+            cache_type_v=args.kv_type, speculative_config=spec, warm_up=False,
+            progress=False), loaded=loaded)
+        assert engine.runner.draft_head is not None
+        results["draft_vocab_rows"] = engine.runner.draft_head.num_rows
+        results["graphs"] = engine.runner.verify_graphs is not None
+        seqs = Sequences(engine, max(args.batches), args.context)
+        for b in args.batches:
+            us = _common.time_sides(step_sides(engine, seqs, b, k, hidden_size), "eager")
+            ms = {name: t / 1e3 for name, t in us.items()}
+            rollback = ms.get("rollback", 0.0)
+            points[b]["k"][str(k)] = {
+                "decode_ms": ms["decode"], "verify_ms": ms["verify"], "draft_ms": ms["draft"],
+                "rollback_ms": ms.get("rollback"),
+                "cost_in_decode_steps": (ms["verify"] + ms["draft"]) / ms["decode"],
+                "predicted": predictions(ms["decode"], ms["verify"], ms["draft"], rollback,
+                                         k, b)}
+            print(f"B={b:2d} k={k}: decode {ms['decode']:.2f} ms, verify {ms['verify']:.2f}"
+                  f" ms, draft {ms['draft']:.2f} ms, rollback {rollback:.2f} ms", flush=True)
+        del engine, seqs
+        _common.free_device_memory()
+    results["points"] = list(points.values())
     return results
 
 
 def markdown(res: dict) -> str:
     m = res["meta"]
+    how = ("verify, rollback and draft: the CUDA graphs a steady speculative step replays"
+           if res["graphs"] else "verify and draft: eager (no graphs on the CPU)")
     lines = [
         "# Speculative decoding: the cost side", "",
         _common.meta_line(m), "",
         f"Model {res['model']}, K/V {res['kv_type']}, every sequence at a "
         f"{res['context']}-token context; drafts over {res['draft_vocab_rows']} of "
-        f"{res['vocab_size']} token ids. Decode: the CUDA graph of a plain step; verify "
-        "and draft: eager, as speculative steps run (see the script's docstring). "
-        "Speed-ups are predicted from these costs, not measured end to end: without the "
-        "rollback's cost (upper bound) / with a rollback costed as one more verify step "
-        "after any rejection (lower bound).", "",
-        "| B | k | decode ms | verify ms | draft ms | (verify + draft) / decode | "
+        f"{res['vocab_size']} token ids. Decode: the CUDA graph of a plain step; {how} "
+        "(see the script's docstring). Rollback: k kept rows, the longest re-advance. "
+        "Speed-ups are predicted from these GPU times, not measured end to end "
+        "(`bench_spec_e2e.py` does): tokens per step over (verify + draft + rollback "
+        "whenever a sequence of the batch rejects a draft), in decode steps.", "",
+        "| B | k | decode ms | verify ms | draft ms | rollback ms | (verify + draft) / decode | "
         + " | ".join(f"a={a}" for a in ACCEPTANCE) + " |",
-        "|---|---|---|---|---|---|" + "---|" * len(ACCEPTANCE),
+        "|---|---|---|---|---|---|---|" + "---|" * len(ACCEPTANCE),
     ]
     for p in res["points"]:
         for k, r in p["k"].items():
-            pred = " | ".join(f"{r['predicted'][str(a)]['speedup_no_replay']:.2f}x / "
-                              f"{r['predicted'][str(a)]['speedup_with_replay']:.2f}x"
-                              for a in ACCEPTANCE)
-            lines.append(f"| {p['batch']} | {k} | {p['decode_ms']:.2f} | {r['verify_ms']:.2f}"
-                         f" | {r['draft_ms']:.2f} | {r['cost_in_decode_steps']:.2f} | {pred} |")
+            pred = " | ".join(f"{r['predicted'][str(a)]['speedup']:.2f}x" for a in ACCEPTANCE)
+            rollback = "-" if r["rollback_ms"] is None else f"{r['rollback_ms']:.2f}"
+            lines.append(f"| {p['batch']} | {k} | {r['decode_ms']:.2f} | {r['verify_ms']:.2f}"
+                         f" | {r['draft_ms']:.2f} | {rollback} | "
+                         f"{r['cost_in_decode_steps']:.2f} | {pred} |")
     lines += ["", "Target (issue 39, k = 3, a = 0.7, measured end to end): >= 2.0x at "
               "batch 1, >= 1.3x at batch 8.", ""]
     return "\n".join(lines)

@@ -27,7 +27,6 @@ appended with ``--draft-vocab-size N``).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import random
 import sys
@@ -108,17 +107,6 @@ def decode_rate(engine: LLMEngine, prompts: list[list[int]], output_len: int) ->
             "decode_tokens": tokens}
 
 
-def free_device_memory() -> None:
-    """Give a dropped engine's device memory back before the next engine sizes its K/V
-    pool from what is free: its graphs and pools go only once the reference cycles
-    through it are collected, and the allocator's cache is emptied."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        print(f"  in use after an engine's release: "
-              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB", flush=True)
-
-
 def run(args) -> dict:
     meta = _common.run_meta()
     if args.quick:
@@ -146,7 +134,7 @@ def run(args) -> dict:
                                                     - compiles)
         plain.close()
         del plain
-        free_device_memory()
+        _common.free_device_memory()
         print(f"B={b:2d} plain {point['plain']['decode_tok_s']:.1f} tok/s", flush=True)
         for k in args.ks:
             config = {"method": "mtp", "num_speculative_tokens": k}
@@ -180,7 +168,7 @@ def run(args) -> dict:
                           flush=True)
                 spec.close()
                 del spec
-                free_device_memory()
+                _common.free_device_memory()
         results["points"].append(point)
     return results
 
