@@ -34,7 +34,8 @@ def cases(t: int) -> dict[str, tuple]:
     wv = torch.nn.Parameter(torch.randn(DV, **bf), requires_grad=False)
     q_gate = torch.randn(t, HQ, 2 * D, **bf)
     q, gate = q_gate.chunk(2, dim=-1)  # strided views, as attention passes them
-    cos = torch.randn(t, ROT, **bf)
+    angle = torch.rand(t, ROT, device="cuda") * 6.3  # RoPE's tables hold cos and sin
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
     a = torch.randn(t, HV, **bf)
     a_log = torch.nn.Parameter(torch.randn(HV, device="cuda"), requires_grad=False)
     return {
@@ -42,7 +43,7 @@ def cases(t: int) -> dict[str, tuple]:
         "add_rms_norm": (torch.randn(t, HIDDEN, **bf), torch.randn(t, HIDDEN, **bf), w, 1e-6),
         "rms_norm": (torch.randn(t, HIDDEN, **bf), w, 1e-6),
         "sigmoid_gate": (torch.randn(t, HQ, D, **bf), gate),
-        "qk_norm_rope": (q, torch.randn(t, HKV, D, **bf), wd, wd, cos, cos, 1e-6),
+        "qk_norm_rope": (q, torch.randn(t, HKV, D, **bf), wd, wd, cos, sin, 1e-6),
         "gated_rms_norm": (torch.randn(t, HV, DV, **bf), torch.randn(t, HV, DV, **bf), wv,
                            1e-6),
         "gdn_gates": (a, a, a_log, a_log),
