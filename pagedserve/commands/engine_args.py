@@ -46,15 +46,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
     timing = p.add_mutually_exclusive_group()
     timing.add_argument("--async-scheduling", action="store_true",
                         help="launch each steady step before the previous one's tokens are "
-                             "read back (the default on CUDA without speculative decoding; "
-                             "with it, steady verify steps go ahead)")
+                             "read back (the default on one CUDA GPU; with speculative "
+                             "decoding, where CUDA graphs are on, and then steady verify "
+                             "steps go ahead)")
     timing.add_argument("--no-async-scheduling", action="store_true",
                         help="read each step's tokens back before launching the next")
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding, vLLM\'s JSON: {"method": "mtp", '
                         '"num_speculative_tokens": K} with K in 1..4 (drafts with the '
-                        'checkpoint\'s MTP head; needs synchronous scheduling, so async '
-                        'scheduling is then off); optional "draft_vocab_size": N in '
+                        'checkpoint\'s MTP head); optional "draft_vocab_size": N in '
                         '1..vocab_size drafts over the first N token ids plus the special '
                         'and EOS ids only')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
