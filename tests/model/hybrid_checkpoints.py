@@ -251,10 +251,13 @@ def is_linear_weight(name: str, t: torch.Tensor) -> bool:
 
 
 def to_fp8_checkpoint(src_dir: Path, out_dir: Path,
-                      not_convert: tuple[str, ...] = QWEN_NOT_CONVERTED) -> Path:
+                      not_convert: tuple[str, ...] = QWEN_NOT_CONVERTED,
+                      scale_dtype: torch.dtype = torch.float32) -> Path:
     """Rewrite a float checkpoint (either layout) in the published FP8 layout: every linear
-    weight not matched by ``not_convert`` (suffixes) becomes float8_e4m3fn plus a float32
-    ``weight_scale_inv``, and config.json gains Qwen's ``quantization_config``."""
+    weight not matched by ``not_convert`` (suffixes) becomes float8_e4m3fn plus a
+    ``weight_scale_inv`` of ``scale_dtype``, and config.json gains Qwen's
+    ``quantization_config``. Of an MTP head (``mtp.*``) the decoder layer's projections
+    are converted and ``mtp.fc`` is kept, as in Qwen's published FP8 checkpoints."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -268,13 +271,14 @@ def to_fp8_checkpoint(src_dir: Path, out_dir: Path,
         out = {}
         for name, t in weights.items():
             module = name.removesuffix(".weight")
-            if not is_linear_weight(name, t) or name.startswith(("model.visual.", "mtp.")):
+            if not is_linear_weight(name, t) or name.startswith("model.visual."):
                 out[name] = t
-            elif module.endswith(not_convert):
+            elif module.endswith(not_convert) or module == "mtp.fc":
                 skipped.append(module)
                 out[name] = t
             else:
-                out[name], out[name + "_scale_inv"] = oracle_quantize(t)
+                out[name], scale = oracle_quantize(t)
+                out[name + "_scale_inv"] = scale.to(scale_dtype)
         save_file(out, str(file))
         index = out_dir / "model.safetensors.index.json"
         if index.is_file():

@@ -34,6 +34,7 @@ from hybrid_checkpoints import (
     to_fp8_checkpoint,
     to_published_layout,
 )
+from mtp_checkpoints import build_mtp, save_with_mtp
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForCausalLM
 
@@ -41,6 +42,7 @@ from pagedserve.config import CacheConfig
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
 from pagedserve.model.fp8_linear import Fp8Linear, RowConcatLinear
 from pagedserve.model.loader import LoadedModel, load_model
+from pagedserve.model.mtp import MTPHead
 from pagedserve.model.qwen3_5 import Qwen3_5Model
 from pagedserve.model.weight_footprint import weight_footprint
 from pagedserve.model.weights import packed_sources
@@ -413,3 +415,90 @@ def test_cli_flag_maps_onto_engine_config() -> None:
     assert engine_config(p.parse_args([])).quantization is None
     with pytest.raises(SystemExit):
         p.parse_args(["--quantization", "awq"])
+
+
+# ---- the MTP head -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_mtp_checkpoint(checkpoints, tmp_path_factory) -> Path:
+    """``SHAPE`` with a random MTP head, in the published layout and FP8 format: the head's
+    decoder-layer projections in FP8 with bf16 block scales, ``mtp.fc`` kept in float and
+    listed in ``modules_to_not_convert``, as in Qwen's FP8 checkpoints."""
+    hf = checkpoints(SHAPE).hf_model
+    root = tmp_path_factory.mktemp("fp8-mtp")
+    path = save_with_mtp(hf, build_mtp(hf), root, "vl")
+    return to_fp8_checkpoint(path, root / "fp8", scale_dtype=torch.bfloat16)
+
+
+def assert_mtp_weights_equal(head: torch.nn.Module, config, expected: dict[str, torch.Tensor],
+                             ) -> None:
+    """Every parameter of MTP head ``head`` equals ``expected`` (checkpoint names, float64)
+    rounded to float32, bit for bit; fused parameters against their parts in row order."""
+    with torch.device("meta"):
+        fresh = MTPHead(config)
+    for name, parts in packed_sources(fresh).items():
+        owner, _, attr = name.rpartition(".")
+        module = head.get_submodule(owner)
+        linear = isinstance(module, (torch.nn.Linear, Fp8Linear, RowConcatLinear))
+        got = effective_weight(module) if linear else getattr(module, attr)
+        want = torch.cat([expected["mtp." + p] for p in parts]).float()
+        assert torch.equal(got.float(), want), name
+
+
+def test_published_fp8_mtp_head_loads_bit_for_bit(fp8_mtp_checkpoint) -> None:
+    qc = json.loads((fp8_mtp_checkpoint / "config.json").read_text())["quantization_config"]
+    assert "mtp.fc" in qc["modules_to_not_convert"]
+    raw = load_file(str(fp8_mtp_checkpoint / "mtp.safetensors"))
+    assert raw["mtp.layers.0.mlp.down_proj.weight_scale_inv"].dtype == torch.bfloat16
+    loaded = load_model(fp8_mtp_checkpoint, progress=False, mtp=True)
+    head = loaded.model.mtp
+    assert type(head.fc) is torch.nn.Linear
+    layer = head.layers[0]
+    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                 layer.mlp.down_proj):
+        assert isinstance(proj, Fp8Linear)
+    expected = fp8_oracle_weights(fp8_mtp_checkpoint)
+    assert_mtp_weights_equal(head, loaded.config, expected)
+    assert_weights_equal(loaded.model, expected, "model.language_model.")
+
+
+def test_quantization_fp8_converts_the_mtp_layer_but_not_its_fc(checkpoints, tmp_path) -> None:
+    hf = checkpoints(SHAPE).hf_model
+    path = save_with_mtp(hf, build_mtp(hf), tmp_path, "text")
+    loaded = load_model(path, progress=False, quantization="fp8", mtp=True)
+    raw = load_file(str(path / "mtp.safetensors"))
+    expected = {name: t.double() if name == "mtp.fc.weight" or t.ndim != 2
+                else oracle_dequantize(*oracle_quantize(t)) for name, t in raw.items()}
+    head = loaded.model.mtp
+    assert type(head.fc) is torch.nn.Linear
+    assert isinstance(head.layers[0].mlp.gate_up_proj, Fp8Linear)
+    assert_mtp_weights_equal(head, loaded.config, expected)
+
+
+def test_speculative_greedy_on_the_fp8_checkpoint_is_transformers(checkpoints,
+                                                                  fp8_mtp_checkpoint) -> None:
+    """Drafts from the FP8 head, verified by the FP8 target: the tokens are transformers'
+    greedy tokens over the dequantized weights, and the head's drafts are kept at times."""
+    from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
+    from pagedserve.engine.request import SamplingParams
+
+    lm = "model.language_model."  # the published layout's prefix; transformers' is "model."
+    weights = {k.replace(lm, "model.", 1): v
+               for k, v in fp8_oracle_weights(fp8_mtp_checkpoint).items()
+               if k.startswith(lm) or k == "lm_head.weight"}
+    prompt = checkpoints(SHAPE).prompt
+    ref = hf_reference(hf_with_weights(weights), prompt)
+    engine = LLMEngine(EngineConfig(
+        model=str(fp8_mtp_checkpoint), dtype="float32", progress=False, max_model_len=128,
+        check_integrity=True,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+    engine.add_request("r", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+                                                   ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+    assert tokens == ref.tokens
+    assert engine.spec is not None and engine.spec.stats.num_draft_tokens > 0
+    assert engine.kv.pool.num_used_blocks == 0
