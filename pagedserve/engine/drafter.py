@@ -56,8 +56,8 @@ from pagedserve.engine.batch_builder import SeqChunk, build_forward_batch, table
 from pagedserve.engine.draft_graphs import ProposeGraphs
 from pagedserve.engine.request import Request
 from pagedserve.engine.runner import ModelRunner
-from pagedserve.engine.sampler import SamplingTensors, filtered_logits
-from pagedserve.engine.spec_verify import DRAFT_STREAM, race
+from pagedserve.engine.sampler import SamplingTensors
+from pagedserve.engine.spec_verify import draw_drafts
 from pagedserve.kv.kv_manager import KVCacheManager
 
 
@@ -281,13 +281,13 @@ class MTPDrafter:
         request that drafts a token ``j``: its draw from its own filtered distribution
         over the whole vocabulary, from the draft logits float32 ``[B, N']`` (probability
         0 outside the draft vocabulary), with the draft stream's noise."""
-        for i, w in enumerate(wants):
-            req = w.request
-            if req.params.greedy or j >= w.num_drafts:
-                continue
-            st = SamplingTensors.from_requests([req], self.vocab_size, logits.device,
-                                               tokens_ahead=j)
-            full = self.head.full_logits(logits[i:i + 1])  # [1, V]
-            probs = torch.softmax(filtered_logits(full, st), dim=-1)
-            index = torch.tensor([len(req.output_token_ids) + j], device=logits.device)
-            ids[i:i + 1].copy_(race(probs, req.sample_seed, index, DRAFT_STREAM))
+        rows = [i for i, w in enumerate(wants)
+                if not w.request.params.greedy and j < w.num_drafts]
+        if not rows:
+            return
+        reqs = [wants[i].request for i in rows]
+        st = SamplingTensors.from_requests(reqs, self.vocab_size, logits.device, tokens_ahead=j)
+        at = torch.tensor(rows, device=logits.device)
+        index = torch.tensor([len(r.output_token_ids) + j for r in reqs], device=logits.device)
+        drawn, _ = draw_drafts(self.head.full_logits(logits[at]), st, index)  # [S], [S, V]
+        ids[at] = drawn

@@ -41,8 +41,20 @@ from pagedserve.engine.scheduler import ScheduledChunk, Scheduler
 from pagedserve.kv.kv_manager import KVCacheManager
 
 
+class LaunchedStep:
+    """A step launched before its tokens are read: ``chunks`` says which requests it
+    holds."""
+
+    chunks: list[ScheduledChunk]
+
+    @functools.cached_property
+    def request_ids(self) -> frozenset[int]:
+        """``id()`` of each request the step holds (``LLMEngine.is_in_flight``)."""
+        return frozenset(id(c.request) for c in self.chunks)
+
+
 @dataclass
-class InflightStep:
+class InflightStep(LaunchedStep):
     """A launched forward pass whose sampled tokens the host has not read yet.
 
     ``chunks``: what ran, decode chunks first; ``sampling``: the indices of the chunks that
@@ -55,11 +67,6 @@ class InflightStep:
     sampled: SamplerOutput | None
     readback: HostTokens | None = None
     logits: torch.Tensor | None = None  # [B, V] float32
-
-    @functools.cached_property
-    def request_ids(self) -> frozenset[int]:
-        """``id()`` of each request the step holds (``LLMEngine.is_in_flight``)."""
-        return frozenset(id(c.request) for c in self.chunks)
 
     def host_output(self) -> dict | None:
         """The sampled ids (and logprobs) as lists; waits for the device if needed."""

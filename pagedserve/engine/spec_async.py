@@ -63,7 +63,7 @@ import torch
 
 from pagedserve.engine.batch_builder import build_forward_batch, slots_from_tables
 from pagedserve.engine.drafter import MTPDrafter
-from pagedserve.engine.lookahead import HostTokens, TokenReadback
+from pagedserve.engine.lookahead import HostTokens, LaunchedStep, TokenReadback
 from pagedserve.engine.request import (
     GREEDY_TEMPERATURE,
     MAX_LOGPROBS,
@@ -81,9 +81,9 @@ from pagedserve.engine.sampler import (
 from pagedserve.engine.scheduler import ScheduledChunk
 from pagedserve.engine.spec_verify import (
     ACCEPT_STREAM,
-    DRAFT_STREAM,
     RESIDUAL_STREAM,
     Verified,
+    draw_drafts,
     race_rows,
     uniforms_rows,
 )
@@ -94,7 +94,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class ChainStep:
+class ChainStep(LaunchedStep):
     """A launched speculative step whose tokens the host has not read.
 
     ``chunks``: its verify chunks (a step launched ahead places them as if the step
@@ -119,11 +119,6 @@ class ChainStep:
     sampling: Sampling | None
     logprobs: ChainLogprobs | None
     imposed: list[int] | None
-
-    @functools.cached_property
-    def request_ids(self) -> frozenset[int]:
-        """``id()`` of each request the step holds (``LLMEngine.is_in_flight``)."""
-        return frozenset(id(c.request) for c in self.chunks)
 
     def host_result(self) -> list[list[int]]:
         """``[B][r + 1]``: each sequence's emitted ids, then ``m``; waits for the device."""
@@ -450,9 +445,7 @@ class AsyncSpeculation:
         ``[B, V]``."""
         assert self.engine.runner.draft_head is not None
         full = self.engine.runner.draft_head.full_logits(logits)  # [B, V]
-        st = sampling.settings
-        probs = torch.softmax(filtered_logits(full, st), dim=-1)
-        drawn = race_rows(probs, st.seed_lo, st.seed_hi, sampling.index + j, DRAFT_STREAM)
+        drawn, probs = draw_drafts(full, sampling.settings, sampling.index + j)
         ids.copy_(torch.where(sampling.sampled, drawn, ids))
         return probs
 

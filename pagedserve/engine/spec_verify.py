@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.request import SEED_RANGE, TokenLogprob
-from pagedserve.engine.sampler import _fmix32, exponential_noise
+from pagedserve.engine.sampler import SamplingTensors, _fmix32, exponential_noise, filtered_logits
 
 _M32 = 0xFFFFFFFF
 
@@ -58,6 +58,17 @@ def race_rows(probs: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor,
     lo, hi = _stream_halves(seed_lo, seed_hi, stream)
     noise = exponential_noise(lo, hi, index, probs.shape[1])  # [N, V]
     return (probs / noise).argmax(dim=-1)
+
+
+def draw_drafts(full_logits: torch.Tensor, settings: SamplingTensors,
+                index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled drafts: each row's draw from its own filtered distribution over the whole
+    vocabulary, from the draft logits float32 ``[N, V]`` (``-inf`` outside the draft
+    vocabulary), with the draft stream's noise at output index ``index`` int64 ``[N]``.
+    Returns the ids int64 ``[N]`` and the distributions ``[N, V]`` (the ``q`` that
+    rejection sampling weighs them by)."""
+    probs = torch.softmax(filtered_logits(full_logits, settings), dim=-1)
+    return race_rows(probs, settings.seed_lo, settings.seed_hi, index, DRAFT_STREAM), probs
 
 
 def uniforms(seed: int, index: torch.Tensor, stream: int) -> torch.Tensor:
