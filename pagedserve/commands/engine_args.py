@@ -47,8 +47,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
     timing.add_argument("--async-scheduling", action="store_true",
                         help="launch each steady step before the previous one's tokens are "
                              "read back (the default on one CUDA GPU; with speculative "
-                             "decoding, where CUDA graphs are on, and then steady verify "
-                             "steps go ahead)")
+                             "decoding only where CUDA graphs are on, and then its steady "
+                             "verify steps go ahead)")
     timing.add_argument("--no-async-scheduling", action="store_true",
                         help="read each step's tokens back before launching the next")
     p.add_argument("--speculative-config", default=None,
