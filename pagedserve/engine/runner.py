@@ -62,6 +62,13 @@ log = logging.getLogger(__name__)
 
 # Memory kept free on CUDA for activations of the largest eager step and the allocator.
 DEFAULT_ACTIVATION_RESERVE = 2 << 30
+# The most prefill chunks a step replays one graph each for (``_split_for_graphs``). A
+# graph replay of a 512-row chunk takes about 47 ms on the 27B shape, a short chunk's
+# about a decode step's (the weights read once); the same step run eagerly takes about
+# 170 ms of host launches whatever its chunk count (docs/kernel-decisions.md, "Prefill
+# CUDA graphs"). Two chunks and the decode rows replay in about 110 ms at worst; three
+# 512-row chunks would be about as slow as the eager step.
+MAX_SPLIT_PREFILL_CHUNKS = 2
 
 
 def speculative_graph_bytes(cfg: ModelConfig, rows_per_seq: int, max_seqs: int,
@@ -428,23 +435,34 @@ class ModelRunner:
         return self._forward_logits(batch)
 
     def _split_for_graphs(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Decode rows beside one short prefill chunk: both graphs, one after the other.
+        """Decode rows beside a few short prefill chunks, or a few short chunks alone: the
+        decode graph, then the prefill graph once per chunk, in the batch's row order.
 
-        Such a mixed step, run eagerly, is bound by the host's launches (several times its
-        GPU time); its two halves each fit a captured graph. Every sequence's result is
-        its own either way: sequences share no state within a step. ``None`` when the
-        step does not split so.
+        Such a step, run eagerly, is bound by the host's launches (several times its GPU
+        time); each of its parts fits a captured graph. Every sequence's result is its own
+        either way: sequences share no state within a step. ``None`` when the step does
+        not split so (``MAX_SPLIT_PREFILL_CHUNKS``).
         """
-        if (self.graphs is None or self.prefill_graphs is None or batch.num_decode_seqs == 0
-                or batch.num_seqs != batch.num_decode_seqs + 1 or batch.row_valid is not None
+        if (self.prefill_graphs is None or batch.row_valid is not None
                 or batch.gdn_rounds is not None):
             return None
-        decode, prefill = batch.split_decode()
-        if not self.prefill_graphs.fits(prefill) or not self.graphs.holds(decode):
+        d, b = batch.num_decode_seqs, batch.num_seqs
+        if not 0 < b - d <= MAX_SPLIT_PREFILL_CHUNKS or b == 1:
             return None
-        decode_logits = self.graphs.run(decode)
-        assert decode_logits is not None
-        return torch.cat([decode_logits, self.prefill_graphs.run(prefill)])  # [B, vocab]
+        decode = batch.sequences(0, d) if d else None
+        if decode is not None and (self.graphs is None or not self.graphs.holds(decode)):
+            return None
+        chunks = [batch.sequences(i, i + 1) for i in range(d, b)]
+        if not all(self.prefill_graphs.fits(c) for c in chunks):
+            return None
+        logits = []  # [B, vocab] in parts
+        if decode is not None:
+            assert self.graphs is not None
+            decode_logits = self.graphs.run(decode)
+            assert decode_logits is not None
+            logits.append(decode_logits)
+        logits += [self.prefill_graphs.run(c) for c in chunks]
+        return torch.cat(logits)
 
     def _forward_logits(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch, self.caches)  # [T, H]

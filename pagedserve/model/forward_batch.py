@@ -119,21 +119,18 @@ class ForwardBatch:
         """Tokens cached before this step, per sequence."""
         return [s - n for s, n in zip(self.seq_lens_cpu, self.query_lens_cpu())]
 
-    def split_decode(self) -> tuple[ForwardBatch, ForwardBatch]:
-        """``(decode rows, the rest)``: two batches that together are this one, each
-        indexing its own rows from 0. Needs decode rows, at least one other sequence and no
-        state taps."""
-        d = self.num_decode_seqs
+    def sequences(self, start: int, stop: int) -> ForwardBatch:
+        """Sequences ``start:stop`` as a batch of their own, indexing its rows from 0.
+        Needs no state taps and no padding rows."""
         assert self.gdn_rounds is None, "a batch with state taps does not split"
-        assert 0 < d < self.num_seqs, (d, self.num_seqs)
-        decode = ForwardBatch(
-            self.input_ids[:d], self.positions[:d], self.query_start_loc[:d + 1],
-            self.seq_lens[:d], self.block_tables[:d], self.slot_mapping[:d],
-            self.state_slots[:d], self.logits_indices[:d], d,
-            self.query_start_loc_cpu[:d + 1], self.seq_lens_cpu[:d])
-        rest = ForwardBatch(
-            self.input_ids[d:], self.positions[d:], self.query_start_loc[d:] - d,
-            self.seq_lens[d:], self.block_tables[d:], self.slot_mapping[d:],
-            self.state_slots[d:], self.logits_indices[d:] - d, 0,
-            [q - d for q in self.query_start_loc_cpu[d:]], self.seq_lens_cpu[d:])
-        return decode, rest
+        assert self.row_valid is None, "a padded batch does not split"
+        assert 0 <= start < stop <= self.num_seqs, (start, stop, self.num_seqs)
+        q = self.query_start_loc_cpu
+        first, end = q[start], q[stop]
+        return ForwardBatch(
+            self.input_ids[first:end], self.positions[first:end],
+            self.query_start_loc[start:stop + 1] - first, self.seq_lens[start:stop],
+            self.block_tables[start:stop], self.slot_mapping[first:end],
+            self.state_slots[start:stop], self.logits_indices[start:stop] - first,
+            max(0, min(self.num_decode_seqs, stop) - start),
+            [x - first for x in q[start:stop + 1]], self.seq_lens_cpu[start:stop])

@@ -62,6 +62,52 @@ def test_greedy_output_is_independent_of_batch_composition(make_engine, hf_greed
     assert (engine.stats.num_lookahead_steps > 0) == engine.async_scheduling
 
 
+class EagerGraphStandIn:
+    """Stands in for the decode and prefill CUDA graphs on the CPU: runs each batch it is
+    handed through the eager model, so that a step split for the graphs
+    (``ModelRunner._split_for_graphs``) runs part by part as on CUDA."""
+
+    def __init__(self, runner, max_rows: int) -> None:
+        self.runner, self.max_tokens = runner, max_rows
+
+    def holds(self, batch) -> bool:
+        return batch.is_decode_only
+
+    def fits(self, batch) -> bool:
+        return (batch.num_seqs == 1 and batch.num_decode_seqs == 0 and batch.row_valid is None
+                and batch.num_tokens <= self.max_tokens and batch.gdn_rounds is None)
+
+    def run(self, batch):
+        return self.runner._forward_logits(batch)
+
+
+def test_steps_split_for_the_graphs_give_transformers_tokens(make_engine, hf_greedy):
+    """Decode rows beside two short chunks, and two short chunks alone, run part by part
+    (the decode graph, then the prefill graph once per chunk) and keep every token."""
+    lengths, arrivals = [9, 31, 40, 100, 23, 17, 60], [0, 0, 2, 5, 8, 8, 12]
+    ps = prompts(3, lengths)
+    engine = make_engine(max_num_seqs=8, prefill_chunk=64, max_num_batched_tokens=128,
+                         enable_prefix_caching=False)
+    runner = engine.runner
+    runner.graphs = runner.prefill_graphs = EagerGraphStandIn(runner, 64)
+    split, splits = runner._split_for_graphs, []
+
+    def recording(batch):
+        out = split(batch)
+        if out is not None:
+            splits.append((batch.num_decode_seqs, batch.num_seqs - batch.num_decode_seqs))
+        return out
+
+    runner._split_for_graphs = recording
+    got = run_with_arrivals(engine, [(a, f"r{i}", p, greedy(12)) for i, (a, p) in
+                                     enumerate(zip(arrivals, ps))])
+    for i, p in enumerate(ps):
+        assert got[f"r{i}"] == hf_greedy(p, 12), f"request r{i}"
+    assert (0, 2) in splits and any(d > 0 and n == 2 for d, n in splits), splits
+    assert engine.kv.pool.num_used_blocks == 0
+    assert engine.runner.state_pool.num_used_slots == 0
+
+
 def test_preemption_recomputes_exactly(make_engine, hf_greedy):
     ps = prompts(0, LENGTHS)
     # 10 blocks of 16 = 160 tokens for five sequences that want up to 104 each.

@@ -24,10 +24,10 @@ def _engine(model_dir, **kw) -> LLMEngine:
     # Every prefill chunk fits the 64-row graphs, idle steps included.
     kw.setdefault("prefill_chunk", 64)
     kw.setdefault("idle_prefill_chunk", 64)
+    kw.setdefault("max_num_seqs", 4)
     return LLMEngine(EngineConfig(
-        model=str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=4,
-        max_num_batched_tokens=128, max_model_len=512, check_integrity=True,
-        progress=False, **kw))
+        model=str(model_dir), device="cuda", dtype="bfloat16", max_num_batched_tokens=128,
+        max_model_len=512, check_integrity=True, progress=False, **kw))
 
 
 def greedy(n: int) -> SamplingParams:
@@ -60,18 +60,28 @@ def test_prefill_graphs_match_eager_prefill(model_dir, kv_type):
 
 @pytest.mark.parametrize("kv_type", ["f16", "q4_0"])
 def test_mixed_steps_split_into_both_graphs(model_dir, kv_type):
-    # Prompts arriving while others decode: steps of decode rows plus one chunk replay the
-    # decode graph and the prefill graph, and give the eager steps' tokens.
-    lengths, arrivals = [9, 40, 100, 23, 60], [0, 2, 5, 6, 12]
+    # Prompts arriving while others decode, one or two at a time: steps of decode rows
+    # beside their chunks, and of two chunks alone, replay the decode graph and the prefill
+    # graph once per chunk, and give the eager steps' tokens.
+    lengths, arrivals = [9, 31, 40, 100, 23, 17, 60], [0, 0, 2, 5, 8, 8, 12]
     items = [(a, f"r{i}", p, greedy(20))
              for i, (a, p) in enumerate(zip(arrivals, prompts(7, lengths)))]
-    graphs = _engine(model_dir, cache_type_k=kv_type, cache_type_v=kv_type)
-    splits = []
+    graphs = _engine(model_dir, cache_type_k=kv_type, cache_type_v=kv_type, max_num_seqs=8)
+    splits = []  # (decode rows, prefill chunks) of each step that split
     split = graphs.runner._split_for_graphs
-    graphs.runner._split_for_graphs = lambda batch: splits.append(batch.num_seqs) or split(batch)
+
+    def recording(batch):
+        out = split(batch)
+        if out is not None:
+            splits.append((batch.num_decode_seqs, batch.num_seqs - batch.num_decode_seqs))
+        return out
+
+    graphs.runner._split_for_graphs = recording
     got = run_keeping_requests(graphs, items)
-    eager = _engine(model_dir, cache_type_k=kv_type, cache_type_v=kv_type, cuda_graphs=False)
+    eager = _engine(model_dir, cache_type_k=kv_type, cache_type_v=kv_type, max_num_seqs=8,
+                    cuda_graphs=False)
     assert_equal_or_near_ties(got, run_keeping_requests(eager, items))
+    assert (0, 2) in splits and any(d > 0 and n == 2 for d, n in splits), splits
     assert len(splits) >= 4 and graphs.kv.pool.num_used_blocks == 0
 
 
