@@ -1,7 +1,8 @@
 """FP8 weights against bf16 through the whole engine, on the Qwen3.5-27B shape.
 
 Issue 37's engine-level targets, bf16 and FP8 side by side in one run (one after the
-other: both weight sets do not fit one GPU at once). Random bf16 weights of the real
+other, each in a fresh process: both weight sets do not fit one GPU at once, and what one
+side's engine leaves cached must not shrink the other's K/V pool). Random bf16 weights of the real
 shape; the FP8 side quantizes the same weights while loading (``quantization="fp8"``,
 128x128 blocks, as ``--quantization fp8`` does). Each side builds one engine with the
 server's step sizes and paged q4_0 K/V, then measures through ``LLMEngine.step()``
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -150,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_fp8_engine needs a CUDA GPU", file=sys.stderr)
         return 2
     res = {"meta": _common.run_meta(), "sides": {}}
+    spawn = multiprocessing.get_context("spawn")
     for side in args.sides:
-        res["sides"][side] = run_side(side, args.steps, args.warmup)
+        with spawn.Pool(1) as worker:
+            res["sides"][side] = worker.apply(run_side, (side, args.steps, args.warmup))
     paths = _common.write_outputs(args.out, "fp8_engine", res, markdown(res),
                                   lambda p: figure(res, p))
     print(markdown(res))
