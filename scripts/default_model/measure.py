@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 import time
@@ -82,20 +83,49 @@ def kv_agreement(lm: LoadedModel, kv_types: tuple[str, ...], prompts: tuple[str,
             for kv, h in hits.items()}
 
 
-def generate(engine: LLMEngine, prompts: list[str], n: int) -> tuple[list[list[int]], float]:
-    """Each prompt alone (batch 1), greedy, ``n`` tokens; the outputs and tok/s."""
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    outputs, seconds = [], 0.0
+def generate(engine: LLMEngine, prompts: list[str], n: int,
+             logprobs: int | None = None) -> tuple[list[list[int]], float, list[list]]:
+    """Each prompt alone (batch 1), greedy, ``n`` tokens; the outputs, tok/s and, with
+    ``logprobs``, each output token's ``TokenLogprob``."""
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    outputs, scores, seconds = [], [], 0.0
     for i, prompt in enumerate(prompts):
         t0 = time.perf_counter()
         engine.add_request(str(i), prompt, params)
         ids: list[int] = []
+        lps: list = []
         while engine.has_unfinished_requests():
             for o in engine.step():
                 ids += o.new_token_ids
+                lps += o.new_logprobs
         seconds += time.perf_counter() - t0
         outputs.append(ids)
-    return outputs, sum(map(len, outputs)) / seconds
+        scores.append(lps)
+    return outputs, sum(map(len, outputs)) / seconds, scores
+
+
+def divergence_gaps(got: list[list[int]], got_lp: list[list], ref: list[list[int]],
+                    ref_lp: list[list]) -> list[float | None]:
+    """Per prompt, at the first token where ``got`` and ``ref`` differ (``None``: they do
+    not): how far either run's own choice scored above the other's, in nats, the larger of
+    the two (``inf`` when one run did not list the other's token in its top logprobs).
+    Rounding moves a score by far less than a nat: a small gap is a near tie of the two
+    choices, a large one a wrong token."""
+    def score(lp, token: int) -> float:
+        listed = dict(lp.top)
+        listed.setdefault(lp.token_id, lp.logprob)
+        return listed.get(token, -math.inf)
+
+    gaps: list[float | None] = []
+    for g, gl, r, rl in zip(got, got_lp, ref, ref_lp):
+        at = next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), None)
+        if at is None:
+            gaps.append(None)
+            continue
+        a, b = g[at], r[at]
+        gaps.append(max(score(gl[at], a) - score(gl[at], b),
+                        score(rl[at], b) - score(rl[at], a)))
+    return gaps
 
 
 def agreement(got: list[list[int]], ref: list[list[int]]) -> float:
@@ -114,9 +144,10 @@ def speculation(path: Path, lm: LoadedModel, n: int, draft_vocab_size: int | Non
     exact = device == "cpu"  # float32 on the CPU: speculation must not change a token
     base = dict(model=str(path), device=device, dtype="float32" if exact else "bfloat16",
                 max_model_len=512, max_num_seqs=1, progress=False)
+    logprobs = None if exact else 5  # on the GPU: how near a tie each divergence is
     plain_engine = LLMEngine(EngineConfig(**base), loaded=lm)
     generate(plain_engine, list(PROMPTS[:1]), 8)  # the first request's own costs, untimed
-    plain, plain_rate = generate(plain_engine, list(PROMPTS), n)
+    plain, plain_rate, plain_lp = generate(plain_engine, list(PROMPTS), n, logprobs)
     del plain_engine
     out: dict[str, Any] = {"plain_tok_s": plain_rate, "mtp": {}}
     if draft_vocab_size is not None:
@@ -129,12 +160,14 @@ def speculation(path: Path, lm: LoadedModel, n: int, draft_vocab_size: int | Non
         generate(engine, list(PROMPTS[:1]), 8)
         assert engine.spec is not None
         engine.spec.reset_stats()
-        got, rate = generate(engine, list(PROMPTS), n)
+        got, rate, got_lp = generate(engine, list(PROMPTS), n, logprobs)
         out["mtp"][str(k)] = {"tok_s": rate,
                               "mean_acceptance_length": engine.spec.stats.mean_acceptance_length,
                               "identical_to_plain": got == plain}
         if not exact:
             out["mtp"][str(k)]["agreement_with_plain"] = agreement(got, plain)
+            out["mtp"][str(k)]["divergence_gaps_nats"] = divergence_gaps(
+                got, got_lp, plain, plain_lp)
         print(f"k={k}: {out['mtp'][str(k)]} (plain {plain_rate:.1f} tok/s)", flush=True)
         del engine
         if exact and got != plain:

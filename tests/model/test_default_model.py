@@ -10,6 +10,7 @@ difference the two texts part ways, so it measures only the longest identical pr
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
@@ -106,3 +107,24 @@ def test_quantized_kv_agrees_with_f16(loaded, kv_type: str, floor: float,
           f"token (teacher-forced), {got['free_running']:.1%} free-running")
     record_property(f"{kv_type}_agreement_with_f16", got["teacher_forced"])
     assert got["teacher_forced"] >= floor
+
+
+def test_divergence_gap_is_the_larger_of_the_two_runs_margins() -> None:
+    """``measure.divergence_gaps``: at the first differing token, each run's margin of its
+    own choice over the other's, the larger; unlisted tokens count as -inf."""
+    from pagedserve.engine.request import TokenLogprob
+
+    def lp(token: int, top: list[tuple[int, float]]) -> TokenLogprob:
+        return TokenLogprob(token, dict(top)[token], top)
+
+    same = lp(5, [(5, -0.1), (6, -2.5)])
+    got = [[5, 7, 1], [5, 5], [5, 9]]
+    ref = [[5, 8, 1], [5, 5], [5, 3]]
+    got_lp = [[same, lp(7, [(7, -0.70), (8, -0.72)]), same], [same, same],
+              [same, lp(9, [(9, -0.2), (4, -3.0)])]]
+    ref_lp = [[same, lp(8, [(8, -0.69), (7, -0.74)]), same], [same, same],
+              [same, lp(3, [(3, -0.5), (9, -1.5)])]]
+    gaps = measure.divergence_gaps(got, got_lp, ref, ref_lp)
+    assert gaps[0] == pytest.approx(0.05)  # ref's margin, 0.05 > got's 0.02
+    assert gaps[1] is None
+    assert gaps[2] == math.inf  # got never listed ref's token 3
