@@ -269,6 +269,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         eos = () if params.ignore_eos else self.loaded.generation.eos_token_ids
         req = Request(request_id, ids, params, eos_token_ids=eos)
         self.scheduler.check_fits(req)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for each logit_bias value
 SEED_RANGE = 2**64  # seeds are unsigned 64-bit: the sampler hashes two 32-bit halves
 # Temperatures below this sample as greedy: dividing logits by a smaller one overflows
 # float32 to inf (vLLM uses the same threshold).
@@ -42,7 +43,9 @@ class SamplingParams:
     stop strings cannot end the request before that many tokens. With
     ``include_stop_str_in_output`` the stop string that ends the request stays in its
     text. ``structured``: a grammar the output must match (``engine/structured.py``).
-    Every float is finite.
+    ``logit_bias``: ``(token id, bias)`` pairs added to those tokens' logits before the
+    penalties and filters (OpenAI's field; a bias of -100 bans a token, +100 all but
+    forces it); logprobs stay the model's own. Every float is finite.
     """
 
     max_tokens: int = 16
@@ -61,6 +64,7 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     structured: GrammarSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -93,6 +97,15 @@ class SamplingParams:
                "stop strings must be non-empty strings")
         _check(len(self.stop) <= MAX_STOP_STRINGS,
                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for token, bias in self.logit_bias:
+            _check(isinstance(token, int) and token >= 0,
+                   f"logit_bias token ids must be integers >= 0, got {token!r}")
+            _check(isinstance(bias, (int, float)) and math.isfinite(bias)
+                   and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                   f"logit_bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, "
+                   f"{MAX_LOGIT_BIAS:g}], got {bias!r}")
+        _check(len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
+               "logit_bias names a token id twice")
 
     @property
     def greedy(self) -> bool:

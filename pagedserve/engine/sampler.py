@@ -37,6 +37,7 @@ class SamplingTensors:
         seed_lo, seed_hi: int64 ``[B]`` 32-bit halves of each request's seed
         step: int64 ``[B]`` output index of the token being drawn
         prompt_ids, output_ids: int64 ``[B, L]`` padded with ``vocab_size`` (ignored)
+        bias: float32 ``[B, V]``, each row's ``logit_bias`` (``None``: no row has one)
         flags (host): which stages any row needs; ``max_logprobs`` (0 = none)
     """
 
@@ -58,6 +59,7 @@ class SamplingTensors:
     any_min_p: bool
     any_penalty: bool
     max_logprobs: int
+    bias: torch.Tensor | None = None
 
     @classmethod
     def from_requests(
@@ -102,6 +104,7 @@ class SamplingTensors:
             any_penalty=any_out,
             max_logprobs=max((p.logprobs or 0) for p in ps) if any(
                 p.logprobs is not None for p in ps) else -1,
+            bias=_bias(ps, vocab_size, device),
         )
 
 
@@ -111,7 +114,9 @@ class SamplingTensors:
 
     def first_rows(self, n: int) -> SamplingTensors:
         """The first ``n`` rows (per-row settings only: no token histories)."""
-        return replace(self, **{name: getattr(self, name)[:n] for name in self.ROW_FIELDS})
+        bias = self.bias[:n] if self.bias is not None else None
+        return replace(self, **{name: getattr(self, name)[:n] for name in self.ROW_FIELDS},
+                       bias=bias)
 
     def rows_repeated(self, n: int, step: torch.Tensor,
                       output_ids: torch.Tensor | None = None) -> SamplingTensors:
@@ -122,8 +127,9 @@ class SamplingTensors:
         rows = {name: getattr(self, name).repeat_interleave(n) for name in self.ROW_FIELDS}
         prompt = (self.prompt_ids.repeat_interleave(n, dim=0)
                   if self.prompt_ids is not None else None)
+        bias = self.bias.repeat_interleave(n, dim=0) if self.bias is not None else None
         return replace(self, **{**rows, "step": step}, prompt_ids=prompt,
-                       output_ids=output_ids)
+                       output_ids=output_ids, bias=bias)
 
     @classmethod
     def along_drafts(cls, request: Request, drafts: list[int], vocab_size: int,
@@ -156,11 +162,25 @@ def uses_host_history(requests: list[Request]) -> bool:
 
 
 def plain_argmax(requests: list[Request]) -> bool:
-    """Whether every request takes the plain argmax: greedy, no penalties, no logprobs.
-    ``sample`` would then compute exactly ``logits.argmax(-1)``, so the caller can skip
-    building the per-row settings (their host work and copies)."""
+    """Whether every request takes the plain argmax: greedy, no penalties, no logit bias,
+    no logprobs. ``sample`` would then compute exactly ``logits.argmax(-1)``, so the caller
+    can skip building the per-row settings (their host work and copies)."""
     ps = [r.params for r in requests]
-    return all(p.greedy and p.logprobs is None for p in ps) and not _any_penalty(ps)
+    return all(p.greedy and p.logprobs is None and not p.logit_bias for p in ps) \
+        and not _any_penalty(ps)
+
+
+def _bias(ps: list[SamplingParams], vocab_size: int,
+          device: torch.device | str) -> torch.Tensor | None:
+    """float32 ``[B, V]``: each row's ``logit_bias`` (zero elsewhere); ``None`` when no row
+    has one. Ids at or past ``vocab_size`` are the caller's to refuse (``make_request``)."""
+    pairs = [(row, t, b) for row, p in enumerate(ps) for t, b in p.logit_bias]
+    if not pairs:
+        return None
+    bias = torch.zeros(len(ps), vocab_size, dtype=torch.float32)
+    rows, ids, values = zip(*pairs)
+    bias[list(rows), list(ids)] = torch.tensor(values, dtype=torch.float32)
+    return bias.to(device, non_blocking=True)
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
@@ -189,7 +209,7 @@ def sample(logits: torch.Tensor, st: SamplingTensors,
     (int32 ``[B, ceil(V / 32)]``, ``engine/structured.py``) only among allowed tokens.
     Logprobs stay those of the model's own distribution."""
     raw = logits.float()
-    x = apply_penalties(raw, st) if st.any_penalty else raw
+    x = adjusted_logits(raw, st)
     if token_bitmask is not None:
         x = apply_token_bitmask(x, token_bitmask)
     greedy_ids = x.argmax(dim=-1)
@@ -237,6 +257,13 @@ def ban_tokens(bitmask: torch.Tensor | None, bans: list[tuple[int, list[int]]], 
     host = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     host_gpu = host.to(device, non_blocking=True)
     return host_gpu if bitmask is None else bitmask & host_gpu
+
+
+def adjusted_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """``logits`` float32 ``[B, V]`` with each row's ``logit_bias`` added, then its
+    penalties applied (vLLM's order); ``logits`` itself when no row has either."""
+    x = logits if st.bias is None else logits + st.bias
+    return apply_penalties(x, st) if st.any_penalty else x
 
 
 def apply_penalties(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -40,11 +40,12 @@ What the host cannot know at launch time it covers:
   launched after N+1, on the same stream), N+1's rows of it are dropped when N+1 is
   read, and its state, moved past its tokens, is not checkpointed.
 - **What goes ahead**: steps whose every chunk verifies ``k`` drafts, whose requests have
-  no grammar and no ``min_tokens`` still to reach, while the head of the queue cannot be
-  admitted, and whose batch the verify, rollback and draft graphs hold. Any other step
-  runs synchronously once nothing is in flight. Logprobs are computed on the device with
-  the decision and read back beside the tokens; penalties count each sequence's outputs
-  in a history kept on the device (``Sampling``), grown by each step's kept tokens.
+  no grammar, no logit bias and no ``min_tokens`` still to reach, while the head of the
+  queue cannot be admitted, and whose batch the verify, rollback and draft graphs hold.
+  Any other step runs synchronously once nothing is in flight. Logprobs are computed on
+  the device with the decision and read back beside the tokens; penalties count each
+  sequence's outputs in a history kept on the device (``Sampling``), grown by each step's
+  kept tokens.
 
 The tokens are the synchronous engine's: the decisions are ``verify_greedy``'s and
 ``verify_sampled``'s, with the noise of the same output indices (the index of a step's
@@ -306,11 +307,11 @@ class AsyncSpeculation:
         return self._chain(chunks, batch, prev.tail_hidden, prev.tail_logits, sampling)
 
     def _steady(self, reqs: list[Request]) -> bool:
-        """Whether a chain may run ``reqs``: no grammar, no ``min_tokens`` left to reach,
-        and a batch every graph holds."""
+        """Whether a chain may run ``reqs``: no grammar, no logit bias, no ``min_tokens``
+        left to reach, and a batch every graph holds."""
         if not self.graphs_ready():
             return False
-        if any(q.grammar is not None or q.resume_hidden is not None
+        if any(q.grammar is not None or q.resume_hidden is not None or q.params.logit_bias
                or len(q.output_token_ids) < q.params.min_tokens for q in reqs):
             return False
         rn, n = self.engine.runner, len(reqs)

@@ -112,7 +112,7 @@ from pagedserve.engine.prefix_cache import logits_with_cached_rows
 from pagedserve.engine.request import Request, RequestStatus, TokenLogprob
 from pagedserve.engine.sampler import (
     SamplingTensors,
-    apply_penalties,
+    adjusted_logits,
     apply_token_bitmask,
     ban_tokens,
     filtered_logits,
@@ -375,14 +375,15 @@ class SpeculativeDecoding:
         bans = [(j, stops) for j in range(d + 1) if done + j < req.params.min_tokens and stops]
         bitmask = ban_tokens(bitmask, bans, d + 1, e.vocab_size, target.device)
         allowed = target if bitmask is None else apply_token_bitmask(target, bitmask)
-        # Per-row settings cost host work: built only where penalties or sampling read them.
+        # Per-row settings cost host work: built only where a bias, penalties or sampling
+        # read them.
         st = None
-        if has_penalty(req.params) or not req.params.greedy:
+        if has_penalty(req.params) or req.params.logit_bias or not req.params.greedy:
             st = SamplingTensors.along_drafts(req, draft.token_ids, e.vocab_size,
                                               target.device)
-        scores = allowed if st is None or not st.any_penalty else apply_penalties(allowed, st)
+        scores = allowed if st is None else adjusted_logits(allowed, st)
         if req.params.greedy:
-            unchanged = scores is target  # no mask, ban or penalty: ``best`` holds
+            unchanged = scores is target  # no mask, ban, bias or penalty: ``best`` holds
             tokens = verify_greedy(scores, draft.token_ids, best if unchanged else None)
         else:
             assert st is not None

@@ -6,7 +6,7 @@ coercion -- and refuse fields they do not know (``request_body.py``; ``user`` an
 Numeric ranges are declared on the fields, so ``/docs`` shows them and a bad value fails
 naming the field, the value and the accepted range (``errors.py`` turns pydantic's report
 into an OpenAI error). ``SamplingParams`` checks the same ranges again as the engine's own
-contract. Parameters pagedserve cannot honour (``logit_bias``, ``prompt_logprobs``...) are
+contract. Parameters pagedserve cannot honour (``prompt_logprobs``...) are
 refused by name, never silently ignored. Tools and output constraints have their own
 module, ``agent_protocol.py``.
 
@@ -57,7 +57,6 @@ SEED_MIN, SEED_END = -(2**63), 2**64
 # Parameters of vLLM or OpenAI that change the output and that pagedserve does not
 # implement: each is refused by name.
 UNSUPPORTED = {
-    "logit_bias": "logit_bias is not supported",
     "prompt_logprobs": "prompt_logprobs is not supported: the engine computes logits only "
                        "at the positions it samples",
     "chat_template": "chat_template is not supported: the server renders every chat with "
@@ -105,8 +104,7 @@ class SamplingFields(RequestBody):
     @model_validator(mode="after")
     def _refuse_unsupported_common(self) -> SamplingFields:
         for name, message in UNSUPPORTED.items():
-            if getattr(self, name, None) is not None and \
-                    (name != "logit_bias" or self.logit_bias):
+            if getattr(self, name, None) is not None:
                 raise ValueError(message)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")

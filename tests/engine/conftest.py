@@ -43,20 +43,25 @@ def make_engine(request, loaded, model_dir):
 
 @pytest.fixture(scope="session")
 def hf_greedy(model_dir):
-    """``hf_greedy(prompt_ids, n) -> ids``: transformers' model and KV cache, argmax."""
+    """``hf_greedy(prompt_ids, n, bias=()) -> ids``: transformers' model and KV cache,
+    argmax of the logits with ``bias`` (``(token id, value)`` pairs) added."""
     model = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     @functools.cache
-    def run(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+    def run(prompt: tuple[int, ...], n: int,
+            bias: tuple[tuple[int, float], ...]) -> tuple[int, ...]:
         ids = torch.tensor([prompt])
         past, out = None, []
         with torch.no_grad():
             for _ in range(n):
                 o = model(input_ids=ids, past_key_values=past, use_cache=True)
                 past = o.past_key_values
-                token = int(o.logits[0, -1].argmax())
+                logits = o.logits[0, -1].double()
+                for t, b in bias:
+                    logits[t] += b
+                token = int(logits.argmax())
                 out.append(token)
                 ids = torch.tensor([[token]])
         return tuple(out)
 
-    return lambda prompt, n: list(run(tuple(prompt), n))
+    return lambda prompt, n, bias=(): list(run(tuple(prompt), n, tuple(bias)))

@@ -108,6 +108,26 @@ def test_steps_split_for_the_graphs_give_transformers_tokens(make_engine, hf_gre
     assert engine.runner.state_pool.num_used_slots == 0
 
 
+def test_logit_bias_gives_transformers_tokens_over_the_biased_logits(make_engine, hf_greedy):
+    """A biased request beside unbiased ones: its tokens are transformers' argmax of the
+    logits plus its bias, theirs stay plain."""
+    ps = prompts(4, [11, 23, 7])
+    plain = hf_greedy(ps[0], 10)
+    bias = tuple({plain[0]: -4.0, plain[1]: -4.0, 65: 2.5}.items())
+    want = hf_greedy(ps[0], 10, bias)
+    assert want != plain  # the bias changes the path
+    engine = make_engine(max_num_seqs=3)
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logit_bias=bias),
+              greedy(10), greedy(10)]
+    got = run_with_arrivals(engine, [(0, f"r{i}", p, q) for i, (p, q) in
+                                     enumerate(zip(ps, params))])
+    assert got["r0"] == want
+    assert got["r1"] == hf_greedy(ps[1], 10) and got["r2"] == hf_greedy(ps[2], 10)
+    with pytest.raises(ValueError, match=r"logit_bias token id 999999 is outside the "
+                                         r"vocabulary \[0, "):
+        engine.add_request("bad", ps[0], SamplingParams(logit_bias=((999999, 1.0),)))
+
+
 def test_preemption_recomputes_exactly(make_engine, hf_greedy):
     ps = prompts(0, LENGTHS)
     # 10 blocks of 16 = 160 tokens for five sequences that want up to 104 each.

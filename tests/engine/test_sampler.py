@@ -174,3 +174,47 @@ def test_masked_tokens_never_win_the_race():
             requests(params, seeds=list(range(rows)), outputs=[[0] * step] * rows), vocab,
             "cpu")
         assert set(sample(logits, st, words).token_ids.tolist()) <= {1, 2}, step
+
+
+def test_logit_bias_shifts_the_distribution_draws_follow():
+    """Draws follow softmax(logits + bias) (float64 reference), before temperature."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    p = SamplingParams(temperature=0.8, logit_bias=((0, -2.0), (5, 4.5)))
+    n = 6000
+    reqs = requests([p] * n, seeds=list(range(n)))
+    st = SamplingTensors.from_requests(reqs, 6, "cpu")
+    counts = torch.bincount(sample(logits.expand(n, -1), st).token_ids, minlength=6).double()
+    biased = logits[0].double() + torch.tensor([-2.0, 0, 0, 0, 0, 4.5], dtype=torch.float64)
+    expected = torch.softmax(biased / 0.8, 0) * n
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 20.5  # 5 degrees of freedom: p ~ 0.001
+
+
+def test_logit_bias_comes_before_the_penalties_and_leaves_logprobs_alone():
+    torch.manual_seed(4)
+    logits = torch.randn(2, V) * 2
+    bias = ((3, 1.5), (7, -100.0))
+    p = SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=2, logit_bias=bias)
+    output = [3, 9]
+    ref = logits[0].double().clone()
+    ref[3] += 1.5
+    ref[7] -= 100.0
+    for t in set(output) | {1, 2}:  # the prompt is [1, 2, 3]
+        ref[t] = ref[t] / 1.5 if ref[t] > 0 else ref[t] * 1.5
+    out = draw(logits, [p, SamplingParams(temperature=0.0, logprobs=2)],
+               outputs=[output, output])
+    assert out.token_ids[0] == ref.argmax() and out.token_ids[1] == logits[1].argmax()
+    assert not plain_argmax(requests([p])) and plain_argmax(requests(
+        [SamplingParams(temperature=0.0)]))
+    own = torch.log_softmax(logits[0].double(), -1)
+    assert abs(out.sampled_logprob[0].item() - own[out.token_ids[0]].item()) < 1e-6
+
+
+def test_logit_bias_refuses_what_openai_refuses():
+    for bias, match in (
+            (((1, 100.5),), r"logit_bias of token 1 must be in \[-100, 100\], got 100.5"),
+            (((1, math.inf),), "logit_bias of token 1"),
+            (((-3, 1.0),), "token ids must be integers >= 0, got -3"),
+            (((2, 1.0), (2, 3.0)), "names a token id twice")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(logit_bias=bias)
