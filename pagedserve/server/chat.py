@@ -183,7 +183,8 @@ async def create_chat_completion(body: ChatCompletionRequest,
 
     def params_for(ids: list[int], i: int) -> SamplingParams:
         params = build_sampling_params(body, defaults, max_tokens=max_tokens,
-                                       choice_index=i, logprobs=logprobs)
+                                       vocab_size=ctx.llm.vocab_size, choice_index=i,
+                                       logprobs=logprobs)
         return dataclasses.replace(params, structured=spec)
 
     rid = new_request_id("chatcmpl")

@@ -95,7 +95,8 @@ async def create_completion(body: CompletionRequest,
     reqs = await asyncio.to_thread(
         make_requests, ctx, rid, prompts, body.n,
         lambda ids, i: dataclasses.replace(
-            build_sampling_params(body, defaults, max_tokens=max_tokens, choice_index=i,
+            build_sampling_params(body, defaults, max_tokens=max_tokens,
+                                  vocab_size=ctx.llm.vocab_size, choice_index=i,
                                   logprobs=body.logprobs), structured=spec),
         "prompt")
     job = EngineJob(ctx, reqs)

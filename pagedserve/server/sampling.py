@@ -45,23 +45,26 @@ def check_context(max_tokens: int | None, num_prompt_tokens: int, max_model_len:
             f"({max_tokens} > {max_model_len} - {num_prompt_tokens})", param=param)
 
 
-def logit_bias_pairs(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+def logit_bias_pairs(bias: dict[str, float] | None,
+                     vocab_size: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias`` (token ids as JSON object keys) as ``(id, bias)`` pairs;
-    400 naming a key that is not a token id. Values and the vocabulary's range are
-    checked where the engine takes them."""
+    400 naming a key that is not a token id of the vocabulary. The values' range is
+    ``SamplingParams``'."""
     pairs = []
     for key, value in (bias or {}).items():
         try:
             token = int(key)
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids (integers as strings), "
-                              f"got {key!r}", param="logit_bias") from None
+            token = -1
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), "
+                              f"got {key!r}", param="logit_bias")
         pairs.append((token, value))
     return tuple(pairs)
 
 
 def build_sampling_params(body: SamplingFields, defaults: GenerationDefaults, *,
-                          max_tokens: int, choice_index: int = 0,
+                          max_tokens: int, vocab_size: int, choice_index: int = 0,
                           logprobs: int | None = None) -> SamplingParams:
     """The engine's parameters for choice ``choice_index`` of ``body``.
 
@@ -90,7 +93,7 @@ def build_sampling_params(body: SamplingFields, defaults: GenerationDefaults, *,
             logprobs=logprobs,
             min_tokens=body.min_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
-            logit_bias=logit_bias_pairs(body.logit_bias),
+            logit_bias=logit_bias_pairs(body.logit_bias, vocab_size),
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None

@@ -359,3 +359,22 @@ def test_each_verify_row_counts_the_outputs_and_the_drafts_before_it() -> None:
     assert [[t for t in row if t != vocab] for row in after.outputs.tolist()] == \
         [[3, 4, 10, 11, 30], [7, 25]]
     assert after.index.tolist() == [5, 2] and after.outputs.shape[1] == 12
+
+
+def test_logit_bias_steps_run_synchronously_with_the_plain_engines_tokens(spec_model) -> None:
+    """A request with a logit bias takes no chain: its verify steps run synchronously,
+    where the bias scores every verify row, and its tokens are plain decoding's under the
+    same bias."""
+    refs = spec_model[2]
+    bias = tuple({refs[0][0]: -5.0, refs[0][2]: -5.0, 17: 2.0}.items())
+    lengths = [NEW, NEW - 7, NEW - 3]
+    plain = run_keeping_requests(make_engine(spec_model, None, max_num_seqs=3),
+                                 staggered(lengths, logit_bias=bias))
+    want = [plain[str(i)].output_token_ids for i in range(3)]
+    assert want[0] != refs[0]
+    for async_scheduling in (False, True):
+        engine = graphed_engine(spec_model, 3, async_scheduling)
+        got = run_keeping_requests(engine, staggered(lengths, logit_bias=bias))
+        assert [got[str(i)].output_token_ids for i in range(3)] == want
+        assert engine.stats.num_lookahead_steps == 0 and engine.spec.stats.num_drafts > 0
+        assert_all_free(engine)

@@ -123,8 +123,12 @@ CASES = {
     "surrogate in model": (CMPL, b'{"prompt": "x", "model": "\\ud800"}', 400, "model", []),
     "surrogate in tokenize": ("/tokenize", b'{"prompt": "a\\ud800b"}', 400, "prompt",
                               ["not valid Unicode"]),
-    "logit_bias": (CHAT, {"messages": USER, "logit_bias": {"1": 5}}, 400, None,
-                   ["logit_bias"]),
+    "logit_bias key not an id": (CHAT, {"messages": USER, "logit_bias": {"a": 5}}, 400,
+                                 "logit_bias", ["logit_bias", "'a'", "[0, "]),
+    "logit_bias id past the vocabulary": (CMPL, {"prompt": "x", "logit_bias": {"999999": 1}},
+                                          400, "logit_bias", ["'999999'", "[0, "]),
+    "logit_bias value out of range": (CMPL, {"prompt": "x", "logit_bias": {"3": 100.5}},
+                                      400, None, ["logit_bias", "100.5", "[-100, 100]"]),
     "tool without its function": (CHAT, {"messages": USER, "tools": [{"type": "function"}]},
                                   400, "tools[0].function", ["missing", "tools[0].function"]),
     "image content": (CHAT, {"messages": [{"role": "user", "content": [
@@ -229,3 +233,22 @@ def test_max_tokens_beyond_the_context_is_refused_through_openai(server):
         client(server).completions.create(model="qwen3.5-tiny-random-v2", prompt=[1, 2, 3],
                                           max_tokens=MAX_LEN - 2)
     assert "maximum context length is 64" in str(err.value)
+
+
+def test_logit_bias_through_openai_forces_and_bans_tokens(server):
+    """OpenAI's ``logit_bias`` through the official client: +100 all but forces a token,
+    -100 bans one, and other requests are untouched."""
+    c = client(server)
+
+    def token_ids(**kw) -> list[int]:
+        out = c.completions.create(model="qwen3.5-tiny-random-v2", prompt=[5, 6, 7],
+                                   max_tokens=6, temperature=0,
+                                   extra_body={"ignore_eos": True, "return_token_ids": True},
+                                   **kw)
+        return out.choices[0].model_extra["token_ids"]
+
+    plain = token_ids()
+    assert token_ids(logit_bias={"65": 100}) == [65] * 6
+    banned = token_ids(logit_bias={str(plain[0]): -100})
+    assert plain[0] not in banned
+    assert token_ids() == plain

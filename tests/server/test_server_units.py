@@ -25,6 +25,12 @@ from pagedserve.server.errors import APIError, validation_error
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.server.sampling import build_sampling_params, default_max_tokens
 
+VOCAB = 256  # the sampling fields' checks of token ids read the vocabulary's size
+
+
+def sampling_params(*args, **kw):
+    return build_sampling_params(*args, vocab_size=VOCAB, **kw)
+
 
 # ---- admission ---------------------------------------------------------------------------
 def test_admission_bounds_in_flight_requests():
@@ -63,40 +69,40 @@ def _completion(**fields) -> CompletionRequest:
 
 def test_checkpoint_defaults_fill_omitted_fields_only():
     gen = GenerationDefaults(do_sample=True, temperature=0.7, top_p=0.8, top_k=20)
-    p = build_sampling_params(_completion(), gen, max_tokens=5)
+    p = sampling_params(_completion(), gen, max_tokens=5)
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.7, 0.8, 20, 0.0)
-    p = build_sampling_params(_completion(temperature=0.0, top_p=1.0, top_k=0), gen,
+    p = sampling_params(_completion(temperature=0.0, top_p=1.0, top_k=0), gen,
                               max_tokens=5)
     assert (p.temperature, p.top_p, p.top_k) == (0.0, 1.0, 0)
 
 
 def test_openai_defaults_without_generation_config():
-    p = build_sampling_params(_completion(stop="x"), GenerationDefaults(), max_tokens=3)
+    p = sampling_params(_completion(stop="x"), GenerationDefaults(), max_tokens=3)
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (1.0, 1.0, 0, 1.0)
     assert p.stop == ("x",) and p.max_tokens == 3
 
 
 def test_do_sample_false_means_greedy_by_default():
     gen = GenerationDefaults(do_sample=False, temperature=0.6)
-    assert build_sampling_params(_completion(), gen, max_tokens=1).temperature == 0.0
-    assert build_sampling_params(_completion(temperature=0.9), gen,
+    assert sampling_params(_completion(), gen, max_tokens=1).temperature == 0.0
+    assert sampling_params(_completion(temperature=0.9), gen,
                                  max_tokens=1).temperature == 0.9
 
 
 def test_seed_offsets_per_choice():
     body = _completion(seed=41, n=3)
-    seeds = [build_sampling_params(body, GenerationDefaults(), max_tokens=1,
+    seeds = [sampling_params(body, GenerationDefaults(), max_tokens=1,
                                    choice_index=i).seed for i in range(3)]
     assert seeds == [41, 42, 43]
-    assert build_sampling_params(_completion(), GenerationDefaults(), max_tokens=1).seed is None
+    assert sampling_params(_completion(), GenerationDefaults(), max_tokens=1).seed is None
 
 
 def test_seeds_wrap_modulo_2_64_and_top_k_beyond_the_vocabulary_is_off():
     body = _completion(seed=2**64 - 1, top_k=2**63)
-    params = [build_sampling_params(body, GenerationDefaults(), max_tokens=4, choice_index=i)
+    params = [sampling_params(body, GenerationDefaults(), max_tokens=4, choice_index=i)
               for i in range(2)]
     assert [p.seed for p in params] == [2**64 - 1, 0]
-    assert build_sampling_params(_completion(seed=-1), GenerationDefaults(),
+    assert sampling_params(_completion(seed=-1), GenerationDefaults(),
                                  max_tokens=4).seed == 2**64 - 1
     assert params[0].top_k_within(vocab_size=1000) == 0
     assert SamplingParams(top_k=5).top_k_within(1000) == 5
@@ -122,7 +128,7 @@ def test_default_max_tokens():
 
 def test_engine_refusal_becomes_400():
     with pytest.raises(APIError) as err:
-        build_sampling_params(_completion(stop=[""]), GenerationDefaults(), max_tokens=1)
+        sampling_params(_completion(stop=[""]), GenerationDefaults(), max_tokens=1)
     assert err.value.status == 400 and "stop" in err.value.message
 
 
