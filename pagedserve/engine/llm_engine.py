@@ -33,6 +33,7 @@ from pagedserve.engine.prefix_cache import (
     num_checkpoints_for,
     tap_slots_for,
 )
+from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
 from pagedserve.engine.sampler import (
@@ -273,8 +274,14 @@ class LLMEngine:
         if bad:
             raise ValueError(f"logit_bias token id {bad[0]} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        if params.prompt_logprobs is not None and (self.spec is not None
+                                                   or self.config.tensor_parallel_size > 1):
+            raise ValueError("prompt_logprobs is not supported with speculative decoding or "
+                             "tensor parallelism")
         eos = () if params.ignore_eos else self.loaded.generation.eos_token_ids
         req = Request(request_id, ids, params, eos_token_ids=eos)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
         self.scheduler.check_fits(req)
         if params.structured is not None:
             req.grammar = self.structured.new_grammar(params.structured)
@@ -420,7 +427,13 @@ class LLMEngine:
             if input_ids is not None:
                 batch.input_ids = input_ids  # [B] int64, already on the device
                 batch.host = None  # its host form holds placeholder ids now
-            logits = self.runner.execute(batch)
+            forwarded = chunks[:len(seq_chunks)]
+            if any(c.request.params.prompt_logprobs is not None for c in forwarded):
+                hidden = self.runner.forward_hidden(batch)  # [T, H], eagerly
+                logits = self.runner.compute_logits(hidden[batch.logits_indices])
+                record_prompt_logprobs(self.runner, forwarded, batch, hidden)
+            else:
+                logits = self.runner.execute(batch)
         if self.prefix is not None and logits is not None:  # queued after the forward pass:
             for i, c in enumerate(chunks[:len(seq_chunks)]):  # its states and logits rows
                 end = c.start_pos + c.num_tokens

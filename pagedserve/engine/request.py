@@ -45,7 +45,9 @@ class SamplingParams:
     text. ``structured``: a grammar the output must match (``engine/structured.py``).
     ``logit_bias``: ``(token id, bias)`` pairs added to those tokens' logits before the
     penalties and filters (OpenAI's field; a bias of -100 bans a token, +100 all but
-    forces it); logprobs stay the model's own. Every float is finite.
+    forces it); logprobs stay the model's own. ``prompt_logprobs=N``: each prompt
+    token's log-probability after the tokens before it, with the N most likely
+    alternatives (vLLM's field; the first token has none). Every float is finite.
     """
 
     max_tokens: int = 16
@@ -65,6 +67,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured: GrammarSpec | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -93,6 +96,9 @@ class SamplingParams:
                f"got {self.min_tokens!r}")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+               f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop strings must be non-empty strings")
         _check(len(self.stop) <= MAX_STOP_STRINGS,
@@ -136,6 +142,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+    rank: int | None = None  # 1 + the tokens scored above it (prompt logprobs only)
 
 
 @dataclass
@@ -155,6 +162,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # With ``params.prompt_logprobs``: one entry per prompt token (the first ``None``),
+    # filled as its prefill runs.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     kv_handle: Handle | None = None

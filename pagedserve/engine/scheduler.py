@@ -307,7 +307,9 @@ class Scheduler:
         stored logits), or ``None`` and no change when memory is short."""
         hit = None
         req.resume_hidden = None
-        if self.prefix is not None:
+        # Prompt logprobs need every prompt row's hidden state: such a request is admitted
+        # as if nothing were cached.
+        if self.prefix is not None and req.params.prompt_logprobs is None:
             match = self.prefix.match(req)
             self.prefix.set_branch(req, match)
             hit = match.hit

@@ -42,6 +42,20 @@ def make_engine(request, loaded, model_dir):
 
 
 @pytest.fixture(scope="session")
+def hf_logprobs(model_dir):
+    """``hf_logprobs(prompt_ids) -> float64 [P - 1, V]``: transformers' log-probabilities
+    of the token after each prompt position but the last."""
+    model = Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(prompt: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt])).logits[0, :-1]
+        return torch.log_softmax(logits.double(), dim=-1)
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def hf_greedy(model_dir):
     """``hf_greedy(prompt_ids, n, bias=()) -> ids``: transformers' model and KV cache,
     argmax of the logits with ``bias`` (``(token id, value)`` pairs) added."""

@@ -128,6 +128,33 @@ def test_logit_bias_gives_transformers_tokens_over_the_biased_logits(make_engine
         engine.add_request("bad", ps[0], SamplingParams(logit_bias=((999999, 1.0),)))
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_prompt_logprobs_are_transformers(make_engine, hf_logprobs, hf_greedy,
+                                          prefix_caching):
+    """Every prompt token's log-probability, its rank and the top alternatives, across
+    chunks of 7 rows and beside other requests; a second request of the same prompt does
+    not resume from the prefix cache, and its entries are the same."""
+    ps = prompts(5, [30, 12])
+    engine = make_engine(max_num_seqs=3, prefill_chunk=7, max_num_batched_tokens=16,
+                         enable_prefix_caching=prefix_caching)
+    asks = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    done = run_keeping_requests(engine, [(0, "a", ps[0], asks), (0, "b", ps[1], greedy(4)),
+                                         (3, "c", ps[0], asks)])
+    want = hf_logprobs(ps[0])  # [P - 1, V]
+    for rid in ("a", "c"):
+        got = done[rid].prompt_logprobs
+        assert len(got) == len(ps[0]) and got[0] is None
+        for pos, lp in enumerate(got[1:]):
+            row, token = want[pos], ps[0][pos + 1]
+            # f16 K/V storage moves logits by up to ~1e-3 (test_parity.py).
+            assert lp.token_id == token and abs(lp.logprob - row[token].item()) < 1e-3
+            assert lp.rank == 1 + int((row > row[token]).sum())
+            assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+        assert done[rid].output_token_ids == hf_greedy(ps[0], 4)
+    assert done["c"].num_cached_tokens == 0 and done["b"].prompt_logprobs == []
+    assert engine.kv.pool.num_used_blocks == 0
+
+
 def test_preemption_recomputes_exactly(make_engine, hf_greedy):
     ps = prompts(0, LENGTHS)
     # 10 blocks of 16 = 160 tokens for five sequences that want up to 104 each.

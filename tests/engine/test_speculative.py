@@ -769,3 +769,9 @@ def test_warm_up_keeps_every_count_of_drafts(spec_model) -> None:
     assert engine.kv.pool.num_used_blocks == 0 and engine.runner.state_pool.num_used_slots == 0
     got = run(engine, PROMPTS, GREEDY)
     assert [got[str(i)] for i in range(len(PROMPTS))] == spec_model[2]
+
+
+def test_prompt_logprobs_are_refused_with_speculation(spec_model) -> None:
+    engine = make_engine(spec_model, 2)
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported with speculative"):
+        engine.add_request("r", PROMPTS[0], SamplingParams(prompt_logprobs=1))
