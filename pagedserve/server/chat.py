@@ -54,6 +54,7 @@ from pagedserve.server.generation import (
     new_request_id,
     until_disconnected,
 )
+from pagedserve.server.prompt_logprobs import vllm_prompt_logprobs
 from pagedserve.server.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -209,8 +210,12 @@ async def create_chat_completion(body: ChatCompletionRequest,
             logprobs=chat_logprobs(ctx, r.logprobs) if body.logprobs else None))
     usage = UsageInfo.of(len(prompt), sum(len(r.token_ids) for r in results),
                          job.num_cached_tokens(body.n))
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None:  # the choices share one prompt
+        prompt_logprobs = vllm_prompt_logprobs(ctx, job.requests[0].prompt_logprobs,
+                                               body.prompt_logprobs)
     return ChatCompletionResponse(id=rid, model=model, created=created, choices=choices,
-                                  usage=usage)
+                                  usage=usage, prompt_logprobs=prompt_logprobs)
 
 
 def response_message(m: AssistantMessage) -> ChatResponseMessage:

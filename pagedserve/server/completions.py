@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from pagedserve.engine.request import Request as EngineRequest
 from pagedserve.engine.request import TokenLogprob
 from pagedserve.server.chat import compile_constraint
 from pagedserve.server.constraints import completion_constraint
@@ -30,11 +31,17 @@ from pagedserve.server.generation import (
     new_request_id,
     until_disconnected,
 )
+from pagedserve.server.prompt_logprobs import (
+    echoed_logprobs,
+    top_by_text,
+    vllm_prompt_logprobs,
+)
 from pagedserve.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprobs,
     UsageInfo,
 )
 from pagedserve.server.sampling import (
@@ -51,17 +58,45 @@ def completion_logprobs(ctx: ServingContext, logprobs: list[TokenLogprob],
                         start_offset: int) -> CompletionLogprobs:
     """``logprobs`` in the completions format; offsets count from ``start_offset``."""
     out = CompletionLogprobs()
-    top_logprobs: list[dict[str, float]] = []  # the model's field may be None; this is not
+    top_logprobs: list[dict[str, float] | None] = []  # the model's field may be None
     offset = start_offset
     for lp in logprobs:
         token = ctx.token_text(lp.token_id)
         out.tokens.append(token)
         out.token_logprobs.append(lp.logprob)
-        top_logprobs.append({ctx.token_text(t): v for t, v in lp.top})
+        top_logprobs.append(top_by_text(ctx, lp.top))
         out.text_offset.append(offset)
         offset += len(token)
     out.top_logprobs = top_logprobs
     return out
+
+
+def _prompt_logprobs_wanted(body: CompletionRequest) -> int | None:
+    """How many alternatives the prompt's logprobs need: vLLM's ``prompt_logprobs``, and
+    ``logprobs`` when ``echo`` puts the prompt's tokens in the logprobs lists."""
+    wanted = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None)
+              if n is not None]
+    return max(wanted) if wanted else None
+
+
+@dataclasses.dataclass
+class _PromptPart:
+    logprobs: CompletionLogprobs | None
+    prompt_logprobs: PromptLogprobs | None
+
+
+def _prompt_part(ctx: ServingContext, body: CompletionRequest, req: EngineRequest,
+                 prompt: list[int], generated: CompletionLogprobs) -> _PromptPart:
+    """A choice's logprobs lists (``generated``'s, led by the prompt's when echoed) and its
+    vLLM-format prompt logprobs, as ``body`` asks."""
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = (echoed_logprobs(ctx, prompt, req.prompt_logprobs, body.logprobs,
+                                    generated) if body.echo else generated)
+    prompt_logprobs = None
+    if body.prompt_logprobs is not None:
+        prompt_logprobs = vllm_prompt_logprobs(ctx, req.prompt_logprobs, body.prompt_logprobs)
+    return _PromptPart(logprobs, prompt_logprobs)
 
 
 def _prompt_ids(ctx: ServingContext, body: CompletionRequest) -> list[list[int]]:
@@ -97,27 +132,30 @@ async def create_completion(body: CompletionRequest,
         lambda ids, i: dataclasses.replace(
             build_sampling_params(body, defaults, max_tokens=max_tokens,
                                   vocab_size=ctx.llm.vocab_size, choice_index=i,
-                                  logprobs=body.logprobs), structured=spec),
+                                  logprobs=body.logprobs),
+            structured=spec, prompt_logprobs=_prompt_logprobs_wanted(body)),
         "prompt")
     job = EngineJob(ctx, reqs)
     num_prompt_tokens = sum(len(p) for p in prompts)
     created = int(time.time())
     if body.stream:
         events = _stream(ctx, job, CompletionResponse(id=rid, model=model, created=created,
-                                                      choices=[]), body, num_prompt_tokens,
-                         echo)
+                                                      choices=[]), body, prompts,
+                         num_prompt_tokens, echo)
         return EventStreamResponse(events, on_close=job.close)
     try:
         results = await until_disconnected(request, collect(job))
     finally:
         job.close()
-    choices = [
-        CompletionChoice(index=k, text=(echo[k // body.n] if echo else "") + r.text,
-                         finish_reason=r.finish_reason,
-                         logprobs=(completion_logprobs(ctx, r.logprobs, 0)
-                                   if body.logprobs is not None else None),
-                         token_ids=r.token_ids if body.return_token_ids else None)
-        for k, r in enumerate(results)]
+    choices = []
+    for k, r in enumerate(results):
+        head = _prompt_part(ctx, body, job.requests[k], prompts[k // body.n],
+                            completion_logprobs(ctx, r.logprobs, 0))
+        choices.append(CompletionChoice(
+            index=k, text=(echo[k // body.n] if echo else "") + r.text,
+            finish_reason=r.finish_reason, logprobs=head.logprobs,
+            token_ids=r.token_ids if body.return_token_ids else None,
+            prompt_logprobs=head.prompt_logprobs))
     usage = UsageInfo.of(num_prompt_tokens, sum(len(r.token_ids) for r in results),
                          job.num_cached_tokens(body.n))
     return CompletionResponse(id=rid, model=model, created=created, choices=choices,
@@ -125,17 +163,31 @@ async def create_completion(body: CompletionRequest,
 
 
 async def _stream(ctx: ServingContext, job: EngineJob, head: CompletionResponse,
-                  body: CompletionRequest, num_prompt_tokens: int,
+                  body: CompletionRequest, prompts: list[list[int]], num_prompt_tokens: int,
                   echo: list[str] | None) -> AsyncIterator[bytes]:
-    """One chunk per generated token; ``head`` carries the id, model and creation time."""
+    """One chunk per generated token; ``head`` carries the id, model and creation time.
+    A choice's echoed prompt comes first; with its prompt's logprobs, once they are
+    computed (with the choice's first token)."""
     offsets = [0] * len(job.requests)  # text_offset of each choice's next token
     num_generated = 0
+    waits = _prompt_logprobs_wanted(body) is not None
     try:
         for k in range(len(job.requests)):
-            if echo:
+            if echo and not waits:
                 yield sse(head.model_copy(update={"choices": [
                     CompletionChoice(index=k, text=echo[k // body.n])]}))
+        led = set() if waits else set(range(len(job.requests)))
         async for k, out in job.outputs():
+            if k not in led:
+                led.add(k)
+                part = _prompt_part(ctx, body, job.requests[k], prompts[k // body.n],
+                                    CompletionLogprobs())
+                if part.logprobs is not None:
+                    offsets[k] = sum(len(t) for t in part.logprobs.tokens)
+                yield sse(head.model_copy(update={"choices": [CompletionChoice(
+                    index=k, text=echo[k // body.n] if echo else "",
+                    logprobs=part.logprobs if echo else None,
+                    prompt_logprobs=part.prompt_logprobs)]}))
             num_generated += len(out.new_token_ids)
             logprobs = None
             if body.logprobs is not None:

@@ -6,7 +6,7 @@ coercion -- and refuse fields they do not know (``request_body.py``; ``user`` an
 Numeric ranges are declared on the fields, so ``/docs`` shows them and a bad value fails
 naming the field, the value and the accepted range (``errors.py`` turns pydantic's report
 into an OpenAI error). ``SamplingParams`` checks the same ranges again as the engine's own
-contract. Parameters pagedserve cannot honour (``prompt_logprobs``...) are
+contract. Parameters pagedserve cannot honour (``chat_template``...) are
 refused by name, never silently ignored. Tools and output constraints have their own
 module, ``agent_protocol.py``.
 
@@ -57,8 +57,6 @@ SEED_MIN, SEED_END = -(2**63), 2**64
 # Parameters of vLLM or OpenAI that change the output and that pagedserve does not
 # implement: each is refused by name.
 UNSUPPORTED = {
-    "prompt_logprobs": "prompt_logprobs is not supported: the engine computes logits only "
-                       "at the positions it samples",
     "chat_template": "chat_template is not supported: the server renders every chat with "
                      "the model's own template",
     "functions": "functions is not supported; send its entries as tools "
@@ -93,7 +91,7 @@ class SamplingFields(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    prompt_logprobs: Any = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     user: str | None = None
     metadata: dict[str, Any] | None = None
     # Routers' engine switches, at the only values pagedserve implements (module doc).
@@ -148,9 +146,6 @@ class CompletionRequest(SamplingFields, ConstraintFields):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported: it needs the prompt's "
-                             "logprobs, which the engine does not compute")
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -229,6 +224,9 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
     def _refuse_unsupported(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not supported with stream on chat "
+                             "completions")
         check_continuation(self.add_generation_prompt, self.continue_final_message)
         return self
 
@@ -300,7 +298,17 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+# vLLM's prompt logprobs: per prompt token (the first ``None``), token id -> its entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(BaseModel):
@@ -309,6 +317,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     token_ids: list[int] | None = None  # with ``return_token_ids``
+    prompt_logprobs: PromptLogprobs | None = None  # with ``prompt_logprobs``
 
 
 class CompletionResponse(BaseModel):
@@ -360,6 +369,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # with ``prompt_logprobs``
 
 
 class DeltaMessage(BaseModel):

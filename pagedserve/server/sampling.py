@@ -94,6 +94,7 @@ def build_sampling_params(body: SamplingFields, defaults: GenerationDefaults, *,
             min_tokens=body.min_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=logit_bias_pairs(body.logit_bias, vocab_size),
+            prompt_logprobs=body.prompt_logprobs,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
