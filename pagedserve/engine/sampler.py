@@ -177,10 +177,13 @@ def _bias(ps: list[SamplingParams], vocab_size: int,
     pairs = [(row, t, b) for row, p in enumerate(ps) for t, b in p.logit_bias]
     if not pairs:
         return None
-    bias = torch.zeros(len(ps), vocab_size, dtype=torch.float32)
     rows, ids, values = zip(*pairs)
-    bias[list(rows), list(ids)] = torch.tensor(values, dtype=torch.float32)
-    return bias.to(device, non_blocking=True)
+    # Filled on the device: only the pairs cross, not the dense [B, V] rows.
+    index = torch.tensor([rows, ids], dtype=torch.long).to(device, non_blocking=True)
+    bias = torch.zeros(len(ps), vocab_size, dtype=torch.float32, device=device)
+    bias[index[0], index[1]] = torch.tensor(values, dtype=torch.float32).to(
+        device, non_blocking=True)
+    return bias
 
 
 def _pad(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:
