@@ -40,12 +40,12 @@ What the host cannot know at launch time it covers:
   launched after N+1, on the same stream), N+1's rows of it are dropped when N+1 is
   read, and its state, moved past its tokens, is not checkpointed.
 - **What goes ahead**: steps whose every chunk verifies ``k`` drafts, whose requests have
-  no grammar, no logit bias and no ``min_tokens`` still to reach, while the head of the
-  queue cannot be admitted, and whose batch the verify, rollback and draft graphs hold.
-  Any other step runs synchronously once nothing is in flight. Logprobs are computed on
-  the device with the decision and read back beside the tokens; penalties count each
-  sequence's outputs in a history kept on the device (``Sampling``), grown by each step's
-  kept tokens.
+  no grammar and no ``min_tokens`` still to reach, while the head of the queue cannot be
+  admitted, and whose batch the verify, rollback and draft graphs hold. Any other step
+  runs synchronously once nothing is in flight. Logprobs are computed on the device with
+  the decision and read back beside the tokens; a logit bias is added to every verify row
+  on the device; penalties count each sequence's outputs in a history kept on the device
+  (``Sampling``), grown by each step's kept tokens.
 
 The tokens are the synchronous engine's: the decisions are ``verify_greedy``'s and
 ``verify_sampled``'s, with the noise of the same output indices (the index of a step's
@@ -74,7 +74,7 @@ from pagedserve.engine.request import (
 )
 from pagedserve.engine.sampler import (
     SamplingTensors,
-    apply_penalties,
+    adjusted_logits,
     filtered_logits,
     sample,
     uses_host_history,
@@ -266,7 +266,8 @@ class AsyncSpeculation:
         batch = build_forward_batch(seq_chunks, e.kv, e.runner.device, staging=e._staging)
         assert isinstance(self.spec.drafter, MTPDrafter)
         sampling = None
-        if not all(q.params.greedy for q in reqs) or uses_host_history(reqs):
+        if (not all(q.params.greedy for q in reqs) or uses_host_history(reqs)
+                or any(q.params.logit_bias for q in reqs)):
             # Nothing is in flight: a plain upload costs no overlap.
             settings = SamplingTensors.from_requests(reqs, e.vocab_size, e.runner.device)
             sampling = Sampling(settings, settings.step, settings.output_ids, e.vocab_size)
@@ -307,11 +308,11 @@ class AsyncSpeculation:
         return self._chain(chunks, batch, prev.tail_hidden, prev.tail_logits, sampling)
 
     def _steady(self, reqs: list[Request]) -> bool:
-        """Whether a chain may run ``reqs``: no grammar, no logit bias, no ``min_tokens``
-        left to reach, and a batch every graph holds."""
+        """Whether a chain may run ``reqs``: no grammar, no ``min_tokens`` left to reach,
+        and a batch every graph holds."""
         if not self.graphs_ready():
             return False
-        if any(q.grammar is not None or q.resume_hidden is not None or q.params.logit_bias
+        if any(q.grammar is not None or q.resume_hidden is not None
                or len(q.output_token_ids) < q.params.min_tokens for q in reqs):
             return False
         rn, n = self.engine.runner, len(reqs)
@@ -387,8 +388,8 @@ class AsyncSpeculation:
         rows, scores, best = None, logits, raw_best
         if sampling is not None:
             rows = sampling.verify_rows(drafts)
-            if rows.any_penalty:
-                scores = apply_penalties(logits, rows)  # [B r, V]
+            if rows.any_penalty or rows.bias is not None:
+                scores = adjusted_logits(logits, rows)  # [B r, V]
                 best = scores.argmax(dim=-1).view(-1, r)
         kept = (best[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [B]
         chosen = best.gather(1, kept[:, None])[:, 0]
@@ -416,7 +417,7 @@ class AsyncSpeculation:
         assert rn.draft_head is not None and rn.draft_graphs is not None
         q: list[torch.Tensor] = []
         if sampling is not None and sampling.settings.all_greedy:
-            sampling = None  # penalties alone: the verify rows read them, drafts do not
+            sampling = None  # a bias or penalties alone: the verify rows read them, drafts do not
         if k == 1:
             ids = rn.draft_head.token_ids(tail_logits.argmax(dim=-1))  # [B]
             if sampling is not None:
