@@ -207,12 +207,14 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors,
-           token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
+           token_bitmask: torch.Tensor | None = None,
+           scores: torch.Tensor | None = None) -> SamplerOutput:
     """Choose one token per row of ``logits`` float32 ``[B, V]``; with ``token_bitmask``
     (int32 ``[B, ceil(V / 32)]``, ``engine/structured.py``) only among allowed tokens.
+    ``scores``: ``adjusted_logits(logits, st)``, when the caller holds it already.
     Logprobs stay those of the model's own distribution."""
     raw = logits.float()
-    x = adjusted_logits(raw, st)
+    x = adjusted_logits(raw, st) if scores is None else scores
     if token_bitmask is not None:
         x = apply_token_bitmask(x, token_bitmask)
     greedy_ids = x.argmax(dim=-1)

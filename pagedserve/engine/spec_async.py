@@ -512,7 +512,8 @@ def rejection_sample_rows(logits: torch.Tensor, scores: torch.Tensor, drafts: to
 
     Args:
         logits: float32 ``[B r, V]``, each sequence's ``r = k + 1`` verify rows;
-            scores: the same with penalties applied (``logits`` itself without).
+            scores: ``adjusted_logits`` of them (the logit bias and penalties applied;
+            ``logits`` itself without either).
         drafts: int64 ``[B, k]``; q: float32 ``[B, k, V]`` the distributions they were
             drawn from.
         rows: the settings of the ``B r`` rows (``Sampling.verify_rows``); index: int64
@@ -532,7 +533,8 @@ def rejection_sample_rows(logits: torch.Tensor, scores: torch.Tensor, drafts: to
     u = uniforms_rows(seed_lo.repeat_interleave(k), seed_hi.repeat_interleave(k),
                       steps.reshape(-1), ACCEPT_STREAM).view(n, k)
     kept = (u * q_draft <= p_draft).long().cumprod(dim=1).sum(dim=1)  # [B]
-    bonus = sample(logits, rows).token_ids.view(n, r)[:, k]  # the sampler's own draw
+    # After k kept drafts, the plain sampler's own draw.
+    bonus = sample(logits, rows, scores=scores).token_ids.view(n, r)[:, k]
     at = kept.clamp(max=k - 1)
     seq = torch.arange(n, device=device)
     p_m, q_m = p[seq, at], q[seq, at]  # [B, V]

@@ -392,7 +392,8 @@ class SpeculativeDecoding:
             if draft.logits is not None:
                 q = torch.softmax(filtered_logits(draft.logits, st.first_rows(d)), dim=-1)
             tokens = verify_sampled(p, q, draft.token_ids, req.sample_seed,
-                                    len(req.output_token_ids), sample(allowed, st).token_ids)
+                                    len(req.output_token_ids),
+                                    sample(allowed, st, scores=scores).token_ids)
         self.stats.record(d, len(tokens) - 1)
         logprobs: list[TokenLogprob | None] = [None] * len(tokens)
         n = req.params.logprobs
