@@ -4,12 +4,14 @@ Policy, per step, within ``max_num_batched_tokens``:
 
 1. Running decodes (one pending token each), oldest first: users already streaming never
    stall behind a long prompt.
-2. Running prefills (chunked: at most ``prefill_chunk`` tokens each while any sequence
-   decodes in the step, so that the step stays short; in a step with no decode row at
-   most ``idle_prefill_chunk``, which may be larger, since nobody waits on that step but
-   the prompts themselves), oldest first.
+2. Running prefills, oldest first, chunked. While any sequence decodes in the step, the
+   prompts together take at most ``prefill_chunk`` tokens, so that the decoding users'
+   step stays short; in a step with no decode row each prompt takes at most
+   ``idle_prefill_chunk``, which may be larger, since nobody waits on that step but the
+   prompts themselves.
 3. Waiting requests, first come first served (preempted ones at the front), while a state
-   slot, a sequence row and the chunk's blocks are free. Admission never preempts.
+   slot, a sequence row and the chunk's blocks are free, within the same prompt-token
+   bound. Admission never preempts.
 
 When a running sequence cannot grow, the newest running sequence is preempted: its blocks
 and slot are freed and it goes back to the front of the queue, to be re-prefilled from its
@@ -47,9 +49,10 @@ class StepSizes:
 
 # On CUDA a lone prompt advances 8192 tokens a step: GEMMs of that many rows run near the
 # tensor cores' peak, and the host's per-step work is amortized. Once any sequence
-# decodes, prompts advance 512 tokens a step, so that a decode step carrying a prefill
-# chunk stays near 50 ms on the 27B shape (docs/kernel-decisions.md, "Prefill step
-# sizes"). The CPU runs small steps: its per-token cost does not fall with step size.
+# decodes, a step carries at most 512 prompt tokens, so that a decode step carrying a
+# prefill chunk replays the decode and prefill graphs in about 70 ms on the 27B shape
+# (docs/kernel-decisions.md, "Prefill step sizes"). The CPU runs small steps: its
+# per-token cost does not fall with step size.
 STEP_SIZES = {"cuda": StepSizes(chunk=512, idle_chunk=8192, budget=8192),
               "cpu": StepSizes(chunk=512, idle_chunk=512, budget=2048)}
 
@@ -221,13 +224,17 @@ class Scheduler:
         self._taps_left = self.prefix.num_tap_slots if self.prefix is not None else 0
 
         chunk_cap = self.config.prefill_chunk
+        prompt_budget = budget  # the prompt tokens the step may still take
         for want_decode in (True, False):
-            if not want_decode and not decode:
-                chunk_cap = self.config.idle_prefill_chunk
+            if not want_decode:
+                if decode:
+                    prompt_budget = min(budget, self.config.prefill_chunk)
+                else:
+                    chunk_cap = self.config.idle_prefill_chunk
             for req in list(self.running):
                 if req not in self.running or (req.num_pending_tokens == 1) != want_decode:
                     continue
-                n = self._chunk_len(req, budget, chunk_cap)
+                n = self._chunk_len(req, min(budget, prompt_budget), chunk_cap)
                 if n == 0:
                     continue
                 drafts = 0
@@ -236,18 +243,22 @@ class Scheduler:
                 if not self._reserve_or_preempt(req, n + drafts, preempted):
                     continue
                 budget -= n + drafts
+                if not want_decode:
+                    prompt_budget -= n
                 chunk = ScheduledChunk(req, n + drafts, req.num_computed_tokens, drafts)
                 (decode if want_decode or n == 1 else prefill).append(chunk)
                 self._use_taps(chunk)
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and min(budget, prompt_budget) > 0
+               and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            admitted = self._admit(req, budget, chunk_cap)
+            admitted = self._admit(req, min(budget, prompt_budget), chunk_cap)
             if admitted is None:
                 break  # head of the queue waits for memory; FCFS, no overtaking
             self.waiting.popleft()
             self.running.append(req)
             budget -= admitted
+            prompt_budget -= admitted
             chunk = ScheduledChunk(req, admitted, req.num_computed_tokens)
             (decode if admitted == 1 else prefill).append(chunk)
             self._use_taps(chunk)

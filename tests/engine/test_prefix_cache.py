@@ -219,7 +219,7 @@ def test_a_hit_followed_by_preemption_stays_exact(make_engine, hf_greedy):
 def test_no_leak_with_shared_prefixes_cancellations_and_preemption(make_engine):
     rng = random.Random(11)
     per_checkpoint = make_engine().runner.checkpoint_pool.bytes_per_checkpoint
-    engine = make_engine(max_num_seqs=6, num_blocks=14, max_model_len=96, prefill_chunk=16,
+    engine = make_engine(max_num_seqs=6, num_blocks=14, max_model_len=96, prefill_chunk=32,
                          max_num_batched_tokens=48, prefix_checkpoint_interval=16,
                          prefix_checkpoint_memory=str(6 * per_checkpoint))
     taps: list[tuple[int, int]] = []  # (position, the request's branch point) of each tap

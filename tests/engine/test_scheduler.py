@@ -155,16 +155,17 @@ def test_step_sizes_fill_in_only_what_the_caller_left_out():
 
 
 def test_a_victim_readmitted_in_the_same_step_runs_once_from_the_start():
-    # "new" decodes first; "old"'s next prefill chunk then preempts it (the newest), and
-    # the freed blocks let it back in from the queue's front within the same schedule().
+    # "new" decodes first; "old"'s last prefill chunk then preempts it (the newest), and
+    # the freed blocks let it back in from the queue's front within the same schedule(),
+    # with the prompt tokens the step has left.
     s = make(num_blocks=6, block_size=4, max_seqs=2, chunk=4, max_len=32)
-    s.add(req("old", 16, max_tokens=6))
+    s.add(req("old", 14, max_tokens=6))
     s.add(req("new", 7, max_tokens=6))
     for _ in range(3):
         assert not run_step(s).preempted
     out = run_step(s)
     assert [r.request_id for r in out.preempted] == ["new"]
-    assert shape(out) == [("old", 4, 12), ("new", 4, 0)]  # its stale decode row is gone
+    assert shape(out) == [("old", 2, 12), ("new", 2, 0)]  # its stale decode row is gone
 
 
 def test_can_admit_next_matches_what_schedule_then_does():
