@@ -230,12 +230,14 @@ for spec in "$@"; do
                      --out "$OUT" ;;
     bench-structured) run_stage "$stage" "$limit" python3 benchmarks/bench_structured.py \
                      --model preset:qwen3.5-27b --out "$OUT" ;;
-    # $SERVE_CONCURRENCY (default 4,16) and $SERVE_PROMPTS requests per level (default 64).
+    # $SERVE_CONCURRENCY (default 4,16) and $SERVE_PROMPTS requests per level (default 64);
+    # $SERVE_ARGS: more arguments (--server-log "$OUT/server.log" --server-log-level debug
+    # times every engine step).
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \
                      --model preset:qwen3.5-27b --device cuda --max-num-seqs 16 \
                      --concurrency "${SERVE_CONCURRENCY:-4,16}" \
                      --num-prompts "${SERVE_PROMPTS:-64}" --output-len 64 --max-model-len 4096 \
-                     --cache-type-k q4_0 --cache-type-v q4_0 --out-dir "$OUT" ;;
+                     --cache-type-k q4_0 --cache-type-v q4_0 --out-dir "$OUT" ${SERVE_ARGS:-} ;;
     # The chaos run (issue 32): a 27B-shape server (random bf16 weights, q4_0 K/V, a pool
     # of 1.5 longest requests) under 500 requests of up to 32K tokens with client
     # disconnects; checks no 5xx, no leaked blocks or slots, preemptions, outputs equal to

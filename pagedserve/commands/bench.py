@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--out-dir", default="docs/benchmarks")
     s.add_argument("--name", default=None,
                    help="output file stem (default 'serve'; --quick: 'serve_quick')")
+    s.add_argument("--server-log", default=None,
+                   help="keep the started server's log at this path (with --server-log-level "
+                        "debug it times every engine step)")
+    s.add_argument("--server-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug"))
     add_engine_arguments(s, default_max_num_seqs=SERVE_MAX_NUM_SEQS)
 
 
@@ -113,11 +118,16 @@ def run_serve(args: argparse.Namespace) -> int:
         if engine_flags(args):
             raise ValueError(f"engine flags {engine_flags(args)} only apply to a server this "
                              "command starts; with --url, the running server's own are used")
+        if args.server_log or args.server_log_level != "info":
+            raise ValueError("--server-log and --server-log-level apply to a server this "
+                             "command starts, not to one at --url")
         return _benchmark(args.url.rstrip("/"), args, settings)
     from pagedserve.server.launcher import ServerProcess
 
     with tempfile.TemporaryDirectory(prefix="pagedserve-bench-") as tmp:
-        server = ServerProcess(["--no-access-log", *engine_flags(args)], Path(tmp) / "serve.log",
+        log_path = Path(args.server_log) if args.server_log else Path(tmp) / "serve.log"
+        server = ServerProcess(["--no-access-log", "--log-level", args.server_log_level,
+                                *engine_flags(args)], log_path,
                                env={"PAGEDSERVE_API_KEY": args.api_key} if args.api_key else None)
         print(f"starting: pagedserve serve {shlex.join(server.args)}", file=sys.stderr)
         url = server.start()

@@ -145,7 +145,12 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
+                started = time.perf_counter()
+                outputs = self.engine.step()
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("step %.1f ms; last launch: %s",
+                              1e3 * (time.perf_counter() - started), self.engine.last_launch)
+                for out in outputs:
                     self._deliver(out.request_id, out if out.error is None else
                                   RequestFailedError(f"the request failed: {out.error}"))
                 self._publish()

@@ -213,6 +213,7 @@ class LLMEngine:
         self.async_scheduling = default if config.async_scheduling is None \
             else config.async_scheduling
         self._inflight: InflightStep | ChainStep | None = None
+        self.last_launch = ""  # what the last launched forward pass held (debug logs)
         self._readback = TokenReadback(config.max_num_seqs) if cuda else None
         if self.spec is not None and self.async_scheduling:
             self.spec.chain = AsyncSpeculation(self)
@@ -424,6 +425,10 @@ class LLMEngine:
         if seq_chunks:
             batch = build_forward_batch(seq_chunks, self.kv, self.runner.device,
                                         staging=self._staging)
+            if log.isEnabledFor(logging.DEBUG):
+                rows = [c.num_tokens for c in chunks[:len(seq_chunks)]]
+                self.last_launch = (f"{rows.count(1)} decode rows, prompt chunks "
+                                    f"{[n for n in rows if n > 1]}")
             if input_ids is not None:
                 batch.input_ids = input_ids  # [B] int64, already on the device
                 batch.host = None  # its host form holds placeholder ids now
