@@ -39,8 +39,9 @@ from pagedserve.kv.state_pool import StatePool
 
 @dataclass(frozen=True)
 class StepSizes:
-    """A device's default step sizes, in prompt tokens: ``chunk`` per prompt while any
-    sequence decodes, ``idle_chunk`` per prompt while none does, ``budget`` per step."""
+    """A device's default step sizes, in prompt tokens: ``chunk`` per step, all prompts
+    together, while any sequence decodes; ``idle_chunk`` per prompt while none does;
+    ``budget`` per step."""
 
     chunk: int
     idle_chunk: int

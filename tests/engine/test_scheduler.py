@@ -154,6 +154,19 @@ def test_step_sizes_fill_in_only_what_the_caller_left_out():
                                       max_model_len=64).max_num_batched_tokens == 4096
 
 
+def test_prompts_beside_decode_rows_share_one_chunk():
+    # While "a" decodes, the step's prompts together take at most prefill_chunk (4)
+    # tokens: "b"'s whole 3-token prompt, then 1 of "c"'s; alone, each would take 4.
+    s = make(chunk=4, idle_chunk=12, budget=32)
+    s.add(req("a", 2))
+    assert shape(run_step(s)) == [("a", 2, 0)]
+    s.add(req("b", 3))
+    s.add(req("c", 6))
+    assert shape(run_step(s)) == [("a", 1, 2), ("c", 1, 0), ("b", 3, 0)]  # one-token chunks first
+    assert shape(run_step(s)) == [("a", 1, 3), ("b", 1, 3), ("c", 4, 1)]
+    assert shape(run_step(s)) == [("a", 1, 4), ("b", 1, 4), ("c", 1, 5)]
+
+
 def test_a_victim_readmitted_in_the_same_step_runs_once_from_the_start():
     # "new" decodes first; "old"'s last prefill chunk then preempts it (the newest), and
     # the freed blocks let it back in from the queue's front within the same schedule(),
