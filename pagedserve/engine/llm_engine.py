@@ -35,7 +35,7 @@ from pagedserve.engine.prefix_cache import (
 )
 from pagedserve.engine.prompt_logprobs import record_prompt_logprobs
 from pagedserve.engine.request import Request, RequestStatus, SamplingParams, TokenLogprob
-from pagedserve.engine.runner import ModelRunner, RunnerConfig
+from pagedserve.engine.runner import MAX_SPLIT_PREFILL_CHUNKS, ModelRunner, RunnerConfig
 from pagedserve.engine.sampler import (
     SamplerOutput,
     SamplingTensors,
@@ -122,7 +122,9 @@ class LLMEngine:
         sched_config = SchedulerConfig.for_device(
             device_type, max_num_seqs=config.max_num_seqs, max_model_len=max_len,
             prefill_chunk=config.prefill_chunk, idle_prefill_chunk=config.idle_prefill_chunk,
-            max_num_batched_tokens=config.max_num_batched_tokens)
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            # Beside decode rows, as many prompt chunks as one step replays in graphs.
+            max_mixed_prompt_chunks=MAX_SPLIT_PREFILL_CHUNKS)
         budget = sched_config.max_num_batched_tokens
         # With speculation a checkpoint keeps its last token's hidden state for the drafter.
         bytes_per_checkpoint = planning.bytes_per_checkpoint(cfg, dtype, spec is not None)

@@ -67,7 +67,8 @@ DEFAULT_ACTIVATION_RESERVE = 2 << 30
 # about a decode step's (the weights read once); the same step run eagerly takes about
 # 170 ms of host launches whatever its chunk count (docs/kernel-decisions.md, "Prefill
 # CUDA graphs"). Two chunks and the decode rows replay in about 110 ms at worst; three
-# 512-row chunks would be about as slow as the eager step.
+# 512-row chunks would be about as slow as the eager step. The scheduler puts at most this
+# many prompt chunks beside decode rows (``SchedulerConfig.max_mixed_prompt_chunks``).
 MAX_SPLIT_PREFILL_CHUNKS = 2
 
 

@@ -5,10 +5,10 @@ Policy, per step, within ``max_num_batched_tokens``:
 1. Running decodes (one pending token each), oldest first: users already streaming never
    stall behind a long prompt.
 2. Running prefills, oldest first, chunked. While any sequence decodes in the step, the
-   prompts together take at most ``prefill_chunk`` tokens, so that the decoding users'
-   step stays short; in a step with no decode row each prompt takes at most
-   ``idle_prefill_chunk``, which may be larger, since nobody waits on that step but the
-   prompts themselves.
+   prompts together take at most ``prefill_chunk`` tokens in at most
+   ``max_mixed_prompt_chunks`` chunks, so that the decoding users' step stays short; in
+   a step with no decode row each prompt takes at most ``idle_prefill_chunk``, which
+   may be larger, since nobody waits on that step but the prompts themselves.
 3. Waiting requests, first come first served (preempted ones at the front), while a state
    slot, a sequence row and the chunk's blocks are free, within the same prompt-token
    bound. Admission never preempts.
@@ -65,11 +65,14 @@ class SchedulerConfig:
     prefill_chunk: int = 512
     max_model_len: int = 4096
     idle_prefill_chunk: int = 0  # 0: prefill_chunk
+    # Prompt chunks (of more than one token) a step with decode rows may carry; None: any.
+    max_mixed_prompt_chunks: int | None = None
 
     @classmethod
     def for_device(cls, device_type: str, *, max_num_seqs: int, max_model_len: int,
                    prefill_chunk: int | None = None, idle_prefill_chunk: int | None = None,
-                   max_num_batched_tokens: int | None = None) -> SchedulerConfig:
+                   max_num_batched_tokens: int | None = None,
+                   max_mixed_prompt_chunks: int | None = None) -> SchedulerConfig:
         """The device's step sizes (``STEP_SIZES``) wherever the caller gives none. A given
         budget caps the default chunks; a given chunk raises the default idle chunk."""
         sizes = STEP_SIZES["cuda" if device_type == "cuda" else "cpu"]
@@ -78,7 +81,7 @@ class SchedulerConfig:
         idle = idle_prefill_chunk or max(chunk, min(sizes.idle_chunk, budget))
         return cls(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                    prefill_chunk=chunk, max_model_len=max_model_len,
-                   idle_prefill_chunk=idle)
+                   idle_prefill_chunk=idle, max_mixed_prompt_chunks=max_mixed_prompt_chunks)
 
     @property
     def longest_chunk(self) -> int:
@@ -95,6 +98,10 @@ class SchedulerConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name.replace('_', '-')} must be an integer > 0, "
                                  f"got {value!r}")
+        chunks = self.max_mixed_prompt_chunks
+        if chunks is not None and (not isinstance(chunks, int) or chunks <= 0):
+            raise ValueError(f"max_mixed_prompt_chunks must be None or an integer > 0, "
+                             f"got {chunks!r}")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max-num-batched-tokens ({self.max_num_batched_tokens}) must be >= "
@@ -226,15 +233,19 @@ class Scheduler:
 
         chunk_cap = self.config.prefill_chunk
         prompt_budget = budget  # the prompt tokens the step may still take
+        chunks_left: int | None = None  # the prompt chunks it may still take (None: any)
         for want_decode in (True, False):
             if not want_decode:
                 if decode:
                     prompt_budget = min(budget, self.config.prefill_chunk)
+                    chunks_left = self.config.max_mixed_prompt_chunks
                 else:
                     chunk_cap = self.config.idle_prefill_chunk
             for req in list(self.running):
                 if req not in self.running or (req.num_pending_tokens == 1) != want_decode:
                     continue
+                if not want_decode and chunks_left == 0:
+                    break
                 n = self._chunk_len(req, min(budget, prompt_budget), chunk_cap)
                 if n == 0:
                     continue
@@ -246,11 +257,13 @@ class Scheduler:
                 budget -= n + drafts
                 if not want_decode:
                     prompt_budget -= n
+                    if n > 1 and chunks_left is not None:
+                        chunks_left -= 1
                 chunk = ScheduledChunk(req, n + drafts, req.num_computed_tokens, drafts)
                 (decode if want_decode or n == 1 else prefill).append(chunk)
                 self._use_taps(chunk)
 
-        while (self.waiting and min(budget, prompt_budget) > 0
+        while (self.waiting and min(budget, prompt_budget) > 0 and chunks_left != 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             admitted = self._admit(req, min(budget, prompt_budget), chunk_cap)
@@ -260,6 +273,8 @@ class Scheduler:
             self.running.append(req)
             budget -= admitted
             prompt_budget -= admitted
+            if admitted > 1 and chunks_left is not None:
+                chunks_left -= 1
             chunk = ScheduledChunk(req, admitted, req.num_computed_tokens)
             (decode if admitted == 1 else prefill).append(chunk)
             self._use_taps(chunk)

@@ -13,12 +13,12 @@ SHAPES = StateShapes(num_layers=1, conv=(4, 3), recurrent=(1, 2, 2), conv_dtype=
 
 
 def make(num_blocks=16, block_size=4, max_seqs=4, budget=64, chunk=8, max_len=64,
-         idle_chunk=0):
+         idle_chunk=0, mixed_chunks=None):
     kv = KVCacheManager(BlockPool(num_blocks, block_size), max_seqs, max_len // block_size)
     states = StatePool(SHAPES, max_seqs, "cpu")
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                           prefill_chunk=chunk, max_model_len=max_len,
-                          idle_prefill_chunk=idle_chunk)
+                          idle_prefill_chunk=idle_chunk, max_mixed_prompt_chunks=mixed_chunks)
     return Scheduler(cfg, kv, states)
 
 
@@ -165,6 +165,24 @@ def test_prompts_beside_decode_rows_share_one_chunk():
     assert shape(run_step(s)) == [("a", 1, 2), ("c", 1, 0), ("b", 3, 0)]  # one-token chunks first
     assert shape(run_step(s)) == [("a", 1, 3), ("b", 1, 3), ("c", 4, 1)]
     assert shape(run_step(s)) == [("a", 1, 4), ("b", 1, 4), ("c", 1, 5)]
+
+
+def test_steps_with_decode_rows_take_at_most_max_mixed_prompt_chunks():
+    # Beside "a"'s decode row, two of the three short prompts (2 chunks of more than one
+    # token); the third waits though tokens are left. With no decode row, all of them.
+    s = make(chunk=16, idle_chunk=16, budget=32, mixed_chunks=2)
+    s.add(req("a", 2))
+    run_step(s)
+    for rid in "bcd":
+        s.add(req(rid, 3))
+    assert shape(run_step(s)) == [("a", 1, 2), ("b", 3, 0), ("c", 3, 0)]
+    assert [r.request_id for r in s.waiting] == ["d"]
+    s = make(chunk=16, idle_chunk=16, budget=32, mixed_chunks=2)
+    for rid in "bcd":
+        s.add(req(rid, 3))
+    assert shape(run_step(s)) == [("b", 3, 0), ("c", 3, 0), ("d", 3, 0)]
+    with pytest.raises(ValueError, match="max_mixed_prompt_chunks"):
+        SchedulerConfig(max_mixed_prompt_chunks=0)
 
 
 def test_a_victim_readmitted_in_the_same_step_runs_once_from_the_start():

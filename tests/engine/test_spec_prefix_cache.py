@@ -298,7 +298,7 @@ def test_seeded_sampling_after_a_hit_repeats_a_cold_run(model) -> None:
 def test_no_leak_with_shared_prefixes_cancellations_and_preemption(model) -> None:
     rng = random.Random(11)
     per_checkpoint = make_engine(model).runner.checkpoint_pool.bytes_per_checkpoint
-    engine = make_engine(model, 3, max_num_seqs=6, num_blocks=14, max_model_len=96,
+    engine = make_engine(model, 3, max_num_seqs=6, num_blocks=12, max_model_len=96,
                          prefill_chunk=32, max_num_batched_tokens=48,
                          prefix_checkpoint_interval=16,
                          prefix_checkpoint_memory=str(6 * per_checkpoint))
