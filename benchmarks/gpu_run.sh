@@ -232,7 +232,8 @@ for spec in "$@"; do
                      --model preset:qwen3.5-27b --out "$OUT" ;;
     # $SERVE_CONCURRENCY (default 4,16) and $SERVE_PROMPTS requests per level (default 64);
     # $SERVE_ARGS: more arguments (--server-log "$OUT/server.log" --server-log-level debug
-    # times every engine step).
+    # times every engine step; benchmarks/tools/step_log.py groups those steps by what they
+    # held).
     bench-serve)   run_stage "$stage" "$limit" python3 -m pagedserve.cli bench serve \
                      --model preset:qwen3.5-27b --device cuda --max-num-seqs 16 \
                      --concurrency "${SERVE_CONCURRENCY:-4,16}" \
