@@ -8,7 +8,8 @@ decode rows, prompt chunks [<rows>, ...]``. Steps are grouped by their prompt ch
 (none, one, two, more) and by whether they held decode rows; each group prints its count
 and its p50 / p99 / max wall time, then the slowest steps. Under async scheduling a
 ``step()`` reads one forward pass back and launches the next, so its time is the host's
-wait for the pass it reads, and "last launch" names the pass it launched.
+wait for the pass it reads, and "last launch" names the pass it launched. Speculative
+steps log as such and are left out.
 """
 
 from __future__ import annotations

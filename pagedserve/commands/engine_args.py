@@ -34,8 +34,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens a step may carry (default: 8192 on cuda, 2048 on cpu)")
     p.add_argument("--prefill-chunk", type=int, default=None,
-                   help="prompt tokens a step takes, all prompts together, while other "
-                        "sequences decode (default 512)")
+                   help="prompt tokens a step takes, all prompts together (in at most two "
+                        "chunks), while other sequences decode (default 512)")
     p.add_argument("--idle-prefill-chunk", type=int, default=None,
                    help="prompt tokens a step takes per prompt while none decodes "
                         "(default: 8192 on cuda, 512 on cpu)")

@@ -351,6 +351,7 @@ class LLMEngine:
         ``has_unfinished_requests`` counts it.
         """
         if self.spec is not None:
+            self.last_launch = "a speculative step"
             outputs = self.spec.step(self)
             return self._take_failed() + outputs
         if self._inflight is None:
