@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_greedy import engine_greedy
 from greedy_driver import greedy
 from hybrid_checkpoints import (
     NEW_TOKENS,
@@ -354,7 +355,6 @@ def test_weight_footprint_from_config_equals_loaded_bytes(checkpoints, fp8_check
 def test_engine_serves_fp8_on_the_cpu(checkpoints, fp8_checkpoint, fp8_loaded, caplog) -> None:
     """``EngineConfig.quantization`` reaches the loader; the log counts FP8 bytes."""
     from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pagedserve.engine.request import SamplingParams
 
     with pytest.raises(ValueError, match="quantization 'int8' is not supported"):
         EngineConfig(model=str(checkpoints(SHAPE).path), quantization="int8")
@@ -365,12 +365,7 @@ def test_engine_serves_fp8_on_the_cpu(checkpoints, fp8_checkpoint, fp8_loaded, c
     assert "FP8 block-128 linear layers" in caplog.text
     assert engine.runner.memory_usage().weights_bytes == fp8_loaded.weights_bytes
     prompt = checkpoints(SHAPE).prompt
-    engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0.0,
-                                                   ignore_eos=True))
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.new_token_ids
+    tokens = engine_greedy(engine, prompt, 6)
     runner = ModelRunner(fp8_loaded.model, CacheConfig(), RunnerConfig(max_model_len=128))
     assert tokens == greedy(runner, prompt, 6).tokens
 
@@ -481,7 +476,6 @@ def test_speculative_greedy_on_the_fp8_checkpoint_is_transformers(checkpoints,
     """Drafts from the FP8 head, verified by the FP8 target: the tokens are transformers'
     greedy tokens over the dequantized weights, and the head's drafts are kept at times."""
     from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
-    from pagedserve.engine.request import SamplingParams
 
     lm = "model.language_model."  # the published layout's prefix; transformers' is "model."
     weights = {k.replace(lm, "model.", 1): v
@@ -493,12 +487,6 @@ def test_speculative_greedy_on_the_fp8_checkpoint_is_transformers(checkpoints,
         model=str(fp8_mtp_checkpoint), dtype="float32", progress=False, max_model_len=128,
         check_integrity=True,
         speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
-    engine.add_request("r", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
-                                                   ignore_eos=True))
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.new_token_ids
-    assert tokens == ref.tokens
+    assert engine_greedy(engine, prompt, NEW_TOKENS) == ref.tokens
     assert engine.spec is not None and engine.spec.stats.num_draft_tokens > 0
     assert engine.kv.pool.num_used_blocks == 0

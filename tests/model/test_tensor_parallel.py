@@ -10,10 +10,10 @@ quantized K/V cannot match transformers' float cache.
 from __future__ import annotations
 
 import pytest
+from engine_greedy import engine_greedy
 from hybrid_checkpoints import NEW_TOKENS, to_published_layout
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
-from pagedserve.engine.request import SamplingParams
 
 TP_CHECKPOINTS = ("d64-mha-tied", "d256-gqa4-kv1-untied")
 
@@ -26,12 +26,7 @@ def generate(path, prompt: list[int], tp: int, kv: tuple[str, str] = ("f16", "f1
         cache_type_k=kv[0], cache_type_v=kv[1], max_model_len=128, max_num_seqs=2,
         check_integrity=True))
     try:
-        engine.add_request("r", prompt, SamplingParams(max_tokens=n, temperature=0.0,
-                                                       ignore_eos=True))
-        tokens: list[int] = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                tokens += out.new_token_ids
+        tokens = engine_greedy(engine, prompt, n)
         if tp > 1:
             assert [r.num_used_state_slots for r in engine.runner.workers.report()] == [0]
         return tokens
