@@ -298,12 +298,13 @@ def _sms(device: str) -> int:
 
 
 def _gemv_side(shape: Shape, spec: str, device: str):
-    """``BLOCK_N/WARPS/STAGES/SPLITS`` (SPLITS 0: the rule's split for that block)."""
-    bn, warps, stages, splits = (int(v) for v in spec.split("/"))
+    """``BLOCK_N/WARPS/STAGES/SPLITS[/FORM]`` (SPLITS 0: the rule's split for that block;
+    FORM one of ``fp8_gemv.FORMS``, default the rule's)."""
+    *ints, form = spec.split("/") if spec.count("/") == 4 else (*spec.split("/"), "dot")
+    bn, warps, stages, splits = (int(v) for v in ints)
     lin = shape.lin
-    if splits == 0:
-        splits = launch_config(1, lin.n, lin.k, _sms(device)).splits
-    config = GemvConfig(16, bn, splits, warps, stages)
+    splits = splits or launch_config(1, lin.n, lin.k, _sms(device)).splits
+    config = GemvConfig(16, bn, splits, warps, stages, form)
     counters = [torch.zeros(-(-lin.n // bn), dtype=torch.int32, device=device)
                 for _ in shape.fp8]
 
@@ -445,8 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-rows", type=int, default=8192)
     ap.add_argument("--crossover-rows", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--gemv-sweep", default="",
-                    help="weight-only launches BLOCK_N/WARPS/STAGES/SPLITS, ';'-separated "
-                         "(SPLITS 0: the rule's)")
+                    help="weight-only launches BLOCK_N/WARPS/STAGES/SPLITS[/FORM], "
+                         "';'-separated (SPLITS 0: the rule's; FORM dot, swap or fma)")
     ap.add_argument("--gemm-sweep", default="",
                     help="w8a8 launches BLOCK_M/BLOCK_N/GROUP_M/WARPS/STAGES, ';'-separated")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")

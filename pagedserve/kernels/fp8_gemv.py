@@ -44,6 +44,12 @@ PROGRAMS_PER_SM = 4  # split-K target: resident programs that keep the loads in 
 MAX_SPLIT = 16
 NUM_WARPS = 4
 NUM_STAGES = 4
+# How a k block's products are formed (``GemvConfig.form``):
+#   dot   x [BLOCK_M, 128] @ w [128, BLOCK_N] on the tensor cores (weights the B operand)
+#   swap  w [BLOCK_N, 128] @ x.T [128, BLOCK_M] on the tensor cores (weights the A operand,
+#         which a Hopper MMA may take from registers), transposed once at the end
+#   fma   one row of x: w [BLOCK_N, 128] * x [128] summed over k on the CUDA cores
+FORMS = {"dot": 0, "swap": 1, "fma": 2}
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class GemvConfig:
     splits: int
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
+    form: str = "dot"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -63,6 +70,8 @@ class GemvConfig:
                 raise ValueError(f"{name} must be a power of 2 >= 16, got {v}")
         if not 1 <= self.splits <= MAX_SPLIT:
             raise ValueError(f"splits must be in 1..{MAX_SPLIT}, got {self.splits}")
+        if self.form not in FORMS:
+            raise ValueError(f"form {self.form!r} is not one of {list(FORMS)}")
 
 
 def num_counters(n: int) -> int:
@@ -89,6 +98,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_sr, stride_om, blocks_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
     SPLIT: tl.constexpr, ROW_MAP: tl.constexpr, NATIVE: tl.constexpr, IEEE: tl.constexpr,
+    FORM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -99,15 +109,42 @@ def _gemv_kernel(
     n_ok = rows_n < N
     srow = scale_rows_of(srow_ptr, rows_n, n_ok, ROW_MAP, BLOCK)  # [BLOCK_N]
     x_rows = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+    w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     kb_end = tl.minimum(pid_k * blocks_per_split + blocks_per_split, tl.cdiv(K, BLOCK))
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for kb in range(pid_k * blocks_per_split, kb_end):
-        k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = load_weight_tile(w_ptr, stride_wn, rows_n, n_ok, k, k_ok)  # [BLOCK, BLOCK_N]
-        s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
-        acc += dot_f32(x, w.to(x.dtype), NATIVE, IEEE) * s[None, :]
+    if FORM == 0:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for kb in range(pid_k * blocks_per_split, kb_end):
+            k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = load_weight_tile(w_ptr, stride_wn, rows_n, n_ok, k, k_ok)  # [BLOCK, BLOCK_N]
+            s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
+            acc += dot_f32(x, w.to(x.dtype), NATIVE, IEEE) * s[None, :]
+    elif FORM == 1:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        x_cols = x_ptr + rows_m.to(tl.int64)[None, :] * stride_xm  # [1, BLOCK_M]
+        for kb in range(pid_k * blocks_per_split, kb_end):
+            k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+            k_ok = k < K
+            x_t = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :],
+                          other=0.0)  # [BLOCK, BLOCK_M]
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # [BLOCK_N, BLOCK]
+            s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
+            acc_t += dot_f32(w.to(x_t.dtype), x_t, NATIVE, IEEE) * s[:, None]
+        acc = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
+    else:
+        # One row (``gemv`` checks M == 1): rows_m is 0 for every lane, masked past row 0.
+        acc_n = tl.zeros((BLOCK_N,), tl.float32)
+        for kb in range(pid_k * blocks_per_split, kb_end):
+            k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+            k_ok = k < K
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK]
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # [BLOCK_N, BLOCK]
+            s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
+            acc_n += tl.sum(w.to(tl.float32) * x[None, :], axis=1) * s
+        acc = tl.where(rows_m[:, None] == 0, acc_n[None, :], 0.0)  # [BLOCK_M, BLOCK_N]
     out_ptrs = out_ptr + rows_m.to(tl.int64)[:, None] * stride_om + rows_n[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:
@@ -156,13 +193,15 @@ def gemv(
     if splits > 1 and (m > config.block_m or counters.numel() < tiles_n):
         raise ValueError(f"a split launch needs one m tile and {tiles_n} counters; got "
                          f"{m} rows for block_m {config.block_m}, {counters.numel()} counters")
+    if config.form == "fma" and m != 1:
+        raise ValueError(f"form 'fma' takes one row of x, got {m}")
     part = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     _gemv_kernel[(tiles_n, splits, triton.cdiv(m, config.block_m))](
         x, weight, scale_inv, weight if scale_rows is None else scale_rows, out, part,
         counters, m, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
         per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK=fp8.BLOCK,
         SPLIT=splits > 1, ROW_MAP=scale_rows is not None, NATIVE=x.is_cuda,
-        IEEE=x.dtype == torch.float32, num_warps=config.num_warps,
+        IEEE=x.dtype == torch.float32, FORM=FORMS[config.form], num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     return out

@@ -140,6 +140,28 @@ def test_weight_only_split_k_is_exact_and_leaves_counters_zero(splits):
 
 
 @needs_triton
+@pytest.mark.parametrize("form,m,splits", [("swap", 1, 1), ("swap", 5, 3), ("fma", 1, 1),
+                                           ("fma", 1, 2)])
+def test_weight_only_forms_match_oracle(form, m, splits):
+    """Each way of forming a k block's products (``fp8_gemv.FORMS``) gives the oracle's
+    result on the ragged fused weight, split or not."""
+    x = activations(m, K, torch.bfloat16)
+    counters = torch.zeros(8, dtype=torch.int32, device=TRITON_DEVICE)
+    config = GemvConfig(block_m=16, block_n=64, splits=splits, form=form)
+    out, data, scale = run(x, RAGGED, "weight_only", counters=counters, gemv_config=config)
+    assert not counters.any()
+    ref, absref = weight_only(x.cpu(), data.cpu(), scale.cpu(), RAGGED)
+    assert_close(out.cpu(), ref, absref, OUT_TOL[torch.bfloat16], acc_tol("weight_only", ON_GPU))
+
+
+@needs_triton
+def test_weight_only_fma_form_takes_one_row():
+    x = activations(2, K, torch.bfloat16)
+    with pytest.raises(ValueError, match="form 'fma' takes one row of x, got 2"):
+        run(x, RAGGED, "weight_only", gemv_config=GemvConfig(16, 64, 1, form="fma"))
+
+
+@needs_triton
 @pytest.mark.parametrize("parts", [RAGGED, UNIFORM], ids=["ragged", "uniform"])
 @pytest.mark.parametrize("m,dtype,config", [
     (1, torch.bfloat16, None),
