@@ -49,6 +49,7 @@ import _common  # noqa: E402
 from pagedserve import presets  # noqa: E402
 from pagedserve.config import ModelConfig  # noqa: E402
 from pagedserve.kernels import fp8_matmul, ops  # noqa: E402
+from pagedserve.kernels.fp8_activations import quantize_activations  # noqa: E402
 from pagedserve.kernels.fp8_gemm import GemmConfig  # noqa: E402
 from pagedserve.kernels.fp8_gemv import GemvConfig, launch_config  # noqa: E402
 from pagedserve.model.fp8_weights import packed_linears, runs_of  # noqa: E402
@@ -248,6 +249,9 @@ def run_prefill(args, shapes: list[Linear], device: str, backend, l2: int) -> di
     for lin in shapes:
         shape = Shape(lin, device, l2, args.quick)
         extra = {f"gemm {spec}": _gemm_side(shape, spec) for spec in args.gemm_sweep}
+        if lin.fp8 and fp8_matmul.scaled_mm_applies(shape.fp8[0][0], lin.parts,
+                                                    torch.bfloat16):
+            extra.update(_scaled_mm_pieces(shape))
         r = time_shape(shape, m, device, backend, ["w8a8_scaled_mm", "w8a8", "weight_only"],
                        extra)
         r["count"] = lin.count
@@ -313,6 +317,20 @@ def _gemv_side(shape: Shape, spec: str, device: str):
                                                               "weight_only", config))
                 for (d, s, _), c in zip(shape.fp8, counters)]
     return calls
+
+
+def _scaled_mm_pieces(shape: Shape) -> dict:
+    """``w8a8_scaled_mm``'s two launches as sides of their own: the activations'
+    quantization, and cuBLAS's GEMM on activations quantized beforehand."""
+    def quantize(x):
+        return [lambda: quantize_activations(x, scales_row_contiguous=True)] * len(shape.fp8)
+
+    def gemm(x):
+        xq, xs = quantize_activations(x, scales_row_contiguous=True)
+        return [(lambda d=d, s=s: torch._scaled_mm(xq, d.t(), scale_a=xs, scale_b=s.t(),
+                                                   out_dtype=x.dtype))
+                for d, s, _ in shape.fp8]
+    return {"quantize only": quantize, "cuBLAS GEMM only": gemm}
 
 
 def _gemm_side(shape: Shape, spec: str):
