@@ -303,7 +303,7 @@ def _sms(device: str) -> int:
 
 def _gemv_side(shape: Shape, spec: str, device: str):
     """``BLOCK_N/WARPS/STAGES/SPLITS[/FORM]`` (SPLITS 0: the rule's split for that block;
-    FORM one of ``fp8_gemv.FORMS``, default the rule's)."""
+    FORM one of ``fp8_gemv.FORMS``, default ``dot``)."""
     *ints, form = spec.split("/") if spec.count("/") == 4 else (*spec.split("/"), "dot")
     bn, warps, stages, splits = (int(v) for v in ints)
     lin = shape.lin

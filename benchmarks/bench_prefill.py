@@ -142,7 +142,8 @@ def category(kernel: str) -> str:
     if any(s in name for s in ("paged_prefill", "paged_decode", "fragment", "flash", "fmha",
                                "decode_merge", "gather_rows", "sdpa", "cudnn")):
         return "attention"
-    if any(s in name for s in ("nvjet", "gemm", "cutlass", "xmma", "cublas", "splitk")):
+    if any(s in name for s in ("nvjet", "gemm", "cutlass", "xmma", "cublas", "splitk",
+                               "gemv")):
         return "gemm"
     if any(s in name for s in ("chunk", "conv", "l2norm", "solve_tril", "wy", "recompute",
                                "kkt", "rule", "gated_delta", "cumsum")):
@@ -220,7 +221,7 @@ def run_ttft(args, device: str, loaded) -> dict:
                            max_model_len=max_len, max_num_seqs=args.max_num_seqs,
                            prefill_chunk=chunk, idle_prefill_chunk=idle,
                            max_num_batched_tokens=budget, gpu_memory_utilization=0.92,
-                           warm_up=True, progress=False)
+                           quantization=args.quantization, warm_up=True, progress=False)
         t = time.perf_counter()
         engine = LLMEngine(cfg, loaded=loaded)
         ready = time.perf_counter() - t
@@ -432,7 +433,8 @@ def markdown(res: dict) -> str:
                                          for r in swept]))
     ttft = res.get("ttft")
     if ttft:
-        out.append(f"\n## Time to first token, one prompt ({ttft['kv_type']} K/V)\n\n"
+        weights = "FP8 weights quantized while loading, " if ttft.get("quantization") else ""
+        out.append(f"\n## Time to first token, one prompt ({weights}{ttft['kv_type']} K/V)\n\n"
                    "Each engine warms up before it is ready; its first ten "
                    f"{ttft['configs'][0]['first_vs_tenth']['prompt']}-token requests "
                    "then run one after another.\n\n")
@@ -512,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="op,ttft,hf")
     ap.add_argument("--quick", action="store_true", help="CPU dry run on the tiny random model")
     ap.add_argument("--kv-type", default="q8_0")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="ttft: quantize the weights while loading (the engine's flag)")
     ap.add_argument("--lengths", default="512,8192,32768,131072")
     ap.add_argument("--configs", default="defaults,512/16384/16384",
                     help="'defaults' or PREFILL_CHUNK/IDLE_PREFILL_CHUNK/BUDGET, comma-separated")
@@ -558,9 +562,11 @@ def main(argv: list[str] | None = None) -> int:
         from pagedserve.model.random_checkpoint import random_model_path
 
         model = random_model_path() if args.quick else "preset:qwen3.5-27b"
-        loaded = load_model(model, device, None if args.quick else "bfloat16", progress=False)
+        loaded = load_model(model, device, None if args.quick else "bfloat16", progress=False,
+                            quantization=args.quantization)
     if "ttft" in parts:
-        res["ttft"] = run_ttft(args, device, loaded) | {"kv_type": args.kv_type}
+        res["ttft"] = run_ttft(args, device, loaded) | {
+            "kv_type": args.kv_type, "quantization": args.quantization}
     if "hf" in parts:
         res["hf"] = run_hf(args, device, loaded)
     paths = _common.write_outputs(args.out, "prefill", res, markdown(res),

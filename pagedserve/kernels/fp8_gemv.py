@@ -1,10 +1,12 @@
 """Triton weight-only FP8 linear for a few rows (decode): ``y = x @ W.T`` at 1 byte a weight.
 
 Decode steps are bound by reading the weights, so this kernel streams each e4m3 weight
-byte once, widens it in registers to the activation dtype (exact: every e4m3 value is a
-bf16 and an f16 value), runs the tensor-core dot of one 128-column block, and applies
-that block's scales to the float32 partial sums (``fp8_tiles``). Activations are not
-quantized: weight-only semantics, as on the CPU.
+byte once, widens it in registers (exact: every e4m3 value is a bf16, f16 and float32
+value), forms one 128-column block's products, and applies that block's scales to the
+float32 partial sums (``fp8_tiles``). Several rows of x take the tensor-core dot in the
+activation dtype; one row multiplies and sums in float32 on the CUDA cores (``FORMS``),
+which keeps more of the weight stream in flight than a dot padded to 16 rows. Activations
+are not quantized: weight-only semantics, as on the CPU.
 
 Grid and split-K (``launch_config``)::
 
@@ -35,14 +37,15 @@ import triton.language as tl
 from pagedserve.kernels.fp8_tiles import dot_f32, load_weight_tile, scale_rows_of
 from pagedserve.quant import fp8
 
-# Launch rule constants: a decode step's FP8 linears run at 69% of their weight-read floor
-# with them on an H100; other launches are untried (benchmarks/bench_fp8.py --gemv-sweep,
-# docs/kernel-decisions.md "FP8 linear layers").
+# Launch rule constants, from the launch sweeps (benchmarks/bench_fp8.py --gemv-sweep,
+# docs/kernel-decisions.md "FP8 linear layers"): one row of x takes the fma form with 8
+# warps; more rows the dot form with 4.
 BLOCK_N = 64  # weight rows per program
 MAX_BLOCK_M = 64  # rows of x per program; more rows take more m tiles (and no split)
 PROGRAMS_PER_SM = 4  # split-K target: resident programs that keep the loads in flight
 MAX_SPLIT = 16
 NUM_WARPS = 4
+ONE_ROW_NUM_WARPS = 8
 NUM_STAGES = 4
 # How a k block's products are formed (``GemvConfig.form``):
 #   dot   x [BLOCK_M, 128] @ w [128, BLOCK_N] on the tensor cores (weights the B operand)
@@ -89,6 +92,8 @@ def launch_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     if m <= block_m and tiles < target and num_kb > 1:
         splits = min(MAX_SPLIT, num_kb, triton.cdiv(target, tiles))
         splits = triton.cdiv(num_kb, triton.cdiv(num_kb, splits))  # no empty split
+    if m == 1:
+        return GemvConfig(block_m, BLOCK_N, splits, ONE_ROW_NUM_WARPS, form="fma")
     return GemvConfig(block_m, BLOCK_N, splits)
 
 
