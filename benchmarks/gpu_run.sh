@@ -238,7 +238,13 @@ for spec in "$@"; do
                      --model preset:qwen3.5-27b --device cuda --max-num-seqs 16 \
                      --concurrency "${SERVE_CONCURRENCY:-4,16}" \
                      --num-prompts "${SERVE_PROMPTS:-64}" --output-len 64 --max-model-len 4096 \
-                     --cache-type-k q4_0 --cache-type-v q4_0 --out-dir "$OUT" ${SERVE_ARGS:-} ;;
+                     --cache-type-k q4_0 --cache-type-v q4_0 --out-dir "$OUT" ${SERVE_ARGS:-}
+                   # A debug log is too long to come back whole: its step summary and a
+                   # compressed copy do.
+                   if [ -f "$OUT/server.log" ]; then
+                     python3 benchmarks/tools/step_log.py "$OUT/server.log" > "$OUT/step-log.txt"
+                     gzip -f "$OUT/server.log"
+                   fi ;;
     # The chaos run (issue 32): a 27B-shape server (random bf16 weights, q4_0 K/V, a pool
     # of 1.5 longest requests) under 500 requests of up to 32K tokens with client
     # disconnects; checks no 5xx, no leaked blocks or slots, preemptions, outputs equal to

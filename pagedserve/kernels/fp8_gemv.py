@@ -5,8 +5,8 @@ byte once, widens it in registers (exact: every e4m3 value is a bf16, f16 and fl
 value), forms one 128-column block's products, and applies that block's scales to the
 float32 partial sums (``fp8_tiles``). Several rows of x take the tensor-core dot in the
 activation dtype; one row multiplies and sums in float32 on the CUDA cores (``FORMS``),
-which keeps more of the weight stream in flight than a dot padded to 16 rows. Activations
-are not quantized: weight-only semantics, as on the CPU.
+measured faster than the dot padded to 16 rows. Activations are not quantized:
+weight-only semantics, as on the CPU.
 
 Grid and split-K (``launch_config``)::
 
