@@ -27,7 +27,8 @@ from fp8_oracle import (
 )
 from kernel_oracle import needs_cuda
 
-from pagedserve.kernels import fp8_matmul, ops
+from pagedserve.kernels import fp8_gemv, fp8_matmul, ops
+from pagedserve.kernels.decode_plan import device_num_sms
 from pagedserve.kernels.fp8_activations import quantize_activations as triton_quantize
 from pagedserve.model.fp8_linear import Fp8Linear, RowConcatLinear
 
@@ -87,6 +88,24 @@ def test_weight_only_at_27b_shapes(name, m):
     counters = ops.fp8_counters(data.shape[0], "cuda")
     out = ops.fp8_linear(x, data, scale, parts, counters=counters, method="weight_only")
     again = ops.fp8_linear(x, data, scale, parts, counters=counters, method="weight_only")
+    torch.cuda.synchronize()
+    check("weight_only", x, data, scale, parts, out)
+    assert not counters.any()
+    assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("form,warps", [("fma", 8), ("swap", 4)])
+def test_weight_only_forms_at_27b_shapes(name, form, warps):
+    """The other ways of forming a block's products (``fp8_gemv.FORMS``) at one row, with
+    the rule's split: the oracle on every element, counters left zero, bits repeated."""
+    data, scale, parts, k = weight(name)
+    x = activations(1, k)
+    rule = fp8_gemv.launch_config(1, data.shape[0], k, device_num_sms(x.device))
+    config = fp8_gemv.GemvConfig(rule.block_m, rule.block_n, rule.splits, warps, form=form)
+    counters = ops.fp8_counters(data.shape[0], "cuda")
+    out = fp8_matmul.fp8_linear(x, data, scale, parts, counters, "weight_only", config)
+    again = fp8_matmul.fp8_linear(x, data, scale, parts, counters, "weight_only", config)
     torch.cuda.synchronize()
     check("weight_only", x, data, scale, parts, out)
     assert not counters.any()
