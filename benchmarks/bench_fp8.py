@@ -304,8 +304,9 @@ def _sms(device: str) -> int:
 def _gemv_side(shape: Shape, spec: str, device: str):
     """``BLOCK_N/WARPS/STAGES/SPLITS[/FORM]`` (SPLITS 0: the rule's split for that block;
     FORM one of ``fp8_gemv.FORMS``, default ``dot``)."""
-    *ints, form = spec.split("/") if spec.count("/") == 4 else (*spec.split("/"), "dot")
-    bn, warps, stages, splits = (int(v) for v in ints)
+    fields = spec.split("/")
+    bn, warps, stages, splits = (int(v) for v in fields[:4])
+    form = fields[4] if len(fields) > 4 else "dot"
     lin = shape.lin
     splits = splits or launch_config(1, lin.n, lin.k, _sms(device)).splits
     config = GemvConfig(16, bn, splits, warps, stages, form)
@@ -465,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--crossover-rows", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--gemv-sweep", default="",
                     help="weight-only launches BLOCK_N/WARPS/STAGES/SPLITS[/FORM], "
-                         "';'-separated (SPLITS 0: the rule's; FORM dot, swap or fma)")
+                         "';'-separated (SPLITS 0: the rule's; FORM dot or fma)")
     ap.add_argument("--gemm-sweep", default="",
                     help="w8a8 launches BLOCK_M/BLOCK_N/GROUP_M/WARPS/STAGES, ';'-separated")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")

@@ -4,10 +4,9 @@ Decode steps are bound by reading the weights, so this kernel streams each e4m3 
 byte once, widens it in registers (exact: every e4m3 value is a bf16, f16 and float32
 value), forms one 128-column block's products, and applies that block's scales to the
 float32 partial sums (``fp8_tiles``). The rule's launches take the tensor-core dot in
-the activation dtype; ``FORMS`` lists the other ways a launch can form the products (one
-row of x multiplied and summed in float32 on the CUDA cores, ``fma``, measured faster
-than the dot padded to 16 rows). Activations are not quantized: weight-only semantics, as
-on the CPU.
+the activation dtype; a launch may instead form one row's products in float32 on the
+CUDA cores (``FORMS``: ``fma``, measured faster than the dot padded to 16 rows).
+Activations are not quantized: weight-only semantics, as on the CPU.
 
 Grid and split-K (``launch_config``)::
 
@@ -39,8 +38,8 @@ from pagedserve.kernels.fp8_tiles import dot_f32, load_weight_tile, scale_rows_o
 from pagedserve.quant import fp8
 
 # Launch rule constants, from the launch sweeps (benchmarks/bench_fp8.py --gemv-sweep,
-# docs/kernel-decisions.md "FP8 linear layers"). The rule launches the dot form; the other
-# forms are launch choices for sweeps and tests.
+# docs/kernel-decisions.md "FP8 linear layers"). The rule launches the dot form; the fma
+# form is a launch choice for sweeps and tests.
 BLOCK_N = 64  # weight rows per program
 MAX_BLOCK_M = 64  # rows of x per program; more rows take more m tiles (and no split)
 PROGRAMS_PER_SM = 4  # split-K target: resident programs that keep the loads in flight
@@ -48,11 +47,9 @@ MAX_SPLIT = 16
 NUM_WARPS = 4
 NUM_STAGES = 4
 # How a k block's products are formed (``GemvConfig.form``):
-#   dot   x [BLOCK_M, 128] @ w [128, BLOCK_N] on the tensor cores (weights the B operand)
-#   swap  w [BLOCK_N, 128] @ x.T [128, BLOCK_M] on the tensor cores (weights the A operand,
-#         which a Hopper MMA may take from registers), transposed once at the end
+#   dot   x [BLOCK_M, 128] @ w [128, BLOCK_N] on the tensor cores
 #   fma   one row of x: w [BLOCK_N, 128] * x [128] summed over k on the CUDA cores
-FORMS = {"dot": 0, "swap": 1, "fma": 2}
+FORMS = {"dot": 0, "fma": 1}
 
 
 @dataclass(frozen=True)
@@ -112,7 +109,6 @@ def _gemv_kernel(
     n_ok = rows_n < N
     srow = scale_rows_of(srow_ptr, rows_n, n_ok, ROW_MAP, BLOCK)  # [BLOCK_N]
     x_rows = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
-    w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     kb_end = tl.minimum(pid_k * blocks_per_split + blocks_per_split, tl.cdiv(K, BLOCK))
     if FORM == 0:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -123,21 +119,9 @@ def _gemv_kernel(
             w = load_weight_tile(w_ptr, stride_wn, rows_n, n_ok, k, k_ok)  # [BLOCK, BLOCK_N]
             s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
             acc += dot_f32(x, w.to(x.dtype), NATIVE, IEEE) * s[None, :]
-    elif FORM == 1:
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        x_cols = x_ptr + rows_m.to(tl.int64)[None, :] * stride_xm  # [1, BLOCK_M]
-        for kb in range(pid_k * blocks_per_split, kb_end):
-            k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-            k_ok = k < K
-            x_t = tl.load(x_cols + k[:, None], mask=k_ok[:, None] & m_ok[None, :],
-                          other=0.0)  # [BLOCK, BLOCK_M]
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0)  # [BLOCK_N, BLOCK]
-            s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
-            acc_t += dot_f32(w.to(x_t.dtype), x_t, NATIVE, IEEE) * s[:, None]
-        acc = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
     else:
         # One row (``gemv`` checks M == 1): rows_m is 0 for every lane, masked past row 0.
+        w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         acc_n = tl.zeros((BLOCK_N,), tl.float32)
         for kb in range(pid_k * blocks_per_split, kb_end):
             k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]

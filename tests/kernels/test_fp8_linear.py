@@ -140,14 +140,13 @@ def test_weight_only_split_k_is_exact_and_leaves_counters_zero(splits):
 
 
 @needs_triton
-@pytest.mark.parametrize("form,m,splits", [("swap", 1, 1), ("swap", 5, 3), ("fma", 1, 1),
-                                           ("fma", 1, 2)])
-def test_weight_only_forms_match_oracle(form, m, splits):
-    """Each way of forming a k block's products (``fp8_gemv.FORMS``) gives the oracle's
-    result on the ragged fused weight, split or not."""
-    x = activations(m, K, torch.bfloat16)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_weight_only_fma_form_matches_oracle(splits):
+    """The one-row fma form (``fp8_gemv.FORMS``) gives the oracle's result on the ragged
+    fused weight, split or not."""
+    x = activations(1, K, torch.bfloat16)
     counters = torch.zeros(8, dtype=torch.int32, device=TRITON_DEVICE)
-    config = GemvConfig(block_m=16, block_n=64, splits=splits, form=form)
+    config = GemvConfig(block_m=16, block_n=64, splits=splits, form="fma")
     out, data, scale = run(x, RAGGED, "weight_only", counters=counters, gemv_config=config)
     assert not counters.any()
     ref, absref = weight_only(x.cpu(), data.cpu(), scale.cpu(), RAGGED)
