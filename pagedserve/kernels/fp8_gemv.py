@@ -3,9 +3,9 @@
 Decode steps are bound by reading the weights, so this kernel streams each e4m3 weight
 byte once, widens it in registers (exact: every e4m3 value is a bf16, f16 and float32
 value), forms one 128-column block's products, and applies that block's scales to the
-float32 partial sums (``fp8_tiles``). The rule's launches take the tensor-core dot in
-the activation dtype; a launch may instead form one row's products in float32 on the
-CUDA cores (``FORMS``: ``fma``, measured faster than the dot padded to 16 rows).
+float32 partial sums (``fp8_tiles``). Several rows take the tensor-core dot in the
+activation dtype; one row forms its products in float32 on the CUDA cores (``FORMS``:
+``fma``), which the launch sweeps measured faster than the dot padded to 16 rows.
 Activations are not quantized: weight-only semantics, as on the CPU.
 
 Grid and split-K (``launch_config``)::
@@ -38,14 +38,15 @@ from pagedserve.kernels.fp8_tiles import dot_f32, load_weight_tile, scale_rows_o
 from pagedserve.quant import fp8
 
 # Launch rule constants, from the launch sweeps (benchmarks/bench_fp8.py --gemv-sweep,
-# docs/kernel-decisions.md "FP8 linear layers"). The rule launches the dot form; the fma
-# form is a launch choice for sweeps and tests.
+# docs/kernel-decisions.md "FP8 linear layers"). One row launches the fma form with
+# ONE_ROW_WARPS warps; several rows, the dot form.
 BLOCK_N = 64  # weight rows per program
 MAX_BLOCK_M = 64  # rows of x per program; more rows take more m tiles (and no split)
 PROGRAMS_PER_SM = 4  # split-K target: resident programs that keep the loads in flight
 MAX_SPLIT = 16
 NUM_WARPS = 4
 NUM_STAGES = 4
+ONE_ROW_WARPS = 8
 # How a k block's products are formed (``GemvConfig.form``):
 #   dot   x [BLOCK_M, 128] @ w [128, BLOCK_N] on the tensor cores
 #   fma   one row of x: w [BLOCK_N, 128] * x [128] summed over k on the CUDA cores
@@ -89,6 +90,8 @@ def launch_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     if m <= block_m and tiles < target and num_kb > 1:
         splits = min(MAX_SPLIT, num_kb, triton.cdiv(target, tiles))
         splits = triton.cdiv(num_kb, triton.cdiv(num_kb, splits))  # no empty split
+    if m == 1:
+        return GemvConfig(block_m, BLOCK_N, splits, ONE_ROW_WARPS, form="fma")
     return GemvConfig(block_m, BLOCK_N, splits)
 
 
