@@ -8,7 +8,10 @@ Policy, per step, within ``max_num_batched_tokens``:
    prompts together take at most ``prefill_chunk`` tokens in at most
    ``max_mixed_prompt_chunks`` chunks, so that the decoding users' step stays short; in
    a step with no decode row each prompt takes at most ``idle_prefill_chunk``, which
-   may be larger, since nobody waits on that step but the prompts themselves.
+   may be larger, since nobody waits on that step but the prompts themselves. A burst,
+   more prompts able to advance than rows decoding, takes the idle sizes too
+   (``bursts_take_idle_sizes``): one long step then delays fewer users' next token than
+   it brings first tokens to, where the bound would admit the prompts one step at a time.
 3. Waiting requests, first come first served (preempted ones at the front), while a state
    slot, a sequence row and the chunk's blocks are free, within the same prompt-token
    bound. Admission never preempts.
@@ -67,6 +70,9 @@ class SchedulerConfig:
     idle_prefill_chunk: int = 0  # 0: prefill_chunk
     # Prompt chunks (of more than one token) a step with decode rows may carry; None: any.
     max_mixed_prompt_chunks: int | None = None
+    # Whether the bound on prompt tokens beside decode rows lifts while prompts outnumber
+    # the decode rows (module doc, 2).
+    bursts_take_idle_sizes: bool = True
 
     @classmethod
     def for_device(cls, device_type: str, *, max_num_seqs: int, max_model_len: int,
@@ -236,7 +242,7 @@ class Scheduler:
         chunks_left: int | None = None  # the prompt chunks it may still take (None: any)
         for want_decode in (True, False):
             if not want_decode:
-                if decode:
+                if decode and not self._prompts_outnumber(len(decode)):
                     prompt_budget = min(budget, self.config.prefill_chunk)
                     chunks_left = self.config.max_mixed_prompt_chunks
                 else:
@@ -284,6 +290,16 @@ class Scheduler:
         chunks = [c for c in decode + prefill if c.request.status is RequestStatus.RUNNING
                   and c.start_pos == c.request.num_computed_tokens]
         return SchedulerOutput(chunks, preempted)
+
+    def _prompts_outnumber(self, decode_rows: int) -> bool:
+        """Whether more prompts could advance this step than ``decode_rows`` rows decode
+        (``bursts_take_idle_sizes``): running prefills and the waiting requests that
+        free sequence rows could admit."""
+        if not self.config.bursts_take_idle_sizes:
+            return False
+        prefilling = sum(1 for r in self.running if r.num_pending_tokens > 1)
+        admissible = min(len(self.waiting), self.config.max_num_seqs - len(self.running))
+        return prefilling + admissible > decode_rows
 
     def _chunk_len(self, req: Request, budget: int, chunk_cap: int) -> int:
         pending = req.num_pending_tokens

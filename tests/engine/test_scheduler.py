@@ -13,12 +13,13 @@ SHAPES = StateShapes(num_layers=1, conv=(4, 3), recurrent=(1, 2, 2), conv_dtype=
 
 
 def make(num_blocks=16, block_size=4, max_seqs=4, budget=64, chunk=8, max_len=64,
-         idle_chunk=0, mixed_chunks=None):
+         idle_chunk=0, mixed_chunks=None, bursts=True):
     kv = KVCacheManager(BlockPool(num_blocks, block_size), max_seqs, max_len // block_size)
     states = StatePool(SHAPES, max_seqs, "cpu")
     cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                           prefill_chunk=chunk, max_model_len=max_len,
-                          idle_prefill_chunk=idle_chunk, max_mixed_prompt_chunks=mixed_chunks)
+                          idle_prefill_chunk=idle_chunk, max_mixed_prompt_chunks=mixed_chunks,
+                          bursts_take_idle_sizes=bursts)
     return Scheduler(cfg, kv, states)
 
 
@@ -157,7 +158,8 @@ def test_step_sizes_fill_in_only_what_the_caller_left_out():
 def test_prompts_beside_decode_rows_share_one_chunk():
     # While "a" decodes, the step's prompts together take at most prefill_chunk (4)
     # tokens: "b"'s whole 3-token prompt, then 1 of "c"'s; alone, each would take 4.
-    s = make(chunk=4, idle_chunk=12, budget=32)
+    # (Two prompts outnumber one decode row: the burst rule is off to see the bound.)
+    s = make(chunk=4, idle_chunk=12, budget=32, bursts=False)
     s.add(req("a", 2))
     assert shape(run_step(s)) == [("a", 2, 0)]
     s.add(req("b", 3))
@@ -170,7 +172,7 @@ def test_prompts_beside_decode_rows_share_one_chunk():
 def test_steps_with_decode_rows_take_at_most_max_mixed_prompt_chunks():
     # Beside "a"'s decode row, two of the three short prompts (2 chunks of more than one
     # token); the third waits though tokens are left. With no decode row, all of them.
-    s = make(chunk=16, idle_chunk=16, budget=32, mixed_chunks=2)
+    s = make(chunk=16, idle_chunk=16, budget=32, mixed_chunks=2, bursts=False)
     s.add(req("a", 2))
     run_step(s)
     for rid in "bcd":
@@ -183,6 +185,23 @@ def test_steps_with_decode_rows_take_at_most_max_mixed_prompt_chunks():
     assert shape(run_step(s)) == [("b", 3, 0), ("c", 3, 0), ("d", 3, 0)]
     with pytest.raises(ValueError, match="max_mixed_prompt_chunks"):
         SchedulerConfig(max_mixed_prompt_chunks=0)
+
+
+def test_prompts_that_outnumber_decode_rows_take_idle_sizes():
+    # One decode row ("a") and two waiting prompts: the step takes them as if no row
+    # decoded (idle chunk 12 each, any number of chunks). Two decode rows beside one
+    # prompt keep the bound (4 prompt tokens in all).
+    s = make(max_seqs=6, chunk=4, idle_chunk=12, budget=64, mixed_chunks=1)
+    s.add(req("a", 2))
+    run_step(s)
+    s.add(req("b", 10))
+    s.add(req("c", 14))
+    assert shape(run_step(s)) == [("a", 1, 2), ("b", 10, 0), ("c", 12, 0)]
+    s.add(req("d", 9))
+    # Decode rows a and b; prompts c (2 tokens left) and d do not outnumber them: one
+    # chunk of at most 4 tokens, and d waits.
+    assert shape(run_step(s)) == [("a", 1, 3), ("b", 1, 10), ("c", 2, 12)]
+    assert [r.request_id for r in s.waiting] == ["d"]
 
 
 def test_a_victim_readmitted_in_the_same_step_runs_once_from_the_start():
