@@ -1,8 +1,7 @@
 """FP8 weights against bf16 through the whole engine, on the Qwen3.5-27B shape.
 
 Issue 37's engine-level targets, bf16 and FP8 side by side in one run (one after the
-other, each in a fresh process: both weight sets do not fit one GPU at once, and what one
-side's engine leaves cached must not shrink the other's K/V pool). Random bf16 weights of the real
+other, each in a fresh process: both weight sets do not fit one GPU at once). Random bf16 weights of the real
 shape; the FP8 side quantizes the same weights while loading (``quantization="fp8"``,
 128x128 blocks, as ``--quantization fp8`` does). Each side builds one engine with the
 server's step sizes and paged q4_0 K/V, then measures through ``LLMEngine.step()``

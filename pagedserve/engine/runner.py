@@ -372,6 +372,10 @@ class ModelRunner:
             return self.config.num_blocks
         if self.device.type != "cuda":
             return enough
+        # What torch's allocator caches from freed tensors (the bf16 originals of weights
+        # quantized while loading, an earlier engine's tensors) is free for the pool.
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
         budget = int(total * self.config.gpu_memory_utilization) - used

@@ -14,10 +14,13 @@
 ``RowConcatLinear`` serves a fused projection whose parts are stored differently (the GDN
 input projection of Qwen's FP8 checkpoints: ``in_proj_qkv`` and ``in_proj_z`` in FP8,
 ``in_proj_b`` and ``in_proj_a`` in bf16): each run of like parts is one child layer, and the
-outputs are concatenated in row order.
+outputs are concatenated in row order. ``split_outputs`` gives a layer's output already
+split, and skips the concatenation where the children end on the split's boundaries.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import nn
@@ -81,6 +84,32 @@ class RowConcatLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, K]`` -> ``[T, sum of the children's rows]``."""
         return torch.cat([piece(x) for piece in self.pieces], dim=-1)
+
+    def split_forward(self, x: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """``forward(x).split(sizes, dim=-1)``; each child's output is split on its own
+        when every child ends on a boundary of ``sizes`` (no copy into one tensor)."""
+        ends = set(itertools.accumulate(sizes))
+        rows = [piece.out_features for piece in self.pieces]
+        if not ends.issuperset(itertools.accumulate(rows)):
+            return self.forward(x).split(sizes, dim=-1)
+        out: list[torch.Tensor] = []
+        sizes_left = list(sizes)
+        for piece, n in zip(self.pieces, rows):
+            own = []
+            while n > 0:
+                own.append(sizes_left.pop(0))
+                n -= own[-1]
+            out.extend(piece(x).split(own, dim=-1))
+        return tuple(out)
+
+
+def split_outputs(linear: nn.Module, x: torch.Tensor,
+                  sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """``linear(x).split(sizes, dim=-1)``, without concatenating a ``RowConcatLinear``'s
+    children where they end on the split's boundaries."""
+    if isinstance(linear, RowConcatLinear):
+        return linear.split_forward(x, sizes)
+    return tuple(linear(x).split(sizes, dim=-1))
 
 
 def weight_nbytes(model: nn.Module) -> int:

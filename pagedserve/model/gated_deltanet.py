@@ -24,6 +24,7 @@ from pagedserve.config import ModelConfig
 from pagedserve.kernels import gdn
 from pagedserve.model.elementwise import EAGER, ElementwiseOps
 from pagedserve.model.forward_batch import ForwardBatch
+from pagedserve.model.fp8_linear import split_outputs
 from pagedserve.parallel.group import SINGLE, TensorParallel
 
 # ``advance`` over sequences of at most this many rows each reads every row bound on the
@@ -100,7 +101,7 @@ class GatedDeltaNet(nn.Module):
             ``[T, H]``; both states of every sequence in the batch are advanced in place.
         """
         T = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split(self.split, dim=-1)
+        mixed, z, b, a = split_outputs(self.in_proj, x, self.split)
         record = batch.gdn_record
         if record is not None:
             rows = record.rows

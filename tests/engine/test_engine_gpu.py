@@ -8,6 +8,8 @@ the pinned read-back buffers. Run on the GPU machine; skipped without CUDA.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from near_tie import assert_equal_or_near_ties
@@ -15,6 +17,7 @@ from test_engine import greedy, prompts, run_keeping_requests, run_with_arrivals
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
 from pagedserve.engine.request import SamplingParams
+from pagedserve.engine.runner import DEFAULT_ACTIVATION_RESERVE
 
 pytestmark = [
     pytest.mark.gpu,
@@ -86,3 +89,33 @@ def test_prefix_hits_match_caching_off_on_cuda(model_dir, kv_type):
     same = sum(a == b for rid in probes for a, b in zip(outputs[True][rid], outputs[False][rid]))
     print(f"\n{kv_type}: caching on vs off, {same}/{24 * len(probes)} tokens agree")
     assert outputs[True] == outputs[False]
+
+
+def test_memory_cached_by_freed_tensors_counts_as_free_for_the_pool(model_dir):
+    """The K/V pool is sized from the device's free memory, and what torch's allocator
+    keeps cached from freed tensors (the bf16 originals of weights quantized while
+    loading, an earlier engine) is free: a second engine after 4 GiB allocated and freed
+    gets the first one's pool, where counting the cache as used would leave it none."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    # A budget 2 GiB over the activation reserve: the pool, not max_num_seqs, bounds it.
+    utilization = (total - free + DEFAULT_ACTIVATION_RESERVE + (2 << 30)) / total
+
+    def pool_blocks() -> tuple[int, int]:
+        engine = LLMEngine(EngineConfig(
+            model=str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=4096,
+            max_model_len=4096, gpu_memory_utilization=utilization, progress=False))
+        blocks = engine.kv.pool.num_blocks
+        enough = 4096 * engine.runner.max_blocks_per_seq
+        engine.close()
+        del engine
+        gc.collect()
+        return blocks, enough
+
+    first, enough = pool_blocks()
+    assert first < enough, "the budget must bound the pool for this test to mean anything"
+    cached = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    del cached
+    assert torch.cuda.memory_reserved() >= 4 << 30
+    second, _ = pool_blocks()
+    assert second >= 0.95 * first, (first, second)

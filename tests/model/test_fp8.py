@@ -41,7 +41,7 @@ from transformers import Qwen3_5ForCausalLM
 
 from pagedserve.config import CacheConfig
 from pagedserve.engine.runner import ModelRunner, RunnerConfig
-from pagedserve.model.fp8_linear import Fp8Linear, RowConcatLinear
+from pagedserve.model.fp8_linear import Fp8Linear, RowConcatLinear, split_outputs
 from pagedserve.model.loader import LoadedModel, load_model
 from pagedserve.model.mtp import MTPHead
 from pagedserve.model.qwen3_5 import Qwen3_5Model
@@ -86,6 +86,26 @@ def test_fused_parts_keep_their_own_block_rows() -> None:
 
 
 # ---- checkpoints --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sizes", [(5, 3, 2, 2), (8, 2, 2), (4, 4, 2, 2), (6, 6)],
+                         ids=["on-boundaries", "fewer-splits", "split-inside-a-child",
+                              "child-inside-a-split"])
+def test_row_concat_split_outputs_are_the_float64_product_split(sizes) -> None:
+    """``split_outputs`` of a ``RowConcatLinear`` (8 rows in one child, 4 in the other)
+    equals the float64 product with the children's rows stacked, split by ``sizes``,
+    whether or not the children end on the split's boundaries."""
+    gen = torch.Generator().manual_seed(3)
+    children = [torch.nn.Linear(16, n, bias=False) for n in (8, 4)]
+    for child in children:
+        child.weight.data = torch.randn(child.weight.shape, generator=gen)
+    x = torch.randn(5, 16, generator=gen)
+    got = split_outputs(RowConcatLinear(children), x, sizes)
+    w = torch.cat([c.weight.data for c in children]).double()
+    want = (x.double() @ w.T).split(sizes, dim=-1)
+    assert [t.shape for t in got] == [t.shape for t in want]
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g.double(), r, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
