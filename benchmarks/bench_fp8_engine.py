@@ -1,11 +1,11 @@
 """FP8 weights against bf16 through the whole engine, on the Qwen3.5-27B shape.
 
 Issue 37's engine-level targets, bf16 and FP8 side by side in one run (one after the
-other, each in a fresh process: both weight sets do not fit one GPU at once). Random bf16 weights of the real
-shape; the FP8 side quantizes the same weights while loading (``quantization="fp8"``,
-128x128 blocks, as ``--quantization fp8`` does). Each side builds one engine with the
-server's step sizes and paged q4_0 K/V, then measures through ``LLMEngine.step()``
-(``bench_engine``'s method: synthetic contexts, async scheduling):
+other, each in a fresh process: both weight sets do not fit one GPU at once). Random bf16
+weights of the real shape; the FP8 side quantizes the same weights while loading
+(``quantization="fp8"``, 128x128 blocks, as ``--quantization fp8`` does). Each side
+builds one engine with the server's step sizes and paged q4_0 K/V, then measures
+through ``LLMEngine.step()`` (``bench_engine``'s method: synthetic contexts, async scheduling):
 
 - decode ms per step: one sequence at 8K, 8 ragged (128K + 7x8K), 16 ragged
   (128K + 7x8K + 8x4K);

@@ -12,7 +12,7 @@
 #         profile-engine ncu-decode ncu-source bench-model bench-engine bench-serve
 #         bench-structured bench-chaos bench-prefix probe-decode
 #         trace-decode probe-pieces ab-probe tests-fp8 bench-fp8 bench-fp8-engine
-#         probe-scaled-mm probe-cudnn probe-elementwise tests-spec-gpu bench-spec bench-spec-e2e profile-spec
+#         probe-scaled-mm probe-quantize probe-cudnn probe-elementwise tests-spec-gpu bench-spec bench-spec-e2e profile-spec
 #         spec-default-model
 #         bench-tp (2 GPUs)
 #         train-default-model (issue 38; carry .corpus as well as .whl).
@@ -206,6 +206,9 @@ for spec in "$@"; do
                      benchmarks/tools/probe_cudnn_attention.py ${CUDNN_ARGS:-} ;;
     # Which scale layouts torch._scaled_mm's block-scaled FP8 GEMM reads (issue 37).
     probe-scaled-mm) run_stage "$stage" "$limit" python3 benchmarks/tools/probe_scaled_mm.py ;;
+    # The FP8 prefill's activation quantization launches at 8192 rows ($QUANT_ARGS).
+    probe-quantize) run_stage "$stage" "$limit" python3 benchmarks/tools/probe_quantize.py \
+                     ${QUANT_ARGS:-} ;;
     bench-model)   run_stage "$stage" "$limit" python3 benchmarks/bench_model.py --quick ;;
     bench-engine)  run_stage "$stage" "$limit" python3 benchmarks/bench_engine.py --steps 20 --warmup 2 --out "$OUT" ;;
     # A grammar's cost per decode step at batch 8 on the 27B shape (needs xgrammar and

@@ -10,7 +10,11 @@ call, one per token and 128-column group, in the weight format's own rule
                 q = round_e4m3(clamp(x / s, -448, 448))
 
 The last group is partial when ``K`` is not a multiple of 128; its maximum is over the
-columns that exist. Every float32 step is IEEE: ``div_rn`` for both divisions (``/`` is
+columns that exist. With ``silu_mul`` the rows quantized are SwiGLU's product of a fused
+``gate | up`` input ``[M, 2K]``: ``silu(gate) * up`` in float32, rounded to the input's
+dtype (what the unfused product would store), so that a prefill's MLP never writes it.
+
+Every float32 step of the quantization is IEEE: ``div_rn`` for both divisions (``/`` is
 approximate on CUDA), and e4m3 rounding to nearest-even done with integer ops
 (``e4m3_bits``), so the bits equal torch's ``float32 -> float8_e4m3fn`` cast of the same
 quotient on the GPU and under the Triton interpreter alike (whose own float32 -> e4m3
@@ -25,8 +29,9 @@ import triton.language as tl
 
 from pagedserve.quant import fp8
 
-# (row, 128-column group) pairs per program, in row-major order of the pairs.
+# (row, 128-column group) pairs per program, in row-major order of the pairs, and warps.
 GROUPS = 16
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -53,14 +58,18 @@ def e4m3_bits(v):
 @triton.jit
 def _quantize_kernel(
     x_ptr, q_ptr, s_ptr, num_groups, K, KB, stride_xm, stride_qm, stride_sm, stride_sg,
-    GROUPS: tl.constexpr, BLOCK: tl.constexpr,
+    GROUPS: tl.constexpr, BLOCK: tl.constexpr, SILU_MUL: tl.constexpr,
 ):
     pair = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)  # [GROUPS] (row, group) pairs
     row = (pair // KB).to(tl.int64)
     group = pair % KB
     cols = group[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [GROUPS, BLOCK]
     ok = (cols < K) & (pair < num_groups)[:, None]
-    x = tl.load(x_ptr + row[:, None] * stride_xm + cols, mask=ok, other=0.0).to(tl.float32)
+    x_at = x_ptr + row[:, None] * stride_xm + cols  # [GROUPS, BLOCK]
+    x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
+    if SILU_MUL:  # x is the gate; up is K columns on
+        up = tl.load(x_at + K, mask=ok, other=0.0).to(tl.float32)
+        x = (x * tl.sigmoid(x) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)  # [GROUPS]
     scale = tl.where(amax > 0.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
                      1.0)
@@ -71,17 +80,19 @@ def _quantize_kernel(
 
 
 def quantize_activations(x: torch.Tensor, rows: int | None = None,
-                         scales_row_contiguous: bool = False,
+                         scales_row_contiguous: bool = False, silu_mul: bool = False,
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token-group quantization (module doc), Triton.
 
     Args:
-        x: ``[M, K]`` float16/bfloat16/float32, last dim contiguous.
+        x: ``[M, K]`` float16/bfloat16/float32, last dim contiguous; with ``silu_mul``,
+            ``[M, 2K]``: the gate's columns, then up's.
         rows: rows of the outputs, ``>= M`` (default ``M``); rows ``M ..`` are left
             unwritten (padding for a GEMM whose row count must be aligned).
         scales_row_contiguous: lay ``s`` out with its row index contiguous (stride
             ``(1, rows)``, the order cuBLAS's 1x128 block scales take) instead of
             row-major.
+        silu_mul: quantize ``silu(gate) * up`` of ``x`` (module doc).
 
     Returns:
         ``(q, s)``: ``float8_e4m3fn`` ``[rows, K]`` and float32 ``[rows, ceil(K / 128)]``,
@@ -91,6 +102,10 @@ def quantize_activations(x: torch.Tensor, rows: int | None = None,
         raise ValueError(f"x must be [M, K] with a contiguous last dim, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
     m, k = x.shape
+    if silu_mul:
+        if k % 2:
+            raise ValueError(f"silu_mul needs gate | up of even width, got {k} columns")
+        k //= 2
     rows = m if rows is None else rows
     if rows < m:
         raise ValueError(f"rows must be >= the {m} rows of x, got {rows}")
@@ -104,6 +119,6 @@ def quantize_activations(x: torch.Tensor, rows: int | None = None,
         return q, s
     _quantize_kernel[(triton.cdiv(m * kb, GROUPS),)](
         x, q.view(torch.uint8), s, m * kb, k, kb, x.stride(0), q.stride(0), s.stride(0),
-        s.stride(1), GROUPS=GROUPS, BLOCK=fp8.BLOCK, num_warps=4,
+        s.stride(1), GROUPS=GROUPS, BLOCK=fp8.BLOCK, SILU_MUL=silu_mul, num_warps=NUM_WARPS,
     )
     return q, s

@@ -15,6 +15,10 @@ Three methods; the number of rows ``M`` of ``x`` and the weight's shape choose:
 - ``w8a8`` (prefill elsewhere): the same activations through ``fp8_gemm``, the Triton
   e4m3 tensor-core GEMM, which takes any shape and fused layout.
 
+``silu_mul_linear`` is the MLP's down projection on its ``gate | up`` input: the w8a8
+methods' quantization forms SwiGLU's product itself (``fp8_activations``), so the
+product is never stored in the activation dtype.
+
 The weight-only and w8a8 methods differ in what they compute (the w8a8 activations are
 rounded to e4m3); all write the activation dtype. Shapes alone decide every launch,
 nothing waits on the device, and every buffer comes from torch's allocator or the
@@ -73,7 +77,7 @@ def scaled_mm_applies(weight: torch.Tensor, parts: tuple[int, ...],
 
 
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-              ) -> torch.Tensor:
+              silu_mul: bool = False) -> torch.Tensor:
     """``x @ (W * scale_inv).T`` with ``x`` quantized per 1x128 group, through
     ``torch._scaled_mm`` with block scales.
 
@@ -82,11 +86,12 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     scale grids with their outer dimension contiguous (``scale_inv.T`` is already so; the
     activation scales are written so), and a row count whose scale column starts
     16-byte aligned: the quantized rows are padded to ``ROW_ALIGN`` and the padding rows'
-    outputs dropped (each output row reads only its own row of ``x``).
+    outputs dropped (each output row reads only its own row of ``x``). With ``silu_mul``,
+    ``x`` is ``gate | up`` ``[M, 2K]`` and the product quantized is ``silu(gate) * up``.
     """
     m = x.shape[0]
     rows = -(-m // ROW_ALIGN) * ROW_ALIGN
-    xq, xs = quantize_activations(x, rows, scales_row_contiguous=True)
+    xq, xs = quantize_activations(x, rows, scales_row_contiguous=True, silu_mul=silu_mul)
     y = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_inv.t(), out_dtype=x.dtype)
     return y[:m]  # [M, N]
 
@@ -177,20 +182,11 @@ def fp8_linear(
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, n)
-    # A ragged fused weight's row -> scale row map: device ops only (no copy from the host).
-    scale_rows = None if fp8.uniform_block_rows(parts) else \
-        fp8.scale_rows(parts, x.device).to(torch.int32)
     method = method or method_for(m, weight, parts, x.dtype)
-    if method == "w8a8_scaled_mm":
-        if not scaled_mm_applies(weight, parts, x.dtype):
-            raise ValueError(f"method 'w8a8_scaled_mm' does not apply to a {tuple(weight.shape)} "
-                             f"weight with parts {parts} and {x.dtype} activations here")
-        y = scaled_mm(x2, weight, scale_inv)
-    elif method == "w8a8":
-        xq, xs = quantize_activations(x2)
-        y = fp8_gemm.gemm(xq, xs, weight, scale_inv, scale_rows, x.dtype,
-                          gemm_config or fp8_gemm.launch_config(m))
+    if method != "weight_only":
+        y = _w8a8(x2, weight, scale_inv, parts, method, gemm_config)
     else:
+        scale_rows = _scale_rows(parts, x.device)
         config = gemv_config or fp8_gemv.launch_config(m, n, k, device_num_sms(x.device))
         if counters is None:
             counters = torch.zeros(-(-n // config.block_n), dtype=torch.int32, device=x.device)
@@ -199,3 +195,54 @@ def fp8_linear(
                              f"on {counters.device}")
         y = fp8_gemv.gemv(x2, weight, scale_inv, scale_rows, counters, config)
     return y.reshape(*lead, n)
+
+
+def silu_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+    parts: tuple[int, ...], method: str | None = None,
+    gemm_config: fp8_gemm.GemmConfig | None = None,
+) -> torch.Tensor:
+    """``(silu(gate) * up) @ W.T`` for ``gate_up`` ``[..., 2K]`` (the gate's columns, then
+    up's) by a w8a8 method, SwiGLU's product formed inside the activations' quantization.
+    ``method`` ``None``: ``method_for``, which must not be ``weight_only`` (fewer than
+    ``W8A8_MIN_ROWS`` rows): the weight-only kernel takes the product stored."""
+    n, k = weight.shape
+    if gate_up.shape[-1] != 2 * k:
+        raise ValueError(f"gate_up has {gate_up.shape[-1]} columns; the weight's {k} "
+                         f"take {2 * k}")
+    check_args(gate_up[..., :k], weight, scale_inv, parts)
+    lead = gate_up.shape[:-1]
+    x2 = gate_up.reshape(-1, 2 * k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return gate_up.new_empty(*lead, n)
+    method = method or method_for(m, weight, parts, gate_up.dtype)
+    if method not in METHODS or method == "weight_only":
+        raise ValueError(f"silu_mul_linear runs 'w8a8' or 'w8a8_scaled_mm', got {method!r} "
+                         f"for {m} rows (the weight-only kernel from {W8A8_MIN_ROWS} rows on)")
+    return _w8a8(x2, weight, scale_inv, parts, method, gemm_config,
+                 silu_mul=True).reshape(*lead, n)
+
+
+def _w8a8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+          parts: tuple[int, ...], method: str, gemm_config: fp8_gemm.GemmConfig | None,
+          silu_mul: bool = False) -> torch.Tensor:
+    """``x`` ``[M, K]`` (``[M, 2K]`` with ``silu_mul``) quantized, then ``method``'s GEMM."""
+    if method == "w8a8_scaled_mm":
+        if not scaled_mm_applies(weight, parts, x.dtype):
+            raise ValueError(f"method 'w8a8_scaled_mm' does not apply to a {tuple(weight.shape)} "
+                             f"weight with parts {parts} and {x.dtype} activations here")
+        return scaled_mm(x, weight, scale_inv, silu_mul)
+    xq, xs = quantize_activations(x, silu_mul=silu_mul)
+    return fp8_gemm.gemm(xq, xs, weight, scale_inv, _scale_rows(parts, x.device), x.dtype,
+                         gemm_config or fp8_gemm.launch_config(x.shape[0]))
+
+
+def _scale_rows(parts: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+    """A ragged fused weight's row -> scale row map (``None`` for uniform block rows):
+    device ops only, no copy from the host."""
+    if fp8.uniform_block_rows(parts):
+        return None
+    return fp8.scale_rows(parts, device).to(torch.int32)

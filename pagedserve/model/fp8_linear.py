@@ -21,6 +21,7 @@ split, and skips the concatenation where the children end on the split's boundar
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -70,6 +71,20 @@ class Fp8Linear(nn.Module):
         return ops.fp8_linear(x, self.weight, self.weight_scale_inv, self.parts,
                               counters=self.split_counters)
 
+    def forward_silu_mul(self, gate_up: torch.Tensor,
+                         silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``forward(silu_mul(gate_up))`` for ``gate_up`` ``[T, 2K]``. Where the rows take
+        an FP8 GEMM (CUDA, prefill) the activations' quantization forms SwiGLU's product
+        itself (``fp8_matmul.silu_mul_linear``) and it is never stored; elsewhere
+        ``silu_mul`` runs first."""
+        if gate_up.is_cuda:
+            from pagedserve.kernels import fp8_matmul  # Triton: only where CUDA runs
+
+            if fp8_matmul.method_for(gate_up.shape[0]) != "weight_only":
+                return fp8_matmul.silu_mul_linear(gate_up, self.weight,
+                                                  self.weight_scale_inv, self.parts)
+        return self(silu_mul(gate_up))
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, parts={self.parts}, fp8 block {fp8.BLOCK}"
 
@@ -89,13 +104,13 @@ class RowConcatLinear(nn.Module):
         """``forward(x).split(sizes, dim=-1)``; each child's output is split on its own
         when every child ends on a boundary of ``sizes`` (no copy into one tensor)."""
         ends = set(itertools.accumulate(sizes))
-        rows = [piece.out_features for piece in self.pieces]
+        rows: list[int] = [piece.out_features for piece in self.pieces]  # type: ignore[misc]
         if not ends.issuperset(itertools.accumulate(rows)):
             return self.forward(x).split(sizes, dim=-1)
         out: list[torch.Tensor] = []
         sizes_left = list(sizes)
         for piece, n in zip(self.pieces, rows):
-            own = []
+            own: list[int] = []
             while n > 0:
                 own.append(sizes_left.pop(0))
                 n -= own[-1]
@@ -110,6 +125,15 @@ def split_outputs(linear: nn.Module, x: torch.Tensor,
     if isinstance(linear, RowConcatLinear):
         return linear.split_forward(x, sizes)
     return tuple(linear(x).split(sizes, dim=-1))
+
+
+def silu_mul_linear(linear: nn.Module, gate_up: torch.Tensor,
+                    silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``linear(silu_mul(gate_up))``, SwiGLU's product fused into an ``Fp8Linear``'s
+    activation quantization where it has one (``Fp8Linear.forward_silu_mul``)."""
+    if isinstance(linear, Fp8Linear):
+        return linear.forward_silu_mul(gate_up, silu_mul)
+    return linear(silu_mul(gate_up))
 
 
 def weight_nbytes(model: nn.Module) -> int:

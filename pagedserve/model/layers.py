@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagedserve.model.elementwise import EAGER, ElementwiseOps
+from pagedserve.model.fp8_linear import silu_mul_linear
 from pagedserve.parallel.group import SINGLE, TensorParallel
 
 
@@ -84,5 +85,5 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[T, H]`` -> ``[T, H]``."""
-        h = self.ew.silu_mul(self.gate_up_proj(x))  # [T, 2I] -> [T, I]
-        return self.tp.all_reduce(self.down_proj(h))
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        return self.tp.all_reduce(silu_mul_linear(self.down_proj, gate_up, self.ew.silu_mul))

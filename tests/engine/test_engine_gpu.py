@@ -95,11 +95,12 @@ def test_memory_cached_by_freed_tensors_counts_as_free_for_the_pool(model_dir):
     """The K/V pool is sized from the device's free memory, and what torch's allocator
     keeps cached from freed tensors (the bf16 originals of weights quantized while
     loading, an earlier engine) is free: a second engine after 4 GiB allocated and freed
-    gets the first one's pool, where counting the cache as used would leave it none."""
+    gets about the first one's pool, where counting the cache as used (the first engine's
+    6 GiB pool and the 4 GiB) would leave it none."""
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    # A budget 2 GiB over the activation reserve: the pool, not max_num_seqs, bounds it.
-    utilization = (total - free + DEFAULT_ACTIVATION_RESERVE + (2 << 30)) / total
+    # A budget 6 GiB over the activation reserve: the pool, not max_num_seqs, bounds it.
+    utilization = (total - free + DEFAULT_ACTIVATION_RESERVE + (6 << 30)) / total
 
     def pool_blocks() -> tuple[int, int]:
         engine = LLMEngine(EngineConfig(
@@ -118,4 +119,5 @@ def test_memory_cached_by_freed_tensors_counts_as_free_for_the_pool(model_dir):
     del cached
     assert torch.cuda.memory_reserved() >= 4 << 30
     second, _ = pool_blocks()
-    assert second >= 0.95 * first, (first, second)
+    # Half: other test processes on the GPU move its free memory between the two engines.
+    assert second >= 0.5 * first, (first, second)

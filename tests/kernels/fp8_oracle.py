@@ -124,3 +124,30 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, absref: torch.Tensor,
     ratio = float((err / bound.clamp_min(1e-300)).max())
     assert ratio <= 1.0, f"error {ratio:.3g} x its bound (out_tol {out_tol}, acc_tol {acc_tol})"
     return ratio
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's product of ``gate_up`` ``[M, 2K]`` (the gate's columns, then up's) in
+    float64, rounded once to ``gate_up``'s dtype."""
+    g, u = gate_up.double().chunk(2, dim=-1)
+    return (g * torch.sigmoid(g) * u).to(gate_up.dtype)
+
+
+def assert_silu_mul_quantized(q: torch.Tensor, s: torch.Tensor, gate_up: torch.Tensor,
+                              act_tol: float) -> None:
+    """``(q, s)`` quantize SwiGLU's product of ``gate_up`` per 1x128 group: each scale
+    within ``act_tol`` (the product's rounding to its dtype, which moves a group's
+    maximum) of the oracle's, and each dequantized element within e4m3's half step
+    (2^-4 of it, or 2^-10 of the scale below the normal range) plus ``act_tol`` of the
+    float64 product."""
+    g, u = gate_up.double().chunk(2, dim=-1)
+    act = g * torch.sigmoid(g) * u  # [M, K] float64
+    _, s_ref = quantize_activations(silu_mul(gate_up))
+    s64 = s.double()
+    assert torch.all((s64 - s_ref.double()).abs() <= act_tol * s_ref.double()), "scales"
+    cols = torch.arange(act.shape[1], device=act.device) // BLOCK
+    scale = s64[:, cols]
+    deq = q.double() * scale
+    bound = (2.0**-4 + act_tol) * act.abs() + 2.0**-10 * scale
+    err = (deq - act).abs()
+    assert torch.all(err <= bound), f"{int((err > bound).sum())} of {act.numel()} elements"

@@ -24,8 +24,10 @@ import torch
 from fp8_oracle import (
     acc_tol,
     assert_close,
+    assert_silu_mul_quantized,
     make_weight,
     quantize_activations,
+    silu_mul,
     w8a8,
     weight_only,
 )
@@ -84,6 +86,40 @@ def test_activation_quantization_into_padded_row_contiguous_scales():
     assert torch.equal(q[:5].cpu().view(torch.uint8), q_ref.view(torch.uint8))
     with pytest.raises(ValueError, match="rows must be >= the 5 rows"):
         triton_quantize(x, 4)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_quantization_matches_the_oracle(dtype):
+    """With ``silu_mul`` the groups quantized are SwiGLU's product of ``gate | up`` (K =
+    300: a partial last group), not either half; padded rows in the cuBLAS layout."""
+    gate_up = activations(5, 2 * K, dtype, seed=2)
+    q, s = triton_quantize(gate_up, 16, scales_row_contiguous=True, silu_mul=True)
+    assert q.shape == (16, K) and s.shape == (16, 3)
+    # The interpreter truncates float32 -> bf16 (2^-7); float32 rounds at 2^-23.
+    act_tol = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
+    assert_silu_mul_quantized(q[:5].cpu(), s[:5].cpu(), gate_up.cpu(), act_tol)
+    with pytest.raises(ValueError, match="even width"):
+        triton_quantize(gate_up[:, :-1], silu_mul=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("parts", [RAGGED, UNIFORM], ids=["ragged", "uniform"])
+def test_silu_mul_linear_matches_oracle(parts):
+    """``silu_mul_linear`` (the product formed inside the quantization, then the Triton
+    FP8 GEMM) against the oracle's w8a8 product of the float64 SwiGLU. float32
+    activations: the product is not rounded to a 16-bit dtype, which the interpreter
+    does by truncation (another e4m3 code in a few percent of the elements)."""
+    gate_up = activations(70, 2 * K, torch.float32, seed=3)
+    data, scale = make_weight(parts, K, seed=sum(parts), device=TRITON_DEVICE)
+    out = fp8_matmul.silu_mul_linear(gate_up, data, scale, parts, method="w8a8")
+    assert out.shape == (70, sum(parts)) and out.dtype == torch.float32
+    ref, absref = w8a8(silu_mul(gate_up.cpu()), data.cpu(), scale.cpu(), parts)
+    assert_close(out.cpu(), ref, absref, OUT_TOL[torch.float32], acc_tol("w8a8", ON_GPU))
+    with pytest.raises(ValueError, match="'w8a8' or 'w8a8_scaled_mm'"):
+        fp8_matmul.silu_mul_linear(gate_up[:3], data, scale, parts)
+    with pytest.raises(ValueError, match="take 600"):
+        fp8_matmul.silu_mul_linear(gate_up[:, :-2], data, scale, parts, method="w8a8")
 
 
 @needs_triton
