@@ -118,7 +118,7 @@ def test_silu_mul_linear_at_the_27b_down_proj(m, method):
     data, scale, parts, k = weight("down_proj")
     gate_up = activations(m, 2 * k, seed=4)
     q, s = triton_quantize(gate_up, silu_mul=True)
-    assert_silu_mul_quantized(q, s, gate_up, 2.0**-8)
+    assert_silu_mul_quantized(q, s, gate_up, 2.0**-7)  # one bf16 step: at most 2^-7
     out = fp8_matmul.silu_mul_linear(gate_up, data, scale, parts, method=method)
     check(method, silu_mul(gate_up), data, scale, parts, out)
 
