@@ -15,7 +15,6 @@ from test_engine import greedy, prompts, run_keeping_requests, run_with_arrivals
 
 from pagedserve.engine.llm_engine import EngineConfig, LLMEngine
 from pagedserve.engine.request import SamplingParams
-from pagedserve.engine.runner import DEFAULT_ACTIVATION_RESERVE
 
 pytestmark = [
     pytest.mark.gpu,
@@ -89,25 +88,24 @@ def test_prefix_hits_match_caching_off_on_cuda(model_dir, kv_type):
     assert outputs[True] == outputs[False]
 
 
-def test_memory_cached_by_freed_tensors_counts_as_free_for_the_pool(model_dir):
+def test_memory_cached_by_freed_tensors_counts_as_free_for_the_pool(model_dir, monkeypatch):
     """The K/V pool is sized from the device's free memory, and what torch's allocator
     keeps cached from freed tensors (the bf16 originals of weights quantized while
-    loading) is free: with 5 GiB allocated and freed just before, an engine given 8 GiB
-    over its activation reserve still sizes its pool from about 8 GiB, where counting the
-    cache as used would leave it 3."""
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    budget = 8 << 30
-    utilization = (total - free + DEFAULT_ACTIVATION_RESERVE + budget) / total
-    cached = torch.empty(5 << 30, dtype=torch.uint8, device="cuda")
-    del cached
-    assert torch.cuda.memory_reserved() >= 5 << 30
+    loading) is free: when the engine reads the free memory, 5 GiB allocated and freed
+    just before are no longer held in torch's cache, where they would count as used."""
+    cached_at_sizing = []
+    read_free = torch.cuda.mem_get_info
+
+    def spy(device=None):
+        cached_at_sizing.append(torch.cuda.memory_reserved() - torch.cuda.memory_allocated())
+        return read_free(device)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", spy)
+    garbage = torch.empty(5 << 30, dtype=torch.uint8, device="cuda")
+    del garbage
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= 5 << 30
     engine = LLMEngine(EngineConfig(
-        model=str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=4096,
-        max_model_len=4096, gpu_memory_utilization=utilization, progress=False))
-    blocks = engine.kv.pool.num_blocks
-    assert blocks < 4096 * engine.runner.max_blocks_per_seq, "the budget must bound the pool"
-    full = budget // engine.kv.pool.bytes_per_block
-    # 0.6: the weights and state come out of the budget too, and other test processes on
-    # the GPU move its free memory; the cache counted as used would give about 0.375.
-    assert blocks >= 0.6 * full, (blocks, full)
+        model=str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=4,
+        max_model_len=256, warm_up=False, progress=False))
+    assert engine.kv.pool.num_blocks > 0
+    assert cached_at_sizing and max(cached_at_sizing) < 1 << 30, cached_at_sizing
