@@ -35,10 +35,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_max_num_seqs: int =
                    help="tokens a step may carry (default: 8192 on cuda, 2048 on cpu)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prompt tokens a step takes, all prompts together (in at most two "
-                        "chunks), while other sequences decode (default 512)")
+                        "chunks), while other sequences decode and do not number fewer "
+                        "than the prompts (default 512)")
     p.add_argument("--idle-prefill-chunk", type=int, default=None,
-                   help="prompt tokens a step takes per prompt while none decodes "
-                        "(default: 8192 on cuda, 512 on cpu)")
+                   help="prompt tokens a step takes per prompt while none decodes, or while "
+                        "prompts outnumber the decoding sequences (default: 8192 on cuda, "
+                        "512 on cpu)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="K/V blocks in the pool (default: sized from memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
