@@ -51,7 +51,7 @@ from pagedserve.config import ModelConfig  # noqa: E402
 from pagedserve.kernels import fp8_matmul, ops  # noqa: E402
 from pagedserve.kernels.fp8_activations import quantize_activations  # noqa: E402
 from pagedserve.kernels.fp8_gemm import GemmConfig  # noqa: E402
-from pagedserve.kernels.fp8_gemv import GemvConfig, launch_config  # noqa: E402
+from pagedserve.kernels.fp8_gemv import MAX_FMA_ROWS, GemvConfig, launch_config  # noqa: E402
 from pagedserve.model.fp8_weights import packed_linears, runs_of  # noqa: E402
 from pagedserve.model.qwen3_5 import Qwen3_5Model  # noqa: E402
 from pagedserve.quant import fp8  # noqa: E402
@@ -211,9 +211,9 @@ def run_decode(args, shapes: list[Linear], device: str, backend, l2: int, bw: fl
         shape = Shape(lin, device, l2, args.quick)
         for m in args.decode_rows:
             extra = {}
-            if m == 1 and args.gemv_sweep:
-                extra = {f"gemv {spec}": _gemv_side(shape, spec, device)
-                         for spec in args.gemv_sweep}
+            if args.gemv_sweep:
+                extra = {f"gemv {spec}": _gemv_side(shape, spec, m, device)
+                         for spec in args.gemv_sweep if _sweeps_rows(spec, m)}
             r = time_shape(shape, m, device, backend, [fp8_matmul.method_for(m)], extra)
             r["count"] = lin.count
             r["fp8"] = lin.fp8
@@ -301,15 +301,25 @@ def _sms(device: str) -> int:
     return device_num_sms(torch.device(device))
 
 
-def _gemv_side(shape: Shape, spec: str, device: str):
-    """``BLOCK_N/WARPS/STAGES/SPLITS[/FORM]`` (SPLITS 0: the rule's split for that block;
-    FORM one of ``fp8_gemv.FORMS``, default ``dot``)."""
+def _sweeps_rows(spec: str, m: int) -> bool:
+    """Whether the launch ``spec`` takes ``m`` rows: fma one, fma_rows up to
+    ``MAX_FMA_ROWS``, dot any."""
+    form = spec.split("/")[4] if spec.count("/") >= 4 else "dot"
+    return {"fma": m == 1, "fma_rows": m <= MAX_FMA_ROWS}.get(form, True)
+
+
+def _gemv_side(shape: Shape, spec: str, m: int, device: str):
+    """``BLOCK_N/WARPS/STAGES/SPLITS[/FORM]`` at ``m`` rows (SPLITS 0: the rule's split
+    for that block; FORM one of ``fp8_gemv.FORMS``, default ``dot``; the rows tile is the
+    rule's, or for fma_rows ``m`` rounded up to a power of 2)."""
     fields = spec.split("/")
     bn, warps, stages, splits = (int(v) for v in fields[:4])
     form = fields[4] if len(fields) > 4 else "dot"
     lin = shape.lin
-    splits = splits or launch_config(1, lin.n, lin.k, _sms(device)).splits
-    config = GemvConfig(16, bn, splits, warps, stages, form)
+    rule = launch_config(m, lin.n, lin.k, _sms(device))
+    splits = splits or rule.splits
+    block_m = 1 << (m - 1).bit_length() if form == "fma_rows" else rule.block_m
+    config = GemvConfig(block_m, bn, splits, warps, stages, form)
     counters = [torch.zeros(-(-lin.n // bn), dtype=torch.int32, device=device)
                 for _ in shape.fp8]
 
@@ -466,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--crossover-rows", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--gemv-sweep", default="",
                     help="weight-only launches BLOCK_N/WARPS/STAGES/SPLITS[/FORM], "
-                         "';'-separated (SPLITS 0: the rule's; FORM dot or fma)")
+                         "';'-separated, timed at every --decode-rows count they take "
+                         "(SPLITS 0: the rule's; FORM dot, fma (one row) or fma_rows "
+                         "(up to 8 rows))")
     ap.add_argument("--gemm-sweep", default="",
                     help="w8a8 launches BLOCK_M/BLOCK_N/GROUP_M/WARPS/STAGES, ';'-separated")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
