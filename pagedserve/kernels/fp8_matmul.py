@@ -221,7 +221,7 @@ def silu_mul_linear(
     method = method or method_for(m, weight, parts, gate_up.dtype)
     if method not in METHODS or method == "weight_only":
         raise ValueError(f"silu_mul_linear runs 'w8a8' or 'w8a8_scaled_mm', got {method!r} "
-                         f"for {m} rows (the weight-only kernel from {W8A8_MIN_ROWS} rows on)")
+                         f"for {m} rows (the w8a8 methods run from {W8A8_MIN_ROWS} rows on)")
     return _w8a8(x2, weight, scale_inv, parts, method, gemm_config,
                  silu_mul=True).reshape(*lead, n)
 
