@@ -176,9 +176,7 @@ def fp8_linear(
         raise ValueError(f"method {method!r} is not one of {list(METHODS)} (or None)")
     n, k = weight.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x, k)
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, n)
@@ -212,9 +210,7 @@ def silu_mul_linear(
                          f"take {2 * k}")
     check_args(gate_up[..., :k], weight, scale_inv, parts)
     lead = gate_up.shape[:-1]
-    x2 = gate_up.reshape(-1, 2 * k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(gate_up, 2 * k)
     m = x2.shape[0]
     if m == 0:
         return gate_up.new_empty(*lead, n)
@@ -224,6 +220,13 @@ def silu_mul_linear(
                          f"for {m} rows (the w8a8 methods run from {W8A8_MIN_ROWS} rows on)")
     return _w8a8(x2, weight, scale_inv, parts, method, gemm_config,
                  silu_mul=True).reshape(*lead, n)
+
+
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``x`` ``[..., width]`` as ``[M, width]`` with a contiguous last dim (the kernels'
+    row stride may be any)."""
+    x2 = x.reshape(-1, width)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def _w8a8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
