@@ -301,20 +301,24 @@ def _sms(device: str) -> int:
     return device_num_sms(torch.device(device))
 
 
+def _form_of(spec: str) -> str:
+    """The FORM field of a ``--gemv-sweep`` launch (``dot`` when left out)."""
+    fields = spec.split("/")
+    return fields[4] if len(fields) > 4 else "dot"
+
+
 def _sweeps_rows(spec: str, m: int) -> bool:
     """Whether the launch ``spec`` takes ``m`` rows: fma one, fma_rows up to
     ``MAX_FMA_ROWS``, dot any."""
-    form = spec.split("/")[4] if spec.count("/") >= 4 else "dot"
-    return {"fma": m == 1, "fma_rows": m <= MAX_FMA_ROWS}.get(form, True)
+    return {"fma": m == 1, "fma_rows": m <= MAX_FMA_ROWS}.get(_form_of(spec), True)
 
 
 def _gemv_side(shape: Shape, spec: str, m: int, device: str):
     """``BLOCK_N/WARPS/STAGES/SPLITS[/FORM]`` at ``m`` rows (SPLITS 0: the rule's split
     for that block; FORM one of ``fp8_gemv.FORMS``, default ``dot``; the rows tile is the
     rule's, or for fma_rows ``m`` rounded up to a power of 2)."""
-    fields = spec.split("/")
-    bn, warps, stages, splits = (int(v) for v in fields[:4])
-    form = fields[4] if len(fields) > 4 else "dot"
+    bn, warps, stages, splits = (int(v) for v in spec.split("/")[:4])
+    form = _form_of(spec)
     lin = shape.lin
     rule = launch_config(m, lin.n, lin.k, _sms(device))
     splits = splits or rule.splits
