@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="weight-only launches BLOCK_N/WARPS/STAGES/SPLITS[/FORM], "
                          "';'-separated, timed at every --decode-rows count they take "
                          "(SPLITS 0: the rule's; FORM dot, fma (one row) or fma_rows "
-                         "(up to 8 rows))")
+                         "(up to 16 rows))")
     ap.add_argument("--gemm-sweep", default="",
                     help="w8a8 launches BLOCK_M/BLOCK_N/GROUP_M/WARPS/STAGES, ';'-separated")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")

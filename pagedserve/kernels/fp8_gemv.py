@@ -55,7 +55,7 @@ ONE_ROW_WARPS = 8
 #   fma_rows   as fma for each of BLOCK_M (1 .. MAX_FMA_ROWS) rows in turn, one widened
 #              tile serving them all; a launch choice for sweeps, not the rule
 FORMS = {"dot": 0, "fma": 1, "fma_rows": 2}
-MAX_FMA_ROWS = 8
+MAX_FMA_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -135,9 +135,11 @@ def _gemv_kernel(
             acc += dot_f32(x, w.to(x.dtype), NATIVE, IEEE) * s[None, :]
     elif FORM == 2:
         # A few rows: each k block's tile is widened once and multiplies every row in turn.
+        # The sums accumulate transposed, in the tile's own layout (a row's sum joins its
+        # column without a layout change), and turn once at the end.
         w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         row_ids = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for kb in range(pid_k * blocks_per_split, kb_end):
             k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
             k_ok = k < K
@@ -149,7 +151,8 @@ def _gemv_kernel(
                 x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k, mask=k_ok & (row < M),
                             other=0.0).to(tl.float32)  # [BLOCK]
                 part = tl.sum(w * x[None, :], axis=1) * s  # [BLOCK_N]
-                acc += tl.where(row_ids[:, None] == r, part[None, :], 0.0)
+                acc_t += tl.where(row_ids[None, :] == r, part[:, None], 0.0)
+        acc = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
     else:
         # One row (``gemv`` checks M == 1): rows_m is 0 for every lane, masked past row 0.
         w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]

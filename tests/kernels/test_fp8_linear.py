@@ -190,7 +190,7 @@ def test_weight_only_fma_form_matches_oracle(splits):
 
 
 @needs_triton
-@pytest.mark.parametrize("m,block_m,splits", [(3, 4, 1), (3, 4, 2), (5, 2, 1), (1, 1, 3)])
+@pytest.mark.parametrize("m,block_m,splits", [(3, 4, 1), (3, 4, 2), (5, 2, 1), (1, 1, 3), (16, 16, 1)])
 def test_weight_only_fma_rows_form_matches_oracle(m, block_m, splits):
     """The few-rows fma form (``fp8_gemv.FORMS``) on the ragged fused weight: a partial
     row tile, split or not, and several row tiles (5 rows in tiles of 2)."""
@@ -204,8 +204,8 @@ def test_weight_only_fma_rows_form_matches_oracle(m, block_m, splits):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"block_m": 16, "form": "fma_rows"}, "power of 2 in 1..8"),
-    ({"block_m": 3, "form": "fma_rows"}, "power of 2 in 1..8"),
+    ({"block_m": 32, "form": "fma_rows"}, "power of 2 in 1..16"),
+    ({"block_m": 3, "form": "fma_rows"}, "power of 2 in 1..16"),
     ({"block_m": 8}, "block_m must be a power of 2 >= 16"),
     ({"block_m": 16, "form": "wgmma"}, "form 'wgmma' is not one of"),
 ])

@@ -98,7 +98,7 @@ def test_weight_only_at_27b_shapes(name, m):
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("m", [2, 4, 8])
+@pytest.mark.parametrize("m", [2, 4, 8, 16])
 def test_weight_only_fma_rows_form_at_27b_shapes(name, m):
     """The few-rows fma form (a launch choice, ``fp8_gemv.FORMS``) with 8 warps and the
     rule's split: the oracle on every element, counters left zero."""
