@@ -51,7 +51,7 @@ from pagedserve.config import ModelConfig  # noqa: E402
 from pagedserve.kernels import fp8_matmul, ops  # noqa: E402
 from pagedserve.kernels.fp8_activations import quantize_activations  # noqa: E402
 from pagedserve.kernels.fp8_gemm import GemmConfig  # noqa: E402
-from pagedserve.kernels.fp8_gemv import MAX_FMA_ROWS, GemvConfig, launch_config  # noqa: E402
+from pagedserve.kernels.fp8_gemv import GemvConfig, launch_config  # noqa: E402
 from pagedserve.model.fp8_weights import packed_linears, runs_of  # noqa: E402
 from pagedserve.model.qwen3_5 import Qwen3_5Model  # noqa: E402
 from pagedserve.quant import fp8  # noqa: E402
@@ -308,22 +308,20 @@ def _form_of(spec: str) -> str:
 
 
 def _sweeps_rows(spec: str, m: int) -> bool:
-    """Whether the launch ``spec`` takes ``m`` rows: fma one, fma_rows up to
-    ``MAX_FMA_ROWS``, dot any."""
-    return {"fma": m == 1, "fma_rows": m <= MAX_FMA_ROWS}.get(_form_of(spec), True)
+    """Whether the launch ``spec`` takes ``m`` rows: fma one, dot any."""
+    return _form_of(spec) != "fma" or m == 1
 
 
 def _gemv_side(shape: Shape, spec: str, m: int, device: str):
     """``BLOCK_N/WARPS/STAGES/SPLITS[/FORM]`` at ``m`` rows (SPLITS 0: the rule's split
     for that block; FORM one of ``fp8_gemv.FORMS``, default ``dot``; the rows tile is the
-    rule's, or for fma_rows ``m`` rounded up to a power of 2)."""
+    rule's)."""
     bn, warps, stages, splits = (int(v) for v in spec.split("/")[:4])
     form = _form_of(spec)
     lin = shape.lin
     rule = launch_config(m, lin.n, lin.k, _sms(device))
     splits = splits or rule.splits
-    block_m = 1 << (m - 1).bit_length() if form == "fma_rows" else rule.block_m
-    config = GemvConfig(block_m, bn, splits, warps, stages, form)
+    config = GemvConfig(rule.block_m, bn, splits, warps, stages, form)
     counters = [torch.zeros(-(-lin.n // bn), dtype=torch.int32, device=device)
                 for _ in shape.fp8]
 
@@ -481,8 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemv-sweep", default="",
                     help="weight-only launches BLOCK_N/WARPS/STAGES/SPLITS[/FORM], "
                          "';'-separated, timed at every --decode-rows count they take "
-                         "(SPLITS 0: the rule's; FORM dot, fma (one row) or fma_rows "
-                         "(up to 16 rows))")
+                         "(SPLITS 0: the rule's; FORM dot or fma (one row))")
     ap.add_argument("--gemm-sweep", default="",
                     help="w8a8 launches BLOCK_M/BLOCK_N/GROUP_M/WARPS/STAGES, ';'-separated")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")

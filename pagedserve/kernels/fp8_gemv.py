@@ -5,9 +5,7 @@ byte once, widens it in registers (exact: every e4m3 value is a bf16, f16 and fl
 value), forms one 128-column block's products, and applies that block's scales to the
 float32 partial sums (``fp8_tiles``). Several rows take the tensor-core dot in the
 activation dtype; one row forms its products in float32 on the CUDA cores (``FORMS``:
-``fma``), which the launch sweeps measured faster than the dot padded to 16 rows. A
-launch may form a few rows' products so too (``fma_rows``), each widened tile serving
-every row: the CUDA cores' work grows with the rows, the weight bytes do not.
+``fma``), which the launch sweeps measured faster than the dot padded to 16 rows.
 Activations are not quantized: weight-only semantics, as on the CPU.
 
 Grid and split-K (``launch_config``)::
@@ -50,12 +48,9 @@ NUM_WARPS = 4
 NUM_STAGES = 4
 ONE_ROW_WARPS = 8
 # How a k block's products are formed (``GemvConfig.form``):
-#   dot        x [BLOCK_M, 128] @ w [128, BLOCK_N] on the tensor cores
-#   fma        one row of x: w [BLOCK_N, 128] * x [128] summed over k on the CUDA cores
-#   fma_rows   as fma for each of BLOCK_M (1 .. MAX_FMA_ROWS) rows in turn, one widened
-#              tile serving them all; a launch choice for sweeps, not the rule
-FORMS = {"dot": 0, "fma": 1, "fma_rows": 2}
-MAX_FMA_ROWS = 16
+#   dot   x [BLOCK_M, 128] @ w [128, BLOCK_N] on the tensor cores
+#   fma   one row of x: w [BLOCK_N, 128] * x [128] summed over k on the CUDA cores
+FORMS = {"dot": 0, "fma": 1}
 
 
 @dataclass(frozen=True)
@@ -70,20 +65,14 @@ class GemvConfig:
     form: str = "dot"
 
     def __post_init__(self) -> None:
-        if self.form not in FORMS:
-            raise ValueError(f"form {self.form!r} is not one of {list(FORMS)}")
-        v = self.block_n
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"block_n must be a power of 2 >= 16, got {v}")
-        v = self.block_m
-        if self.form == "fma_rows":
-            if not 1 <= v <= MAX_FMA_ROWS or v & (v - 1):
-                raise ValueError(f"block_m of form 'fma_rows' must be a power of 2 in "
-                                 f"1..{MAX_FMA_ROWS}, got {v}")
-        elif v < 16 or v & (v - 1):
-            raise ValueError(f"block_m must be a power of 2 >= 16, got {v}")
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of 2 >= 16, got {v}")
         if not 1 <= self.splits <= MAX_SPLIT:
             raise ValueError(f"splits must be in 1..{MAX_SPLIT}, got {self.splits}")
+        if self.form not in FORMS:
+            raise ValueError(f"form {self.form!r} is not one of {list(FORMS)}")
 
 
 def num_counters(n: int) -> int:
@@ -133,26 +122,6 @@ def _gemv_kernel(
             w = load_weight_tile(w_ptr, stride_wn, rows_n, n_ok, k, k_ok)  # [BLOCK, BLOCK_N]
             s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
             acc += dot_f32(x, w.to(x.dtype), NATIVE, IEEE) * s[None, :]
-    elif FORM == 2:
-        # A few rows: each k block's tile is widened once and multiplies every row in turn.
-        # The sums accumulate transposed, in the tile's own layout (a row's sum joins its
-        # column without a layout change), and turn once at the end.
-        w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
-        row_ids = tl.arange(0, BLOCK_M)  # [BLOCK_M]
-        acc_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for kb in range(pid_k * blocks_per_split, kb_end):
-            k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
-            k_ok = k < K
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK]
-            s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
-            for r in tl.static_range(BLOCK_M):
-                row = pid_m * BLOCK_M + r
-                x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k, mask=k_ok & (row < M),
-                            other=0.0).to(tl.float32)  # [BLOCK]
-                part = tl.sum(w * x[None, :], axis=1) * s  # [BLOCK_N]
-                acc_t += tl.where(row_ids[None, :] == r, part[:, None], 0.0)
-        acc = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
     else:
         # One row (``gemv`` checks M == 1): rows_m is 0 for every lane, masked past row 0.
         w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]

@@ -189,23 +189,7 @@ def test_weight_only_fma_form_matches_oracle(splits):
     assert_close(out.cpu(), ref, absref, OUT_TOL[torch.bfloat16], acc_tol("weight_only", ON_GPU))
 
 
-@needs_triton
-@pytest.mark.parametrize("m,block_m,splits", [(3, 4, 1), (3, 4, 2), (5, 2, 1), (1, 1, 3), (16, 16, 1)])
-def test_weight_only_fma_rows_form_matches_oracle(m, block_m, splits):
-    """The few-rows fma form (``fp8_gemv.FORMS``) on the ragged fused weight: a partial
-    row tile, split or not, and several row tiles (5 rows in tiles of 2)."""
-    x = activations(m, K, torch.bfloat16)
-    counters = torch.zeros(8, dtype=torch.int32, device=TRITON_DEVICE)
-    config = GemvConfig(block_m=block_m, block_n=64, splits=splits, form="fma_rows")
-    out, data, scale = run(x, RAGGED, "weight_only", counters=counters, gemv_config=config)
-    assert not counters.any()
-    ref, absref = weight_only(x.cpu(), data.cpu(), scale.cpu(), RAGGED)
-    assert_close(out.cpu(), ref, absref, OUT_TOL[torch.bfloat16], acc_tol("weight_only", ON_GPU))
-
-
 @pytest.mark.parametrize("kwargs,message", [
-    ({"block_m": 32, "form": "fma_rows"}, "power of 2 in 1..16"),
-    ({"block_m": 3, "form": "fma_rows"}, "power of 2 in 1..16"),
     ({"block_m": 8}, "block_m must be a power of 2 >= 16"),
     ({"block_m": 16, "form": "wgmma"}, "form 'wgmma' is not one of"),
 ])

@@ -29,8 +29,7 @@ from fp8_oracle import (
 )
 from kernel_oracle import needs_cuda
 
-from pagedserve.kernels import fp8_gemv, fp8_matmul, ops
-from pagedserve.kernels.decode_plan import device_num_sms
+from pagedserve.kernels import fp8_matmul, ops
 from pagedserve.kernels.fp8_activations import quantize_activations as triton_quantize
 from pagedserve.model.fp8_linear import Fp8Linear, RowConcatLinear
 
@@ -95,22 +94,6 @@ def test_weight_only_at_27b_shapes(name, m):
     check("weight_only", x, data, scale, parts, out)
     assert not counters.any()
     assert torch.equal(out, again)
-
-
-@pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("m", [2, 4, 8, 16])
-def test_weight_only_fma_rows_form_at_27b_shapes(name, m):
-    """The few-rows fma form (a launch choice, ``fp8_gemv.FORMS``) with 8 warps and the
-    rule's split: the oracle on every element, counters left zero."""
-    data, scale, parts, k = weight(name)
-    x = activations(m, k)
-    rule = fp8_gemv.launch_config(m, data.shape[0], k, device_num_sms(x.device))
-    config = fp8_gemv.GemvConfig(m, rule.block_n, rule.splits, 8, form="fma_rows")
-    counters = ops.fp8_counters(data.shape[0], "cuda")
-    out = fp8_matmul.fp8_linear(x, data, scale, parts, counters, "weight_only", config)
-    torch.cuda.synchronize()
-    check("weight_only", x, data, scale, parts, out)
-    assert not counters.any()
 
 
 @pytest.mark.parametrize("method", ["w8a8", "w8a8_scaled_mm"])
