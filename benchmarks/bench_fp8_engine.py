@@ -9,7 +9,7 @@ through ``LLMEngine.step()`` (``bench_engine``'s method: synthetic contexts, asy
 
 - decode ms per step: one sequence at 8K, 8 ragged (128K + 7x8K), 16 ragged
   (128K + 7x8K + 8x4K);
-- prefill: TTFT of one 8K prompt, as tokens per second.
+- prefill: the median TTFT of three 8K prompts (after an untimed one), as tokens per second.
 
 Writes ``docs/benchmarks/fp8_engine.{md,json,png}`` (and copies to ``$OUT``).
 
@@ -106,7 +106,8 @@ def markdown(res: dict) -> str:
            _common.meta_line(res["meta"]), "",
            "Random bf16 weights; FP8 = the same weights quantized while loading (128x128 "
            "blocks). Paged q4_0 K/V, the server's step sizes, async scheduling; decode p50 "
-           "over the timed steps (`bench_engine` method), prefill = one 8K prompt's TTFT.", ""]
+           "over the timed steps (`bench_engine` method), prefill = the median TTFT of "
+           "three 8K prompts.", ""]
     rows = []
     for name, (unit, _) in TARGETS.items():
         vals = {s: got[s][name] for s in got}
