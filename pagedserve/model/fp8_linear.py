@@ -20,6 +20,7 @@ split, and skips the concatenation where the children end on the split's boundar
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 
@@ -103,19 +104,29 @@ class RowConcatLinear(nn.Module):
     def split_forward(self, x: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """``forward(x).split(sizes, dim=-1)``; each child's output is split on its own
         when every child ends on a boundary of ``sizes`` (no copy into one tensor)."""
-        ends = set(itertools.accumulate(sizes))
-        rows: list[int] = [piece.out_features for piece in self.pieces]  # type: ignore[misc]
-        if not ends.issuperset(itertools.accumulate(rows)):
+        rows: tuple[int, ...] = tuple(piece.out_features for piece in self.pieces)  # type: ignore[misc]
+        plan = _split_by_piece(rows, tuple(sizes))
+        if plan is None:
             return self.forward(x).split(sizes, dim=-1)
-        out: list[torch.Tensor] = []
-        sizes_left = list(sizes)
-        for piece, n in zip(self.pieces, rows):
-            own: list[int] = []
-            while n > 0:
-                own.append(sizes_left.pop(0))
-                n -= own[-1]
-            out.extend(piece(x).split(own, dim=-1))
-        return tuple(out)
+        return tuple(part for piece, own in zip(self.pieces, plan)
+                     for part in piece(x).split(own, dim=-1))
+
+
+@functools.cache
+def _split_by_piece(rows: tuple[int, ...],
+                    sizes: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
+    """Each child's run of ``sizes`` (children of ``rows`` output rows, in order), or
+    ``None`` when a child does not end on a boundary of ``sizes``."""
+    ends = list(itertools.accumulate(sizes))
+    plan, first, end = [], 0, 0
+    for n in rows:
+        end += n
+        if end not in ends:
+            return None
+        last = ends.index(end) + 1
+        plan.append(sizes[first:last])
+        first = last
+    return tuple(plan)
 
 
 def split_outputs(linear: nn.Module, x: torch.Tensor,
