@@ -12,8 +12,8 @@ one GPU, one run:
 - **prefill**: the same projections at 8192 rows: w8a8 (activations quantized per 1x128
   group, FP8 GEMM), the weight-only kernel, and bf16; TFLOP/s and the linear layers'
   tokens/s for the whole model.
-- **crossover**: both FP8 methods and bf16 from 1 to 512 rows on two shapes: the
-  measurement that sets ``fp8_matmul.W8A8_MIN_ROWS``.
+- **crossover**: the FP8 methods and bf16 from 1 to 512 rows on two shapes: the
+  measurement that sets ``fp8_matmul.W8A8_GEMV_MIN_ROWS`` and ``W8A8_MIN_ROWS``.
 - ``--gemv-sweep`` / ``--gemm-sweep``: more launch configurations, timed as extra sides.
 
 Graph replay, sides interleaved (``_common.time_sides``); each call reads its own copy of
@@ -59,7 +59,7 @@ from pagedserve.quant.config import ONLINE_NOT_CONVERTED, Fp8Config  # noqa: E40
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = {"bf16": 790.0, "fp8": 1580.0}  # H200 dense (docs/kernel-decisions.md)
-ERROR_BOUND = {"weight_only": 2e-2, "w8a8": 6e-2, "w8a8_scaled_mm": 6e-2}
+ERROR_BOUND = {"weight_only": 2e-2, "w8a8_gemv": 6e-2, "w8a8": 6e-2, "w8a8_scaled_mm": 6e-2}
 CROSSOVER_SHAPES = ("mlp.gate_up_proj", "mlp.down_proj")
 # A toy hybrid for --quick: ragged blocks (hidden 200), fused parts off the block grid.
 QUICK_CONFIG = {
@@ -214,12 +214,16 @@ def run_decode(args, shapes: list[Linear], device: str, backend, l2: int, bw: fl
             if args.gemv_sweep:
                 extra = {f"gemv {spec}": _gemv_side(shape, spec, m, device)
                          for spec in args.gemv_sweep if _sweeps_rows(spec, m)}
-            r = time_shape(shape, m, device, backend, [fp8_matmul.method_for(m)], extra)
+            rule = fp8_matmul.method_for(m)
+            # The weight-only kernel beside a w8a8 rule: what the rows' rounding buys.
+            methods = [rule] + (["weight_only"] if rule == "w8a8_gemv" else [])
+            r = time_shape(shape, m, device, backend, methods, extra)
             r["count"] = lin.count
             r["fp8"] = lin.fp8
             r["bytes"] = {"fp8": lin.bytes(True), "bf16": lin.bytes(False)}
             if lin.fp8:
-                r["config"] = asdict(launch_config(m, lin.n, lin.k, _sms(device)))
+                r["config"] = asdict(launch_config(m, lin.n, lin.k, _sms(device),
+                                                   rule == "w8a8_gemv"))
             rows_out.append(r)
             print(f"decode {lin.name:40s} x{lin.count:<3d} rows {m:3d}: " + "  ".join(
                 f"{k} {v:8.1f} us" for k, v in r["us"].items()), flush=True)
@@ -286,7 +290,8 @@ def run_crossover(args, shapes: list[Linear], device: str, backend, l2: int) -> 
             break  # one shape is enough to exercise the part
         shape = Shape(lin, device, l2, args.quick)
         for m in args.crossover_rows:
-            r = time_shape(shape, m, device, backend, ["weight_only", "w8a8", "w8a8_scaled_mm"])
+            r = time_shape(shape, m, device, backend,
+                           ["weight_only", "w8a8_gemv", "w8a8", "w8a8_scaled_mm"])
             out.append(r)
             print(f"crossover {lin.name:30s} rows {m:4d}: " + "  ".join(
                 f"{k} {v:8.1f} us" for k, v in r["us"].items()), flush=True)
@@ -308,7 +313,7 @@ def _form_of(spec: str) -> str:
 
 
 def _sweeps_rows(spec: str, m: int) -> bool:
-    """Whether the launch ``spec`` takes ``m`` rows: fma one, dot any."""
+    """Whether the launch ``spec`` takes ``m`` rows: fma one, dot and e4m3 any."""
     return _form_of(spec) != "fma" or m == 1
 
 
@@ -322,12 +327,13 @@ def _gemv_side(shape: Shape, spec: str, m: int, device: str):
     rule = launch_config(m, lin.n, lin.k, _sms(device))
     splits = splits or rule.splits
     config = GemvConfig(rule.block_m, bn, splits, warps, stages, form)
+    method = "w8a8_gemv" if form == "e4m3" else "weight_only"
     counters = [torch.zeros(-(-lin.n // bn), dtype=torch.int32, device=device)
                 for _ in shape.fp8]
 
     def calls(x):
         return [(lambda d=d, s=s, c=c: fp8_matmul.fp8_linear(x, d, s, lin.parts, c,
-                                                              "weight_only", config))
+                                                              method, config))
                 for (d, s, _), c in zip(shape.fp8, counters)]
     return calls
 
@@ -380,19 +386,26 @@ def markdown(res: dict) -> str:
             gbs = f"{r['bytes']['fp8'] / (f * 1e3):.0f}" if f else "-"
             cfg = r.get("config")
             launch = f"{cfg['block_m']}x{cfg['block_n']}, split {cfg['splits']}" if cfg else "-"
-            rows.append([r["name"], r["count"], r["rows"], f"{f:.1f}" if f else "bf16",
+            wo = r["us"].get("weight_only") if method != "weight_only" else None
+            rows.append([r["name"], r["count"], r["rows"], method if f else "bf16",
+                         f"{f:.1f}" if f else "-", f"{wo:.1f}" if wo else "-",
                          f"{r['us']['bf16']:.1f}", gbs, launch,
                          f"{r['errors'].get(method, 0):.1e}" if f else "-"])
-        out.append(_common.md_table(["projection", "count", "rows", "FP8 us", "bf16 us",
-                                     "FP8 GB/s", "launch", "FP8 error"], rows))
+        out.append(_common.md_table(["projection", "count", "rows", "FP8 method", "FP8 us",
+                                     "weight-only us", "bf16 us", "FP8 GB/s", "launch",
+                                     "FP8 error"], rows))
         swept = [r for r in dec["points"] if any(k.startswith("gemv ") for k in r["us"])]
         if swept:
             names = [k for k in swept[0]["us"] if k.startswith("gemv ")]
-            out.append("\nWeight-only launches at 1 row (BLOCK_N/warps/stages/splits), us:\n\n")
-            out.append(_common.md_table(["projection", "default", *names],
-                                        [[r["name"], f"{r['us']['weight_only']:.1f}",
-                                          *(f"{r['us'][k]:.1f}" for k in names)]
-                                         for r in swept]))
+            for r in swept:
+                names += [k for k in r["us"] if k.startswith("gemv ") and k not in names]
+            out.append("\nDecode-kernel launches (BLOCK_N/warps/stages/splits/form), us; "
+                       "default: the rule's method and launch:\n\n")
+            out.append(_common.md_table(
+                ["projection", "rows", "default", *names],
+                [[r["name"], r["rows"], f"{r['us'][fp8_matmul.method_for(r['rows'])]:.1f}",
+                  *(f"{r['us'][k]:.1f}" if k in r["us"] else "-" for k in names)]
+                 for r in swept]))
     pre = res.get("prefill")
     if pre:
         out.append(f"\n## Prefill: {pre['rows']} rows\n\n")
@@ -412,10 +425,12 @@ def markdown(res: dict) -> str:
     cross = res.get("crossover")
     if cross:
         out.append("\n## Crossover: weight-only against w8a8 by rows (us)\n\n"
-                   f"`W8A8_MIN_ROWS` is {res['w8a8_min_rows']}.\n\n")
-        fp8_sides = ("weight_only", "w8a8", "w8a8_scaled_mm")
+                   f"`W8A8_GEMV_MIN_ROWS` is {res['w8a8_gemv_min_rows']}, "
+                   f"`W8A8_MIN_ROWS` {res['w8a8_min_rows']}.\n\n")
+        fp8_sides = ("weight_only", "w8a8_gemv", "w8a8", "w8a8_scaled_mm")
         out.append(_common.md_table(
-            ["projection", "rows", "weight-only", "w8a8 (Triton)", "w8a8 (cuBLAS)", "bf16",
+            ["projection", "rows", "weight-only", "w8a8 (decode kernel)", "w8a8 (Triton GEMM)",
+             "w8a8 (cuBLAS)", "bf16",
              "faster FP8"],
             [[r["name"], r["rows"], *(f"{r['us'][k]:.1f}" if k in r["us"] else "-"
                                       for k in fp8_sides), f"{r['us']['bf16']:.1f}",
@@ -447,7 +462,8 @@ def figure(res: dict, path: Path) -> None:
     if cross:
         for name in dict.fromkeys(r["name"] for r in cross):
             pts = [r for r in cross if r["name"] == name]
-            for side, style in (("weight_only", "-"), ("w8a8", "--"), ("bf16", ":")):
+            for side, style in (("weight_only", "-"), ("w8a8_gemv", "-."), ("w8a8", "--"),
+                                ("bf16", ":")):
                 axes[1].plot([r["rows"] for r in pts], [r["us"][side] for r in pts], style,
                              marker="o", label=f"{name} {side}")
         axes[1].set_xscale("log", base=2)
@@ -509,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = linear_shapes(cfg)
     parts = set(args.parts.split(","))
     res: dict = {"meta": meta, "backend": backend or "triton", "copy_gbs": bw,
+                 "w8a8_gemv_min_rows": fp8_matmul.W8A8_GEMV_MIN_ROWS,
                  "w8a8_min_rows": fp8_matmul.W8A8_MIN_ROWS,
                  "shapes": [asdict(s) for s in shapes]}
     if "decode" in parts:

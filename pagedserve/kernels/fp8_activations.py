@@ -56,6 +56,19 @@ def e4m3_bits(v):
 
 
 @triton.jit
+def quantize_groups(x):
+    """float32 ``x`` ``[R, 128]``, one 128-column group a row -> ``(bits, scale)``: the
+    uint8 e4m3 bits ``[R, 128]`` and float32 scales ``[R]`` of the module doc's rule
+    (zeros past ``K`` leave the group's maximum as it is)."""
+    amax = tl.max(tl.abs(x), axis=1)  # [R]
+    scale = tl.where(amax > 0.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
+                     1.0)
+    v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    return e4m3_bits(v), scale
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, q_ptr, s_ptr, num_groups, K, KB, stride_xm, stride_qm, stride_sm, stride_sg,
     GROUPS: tl.constexpr, BLOCK: tl.constexpr, SILU_MUL: tl.constexpr,
@@ -70,12 +83,8 @@ def _quantize_kernel(
     if SILU_MUL:  # x is the gate; up is K columns on
         up = tl.load(x_at + K, mask=ok, other=0.0).to(tl.float32)
         x = (x * tl.sigmoid(x) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # [GROUPS]
-    scale = tl.where(amax > 0.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
-                     1.0)
-    v = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(q_ptr + row[:, None] * stride_qm + cols, e4m3_bits(v), mask=ok)
+    bits, scale = quantize_groups(x)
+    tl.store(q_ptr + row[:, None] * stride_qm + cols, bits, mask=ok)
     tl.store(s_ptr + row * stride_sm + group * stride_sg, scale, mask=pair < num_groups)
 
 

@@ -1,12 +1,19 @@
-"""Triton weight-only FP8 linear for a few rows (decode): ``y = x @ W.T`` at 1 byte a weight.
+"""Triton FP8 linear for a few rows (decode): ``y = x @ W.T`` at 1 byte a weight.
 
 Decode steps are bound by reading the weights, so this kernel streams each e4m3 weight
-byte once, widens it in registers (exact: every e4m3 value is a bf16, f16 and float32
-value), forms one 128-column block's products, and applies that block's scales to the
-float32 partial sums (``fp8_tiles``). Several rows take the tensor-core dot in the
-activation dtype; one row forms its products in float32 on the CUDA cores (``FORMS``:
-``fma``), which the launch sweeps measured faster than the dot padded to 16 rows.
-Activations are not quantized: weight-only semantics, as on the CPU.
+byte once, forms one 128-column block's products, and applies that block's scales to the
+float32 partial sums (``fp8_tiles``). Three forms (``FORMS``) form the products:
+
+- ``dot`` and ``fma`` are weight-only (the activations stay in their dtype, as on the
+  CPU): ``dot`` widens the tile in registers (exact: every e4m3 value is a bf16, f16 and
+  float32 value) for the tensor-core dot in the activation dtype; ``fma``, for one row,
+  forms the products in float32 on the CUDA cores, which the launch sweeps measured
+  faster than the dot padded to 16 rows.
+- ``e4m3`` is w8a8: each row's 128-column block is rounded to e4m3 in registers by the
+  prefill quantization's rule (``fp8_activations.quantize_groups``, the same bits), and
+  the e4m3 tensor-core dot takes the weight tile as loaded, with the weight as the MMA's
+  wide side (``w [BLOCK_N, 128] @ x^T [128, BLOCK_M]``: a Hopper MMA tile is at least 64
+  rows, a decode step a few), scaled by both block scales.
 
 Grid and split-K (``launch_config``)::
 
@@ -34,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.kernels.fp8_activations import quantize_groups
 from pagedserve.kernels.fp8_tiles import dot_f32, load_weight_tile, scale_rows_of
 from pagedserve.quant import fp8
 
@@ -50,7 +58,9 @@ ONE_ROW_WARPS = 8
 # How a k block's products are formed (``GemvConfig.form``):
 #   dot   x [BLOCK_M, 128] @ w [128, BLOCK_N] on the tensor cores
 #   fma   one row of x: w [BLOCK_N, 128] * x [128] summed over k on the CUDA cores
-FORMS = {"dot": 0, "fma": 1}
+#   e4m3  x rounded to e4m3 per 1x128 group, then w [BLOCK_N, 128] @ x^T [128, BLOCK_M]
+#         on the e4m3 tensor cores: w8a8, the weight never widened
+FORMS = {"dot": 0, "fma": 1, "e4m3": 2}
 
 
 @dataclass(frozen=True)
@@ -80,8 +90,9 @@ def num_counters(n: int) -> int:
     return triton.cdiv(n, BLOCK_N)
 
 
-def launch_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
-    """The launch for ``x [m, k] @ W.T [k, n]`` on ``num_sms`` SMs (module doc)."""
+def launch_config(m: int, n: int, k: int, num_sms: int, w8a8: bool = False) -> GemvConfig:
+    """The launch for ``x [m, k] @ W.T [k, n]`` on ``num_sms`` SMs (module doc); with
+    ``w8a8``, the e4m3 form's."""
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
     tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, block_m)
     num_kb = fp8.num_blocks(k)
@@ -90,6 +101,8 @@ def launch_config(m: int, n: int, k: int, num_sms: int) -> GemvConfig:
     if m <= block_m and tiles < target and num_kb > 1:
         splits = min(MAX_SPLIT, num_kb, triton.cdiv(target, tiles))
         splits = triton.cdiv(num_kb, triton.cdiv(num_kb, splits))  # no empty split
+    if w8a8:
+        return GemvConfig(block_m, BLOCK_N, splits, form="e4m3")
     if m == 1:
         return GemvConfig(block_m, BLOCK_N, splits, ONE_ROW_WARPS, form="fma")
     return GemvConfig(block_m, BLOCK_N, splits)
@@ -122,7 +135,7 @@ def _gemv_kernel(
             w = load_weight_tile(w_ptr, stride_wn, rows_n, n_ok, k, k_ok)  # [BLOCK, BLOCK_N]
             s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
             acc += dot_f32(x, w.to(x.dtype), NATIVE, IEEE) * s[None, :]
-    else:
+    elif FORM == 1:
         # One row (``gemv`` checks M == 1): rows_m is 0 for every lane, masked past row 0.
         w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         acc_n = tl.zeros((BLOCK_N,), tl.float32)
@@ -135,6 +148,23 @@ def _gemv_kernel(
             s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
             acc_n += tl.sum(w.to(tl.float32) * x[None, :], axis=1) * s
         acc = tl.where(rows_m[:, None] == 0, acc_n[None, :], 0.0)  # [BLOCK_M, BLOCK_N]
+    else:
+        # x rounded to e4m3 per row and 128-column block (``fp8_activations``' rule), in
+        # registers; the weight tile is the e4m3 MMA's 64-row side, x^T its narrow one.
+        w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for kb in range(pid_k * blocks_per_split, kb_end):
+            k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK]
+            bits, xs = quantize_groups(x)  # [BLOCK_M, BLOCK], [BLOCK_M]
+            xq = bits.to(tl.float8e4nv, bitcast=True)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0)  # [BLOCK_N, BLOCK]
+            s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
+            acc_t += dot_f32(w, tl.trans(xq), NATIVE, False) * (s[:, None] * xs[None, :])
+        acc = tl.trans(acc_t)  # [BLOCK_M, BLOCK_N]
     out_ptrs = out_ptr + rows_m.to(tl.int64)[:, None] * stride_om + rows_n[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT:

@@ -1,9 +1,12 @@
 """The FP8 linear layer's GPU entry point: argument checks and the one method rule.
 
-Three methods; the number of rows ``M`` of ``x`` and the weight's shape choose:
+Four methods; the number of rows ``M`` of ``x`` and the weight's shape choose:
 
-- ``weight_only`` (``M < W8A8_MIN_ROWS``, decode): ``fp8_gemv``, bandwidth-bound; the
-  activations stay in their dtype.
+- ``weight_only`` (``M < W8A8_GEMV_MIN_ROWS``, decode): ``fp8_gemv``, bandwidth-bound;
+  the activations stay in their dtype.
+- ``w8a8_gemv`` (``W8A8_GEMV_MIN_ROWS <= M < W8A8_MIN_ROWS``, decode): ``fp8_gemv``'s
+  e4m3 form, bandwidth-bound: it rounds the rows to e4m3 per 1x128 group in registers
+  (the w8a8 methods' rule) and runs the e4m3 tensor-core dot on the weight as stored.
 - ``w8a8_scaled_mm`` (``M >= W8A8_MIN_ROWS``, prefill, where it applies):
   ``fp8_activations`` quantizes the rows per 1x128 group, then ``torch._scaled_mm`` runs
   cuBLAS's block-scaled e4m3 GEMM (1x128 activation groups against 128x128 weight
@@ -19,7 +22,7 @@ Three methods; the number of rows ``M`` of ``x`` and the weight's shape choose:
 methods' quantization forms SwiGLU's product itself (``fp8_activations``), so the
 product is never stored in the activation dtype.
 
-The weight-only and w8a8 methods differ in what they compute (the w8a8 activations are
+The weight-only and the w8a8 methods differ in what they compute (the w8a8 activations are
 rounded to e4m3); all write the activation dtype. Shapes alone decide every launch,
 nothing waits on the device, and every buffer comes from torch's allocator or the
 caller, so a call is capturable in a CUDA graph (the probe runs at a device's first
@@ -41,11 +44,14 @@ from pagedserve.quant import fp8
 
 log = logging.getLogger(__name__)
 
-METHODS = ("weight_only", "w8a8", "w8a8_scaled_mm")
+METHODS = ("weight_only", "w8a8_gemv", "w8a8", "w8a8_scaled_mm")
+GEMM_METHODS = ("w8a8", "w8a8_scaled_mm")  # the activations quantized by a launch of their own
 # From this many rows on, ``method=None`` quantizes the activations and runs an FP8
 # tensor-core GEMM; below, the weight-only kernel. On the H100 the two cross between 32
 # and 64 rows for the MLP projections (docs/kernel-decisions.md, "FP8 linear layers").
 W8A8_MIN_ROWS = 64
+# From this many rows on (below ``W8A8_MIN_ROWS``), the decode kernel's e4m3 form.
+W8A8_GEMV_MIN_ROWS = 2
 # cuBLAS reads a 128x128 scale grid with its K dimension padded to a multiple of 4 blocks
 # (cuBLAS docs, "128x128 2D block scaling"): weights whose K / 128 is not one take the
 # Triton GEMM rather than a padded copy of their scales. Every 27B projection qualifies.
@@ -60,8 +66,10 @@ def method_for(rows: int, weight: torch.Tensor | None = None,
                parts: tuple[int, ...] = (), dtype: torch.dtype | None = None) -> str:
     """The default method for ``rows`` rows of ``dtype`` activations against ``weight``
     (module doc); without a weight, the Triton choice."""
-    if rows < W8A8_MIN_ROWS:
+    if rows < W8A8_GEMV_MIN_ROWS:
         return "weight_only"
+    if rows < W8A8_MIN_ROWS:
+        return "w8a8_gemv"
     if weight is not None and scaled_mm_applies(weight, parts, dtype):
         return "w8a8_scaled_mm"
     return "w8a8"
@@ -181,11 +189,16 @@ def fp8_linear(
     if m == 0:
         return x.new_empty(*lead, n)
     method = method or method_for(m, weight, parts, x.dtype)
-    if method != "weight_only":
+    if method in GEMM_METHODS:
         y = _w8a8(x2, weight, scale_inv, parts, method, gemm_config)
     else:
+        w8a8 = method == "w8a8_gemv"
+        config = gemv_config or fp8_gemv.launch_config(m, n, k, device_num_sms(x.device),
+                                                       w8a8)
+        if (config.form == "e4m3") != w8a8:
+            raise ValueError(f"method {method!r} does not run the gemv form {config.form!r} "
+                             f"(the e4m3 form is 'w8a8_gemv''s alone)")
         scale_rows = _scale_rows(parts, x.device)
-        config = gemv_config or fp8_gemv.launch_config(m, n, k, device_num_sms(x.device))
         if counters is None:
             counters = torch.zeros(-(-n // config.block_n), dtype=torch.int32, device=x.device)
         elif counters.dtype != torch.int32 or counters.device != x.device:
@@ -202,8 +215,8 @@ def silu_mul_linear(
 ) -> torch.Tensor:
     """``(silu(gate) * up) @ W.T`` for ``gate_up`` ``[..., 2K]`` (the gate's columns, then
     up's) by a w8a8 method, SwiGLU's product formed inside the activations' quantization.
-    ``method`` ``None``: ``method_for``, which must not be ``weight_only`` (fewer than
-    ``W8A8_MIN_ROWS`` rows): the weight-only kernel takes the product stored."""
+    ``method`` ``None``: ``method_for``, which must be one of ``GEMM_METHODS`` (from
+    ``W8A8_MIN_ROWS`` rows on): the decode kernel takes the product stored."""
     n, k = weight.shape
     if gate_up.shape[-1] != 2 * k:
         raise ValueError(f"gate_up has {gate_up.shape[-1]} columns; the weight's {k} "
@@ -215,9 +228,9 @@ def silu_mul_linear(
     if m == 0:
         return gate_up.new_empty(*lead, n)
     method = method or method_for(m, weight, parts, gate_up.dtype)
-    if method not in METHODS or method == "weight_only":
+    if method not in GEMM_METHODS:
         raise ValueError(f"silu_mul_linear runs 'w8a8' or 'w8a8_scaled_mm', got {method!r} "
-                         f"for {m} rows (the w8a8 methods run from {W8A8_MIN_ROWS} rows on)")
+                         f"for {m} rows (the w8a8 GEMMs run from {W8A8_MIN_ROWS} rows on)")
     return _w8a8(x2, weight, scale_inv, parts, method, gemm_config,
                  silu_mul=True).reshape(*lead, n)
 

@@ -271,10 +271,11 @@ def fp8_linear(
         parts: row count of each fused part.
         counters: Triton only: the weight's split-K counters (``fp8_counters``); ``None``
             allocates zeros per call.
-        method: GPU only: ``"weight_only"`` (``kernels.fp8_gemv``), ``"w8a8"``
-            (activations quantized per 1x128 group, ``kernels.fp8_gemm``) or
-            ``"w8a8_scaled_mm"`` (the same activations, cuBLAS's block-scaled GEMM);
-            ``None``: ``fp8_matmul.method_for``, an FP8 GEMM from ``W8A8_MIN_ROWS`` rows.
+        method: GPU only: ``"weight_only"`` (``kernels.fp8_gemv``), ``"w8a8_gemv"``
+            (its e4m3 form, activations rounded per 1x128 group in registers),
+            ``"w8a8"`` (the same activations, ``kernels.fp8_gemm``) or
+            ``"w8a8_scaled_mm"`` (the same, cuBLAS's block-scaled GEMM); ``None``:
+            ``fp8_matmul.method_for``, an FP8 GEMM from ``W8A8_MIN_ROWS`` rows.
 
     Returns:
         ``[..., N]`` in ``x.dtype``. The reference dequantizes ``W`` to ``x.dtype`` and runs

@@ -4,10 +4,11 @@
 ``float8_e4m3fn`` ``[N, K]`` plus float32 block scales. ``forward`` runs ``ops.fp8_linear``:
 
 - on CUDA, the Triton kernels, chosen by the number of rows (``kernels/fp8_matmul.py``):
-  below ``W8A8_MIN_ROWS`` (decode) the weight-only kernel, which dequantizes the weight in
-  registers and leaves the activations in the model dtype; from it on (prefill) the
-  activations are quantized per 1x128 group to e4m3 (the checkpoints' dynamic activation
-  scheme) and an FP8 tensor-core GEMM runs;
+  below ``W8A8_MIN_ROWS`` (decode) the decode kernel, which reads each weight byte once:
+  one row stays in the model dtype (weight-only), several are rounded to e4m3 per 1x128
+  group in registers (the checkpoints' dynamic activation scheme); from it on (prefill)
+  the activations are quantized by a launch of their own and an FP8 tensor-core GEMM
+  runs;
 - elsewhere, the reference: the whole weight dequantized to the activation dtype and the
   float matmul (weight-only semantics at every row count).
 
@@ -81,7 +82,7 @@ class Fp8Linear(nn.Module):
         if gate_up.is_cuda:
             from pagedserve.kernels import fp8_matmul  # Triton: only where CUDA runs
 
-            if fp8_matmul.method_for(gate_up.shape[0]) != "weight_only":
+            if fp8_matmul.method_for(gate_up.shape[0]) in fp8_matmul.GEMM_METHODS:
                 return fp8_matmul.silu_mul_linear(gate_up, self.weight,
                                                   self.weight_scale_inv, self.parts)
         return self(silu_mul(gate_up))

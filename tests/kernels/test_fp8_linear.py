@@ -189,6 +189,33 @@ def test_weight_only_fma_form_matches_oracle(splits):
     assert_close(out.cpu(), ref, absref, OUT_TOL[torch.bfloat16], acc_tol("weight_only", ON_GPU))
 
 
+@needs_triton
+@pytest.mark.parametrize("parts", [RAGGED, UNIFORM], ids=["ragged", "uniform"])
+@pytest.mark.parametrize("m,dtype,splits", [(2, torch.bfloat16, 1), (3, torch.float16, 2),
+                                            (33, torch.bfloat16, 3)])
+def test_w8a8_gemv_matches_oracle(m, dtype, splits, parts):
+    """The decode kernel's e4m3 form (rows rounded to e4m3 per 1x128 group in registers)
+    gives the w8a8 oracle's result, split or not, with an all-zero group (row 1) and rows
+    of magnitudes 10^4 apart; its counters are zero afterwards."""
+    x = activations(m, K, dtype)
+    counters = torch.zeros(8, dtype=torch.int32, device=TRITON_DEVICE)
+    config = GemvConfig(block_m=16 if m <= 16 else 64, block_n=64, splits=splits,
+                        form="e4m3")
+    out, data, scale = run(x, parts, "w8a8_gemv", counters=counters, gemv_config=config)
+    assert not counters.any()
+    assert out.dtype == dtype and out.shape == (m, sum(parts))
+    ref, absref = w8a8(x.cpu(), data.cpu(), scale.cpu(), parts)
+    assert_close(out.cpu(), ref, absref, OUT_TOL[dtype], acc_tol("w8a8", ON_GPU))
+
+
+@needs_triton
+@pytest.mark.parametrize("method,form", [("weight_only", "e4m3"), ("w8a8_gemv", "dot")])
+def test_gemv_form_must_fit_the_method(method, form):
+    x = activations(2, K, torch.bfloat16)
+    with pytest.raises(ValueError, match=f"method '{method}' does not run the gemv form"):
+        run(x, RAGGED, method, gemv_config=GemvConfig(16, 64, 1, form=form))
+
+
 @pytest.mark.parametrize("kwargs,message", [
     ({"block_m": 8}, "block_m must be a power of 2 >= 16"),
     ({"block_m": 16, "form": "wgmma"}, "form 'wgmma' is not one of"),
@@ -227,21 +254,23 @@ def test_w8a8_matches_oracle(m, dtype, config, parts):
 # ---- the op: method rule, reference, arguments ---------------------------------------------
 
 
-def test_method_rule_is_one_threshold():
-    rows = fp8_matmul.W8A8_MIN_ROWS
-    assert fp8_matmul.method_for(rows - 1) == "weight_only"
-    assert fp8_matmul.method_for(rows) == "w8a8"
-    assert fp8_matmul.method_for(1) == "weight_only"
+def test_method_rule_is_two_thresholds():
+    gemv, gemm = fp8_matmul.W8A8_GEMV_MIN_ROWS, fp8_matmul.W8A8_MIN_ROWS
+    assert 1 <= gemv <= gemm
+    assert fp8_matmul.method_for(gemv - 1) == "weight_only"
+    assert fp8_matmul.method_for(gemv) == ("w8a8_gemv" if gemv < gemm else "w8a8")
+    assert fp8_matmul.method_for(gemm - 1) == ("w8a8_gemv" if gemv < gemm else "weight_only")
+    assert fp8_matmul.method_for(gemm) == "w8a8"
 
 
 @needs_triton
 def test_default_method_follows_the_row_count(monkeypatch):
-    """``method=None`` gives the bits of the rule's method on each side of the threshold
-    (moved to 5 rows here, to keep the interpreter's work small)."""
+    """``method=None`` gives the bits of the rule's method on each side of the thresholds
+    (moved to 2 and 5 rows here, to keep the interpreter's work small)."""
+    monkeypatch.setattr(fp8_matmul, "W8A8_GEMV_MIN_ROWS", 2)
     monkeypatch.setattr(fp8_matmul, "W8A8_MIN_ROWS", 5)
-    rows = 5
     data, scale = make_weight(UNIFORM, K, seed=3, device=TRITON_DEVICE)
-    for m, method in ((rows - 1, "weight_only"), (rows, "w8a8")):
+    for m, method in ((1, "weight_only"), (4, "w8a8_gemv"), (5, "w8a8")):
         x = activations(m, K, torch.bfloat16)
         got = ops.fp8_linear(x, data, scale, UNIFORM, backend="triton")
         want = ops.fp8_linear(x, data, scale, UNIFORM, method=method, backend="triton")
