@@ -60,6 +60,7 @@ from pagedserve.quant.config import ONLINE_NOT_CONVERTED, Fp8Config  # noqa: E40
 ROOT = Path(__file__).resolve().parents[1]
 PEAK_TFLOPS = {"bf16": 790.0, "fp8": 1580.0}  # H200 dense (docs/kernel-decisions.md)
 ERROR_BOUND = {"weight_only": 2e-2, "w8a8_gemv": 6e-2, "w8a8": 6e-2, "w8a8_scaled_mm": 6e-2}
+DECODE_METHODS = ("weight_only", "w8a8_gemv")
 CROSSOVER_SHAPES = ("mlp.gate_up_proj", "mlp.down_proj")
 # A toy hybrid for --quick: ragged blocks (hidden 200), fused parts off the block grid.
 QUICK_CONFIG = {
@@ -215,8 +216,9 @@ def run_decode(args, shapes: list[Linear], device: str, backend, l2: int, bw: fl
                 extra = {f"gemv {spec}": _gemv_side(shape, spec, m, device)
                          for spec in args.gemv_sweep if _sweeps_rows(spec, m)}
             rule = fp8_matmul.method_for(m)
-            # The weight-only kernel beside a w8a8 rule: what the rows' rounding buys.
-            methods = [rule] + (["weight_only"] if rule == "w8a8_gemv" else [])
+            # Several rows: both decode-kernel methods beside the rule's, whichever it is
+            # (what rounding the rows to e4m3 buys).
+            methods = [rule] + [d for d in DECODE_METHODS if d != rule and m > 1]
             r = time_shape(shape, m, device, backend, methods, extra)
             r["count"] = lin.count
             r["fp8"] = lin.fp8
@@ -386,14 +388,14 @@ def markdown(res: dict) -> str:
             gbs = f"{r['bytes']['fp8'] / (f * 1e3):.0f}" if f else "-"
             cfg = r.get("config")
             launch = f"{cfg['block_m']}x{cfg['block_n']}, split {cfg['splits']}" if cfg else "-"
-            wo = r["us"].get("weight_only") if method != "weight_only" else None
             rows.append([r["name"], r["count"], r["rows"], method if f else "bf16",
-                         f"{f:.1f}" if f else "-", f"{wo:.1f}" if wo else "-",
+                         f"{f:.1f}" if f else "-",
+                         *(f"{r['us'][d]:.1f}" if d in r["us"] else "-" for d in DECODE_METHODS),
                          f"{r['us']['bf16']:.1f}", gbs, launch,
                          f"{r['errors'].get(method, 0):.1e}" if f else "-"])
         out.append(_common.md_table(["projection", "count", "rows", "FP8 method", "FP8 us",
-                                     "weight-only us", "bf16 us", "FP8 GB/s", "launch",
-                                     "FP8 error"], rows))
+                                     *(f"{d} us" for d in DECODE_METHODS), "bf16 us",
+                                     "FP8 GB/s", "launch", "FP8 error"], rows))
         swept = [r for r in dec["points"] if any(k.startswith("gemv ") for k in r["us"])]
         if swept:
             names = [k for k in swept[0]["us"] if k.startswith("gemv ")]

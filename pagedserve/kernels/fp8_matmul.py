@@ -50,8 +50,10 @@ GEMM_METHODS = ("w8a8", "w8a8_scaled_mm")  # the activations quantized by a laun
 # tensor-core GEMM; below, the weight-only kernel. On the H100 the two cross between 32
 # and 64 rows for the MLP projections (docs/kernel-decisions.md, "FP8 linear layers").
 W8A8_MIN_ROWS = 64
-# From this many rows on (below ``W8A8_MIN_ROWS``), the decode kernel's e4m3 form.
-W8A8_GEMV_MIN_ROWS = 2
+# From this many rows on (below ``W8A8_MIN_ROWS``), the decode kernel's e4m3 form. Equal
+# to ``W8A8_MIN_ROWS`` (the form off) until the launch sweeps time it against the
+# weight-only dot (``benchmarks/bench_fp8.py --decode-rows 2,4,8,16``).
+W8A8_GEMV_MIN_ROWS = W8A8_MIN_ROWS
 # cuBLAS reads a 128x128 scale grid with its K dimension padded to a multiple of 4 blocks
 # (cuBLAS docs, "128x128 2D block scaling"): weights whose K / 128 is not one take the
 # Triton GEMM rather than a padded copy of their scales. Every 27B projection qualifies.

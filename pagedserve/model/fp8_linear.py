@@ -4,11 +4,12 @@
 ``float8_e4m3fn`` ``[N, K]`` plus float32 block scales. ``forward`` runs ``ops.fp8_linear``:
 
 - on CUDA, the Triton kernels, chosen by the number of rows (``kernels/fp8_matmul.py``):
-  below ``W8A8_MIN_ROWS`` (decode) the decode kernel, which reads each weight byte once:
-  one row stays in the model dtype (weight-only), several are rounded to e4m3 per 1x128
-  group in registers (the checkpoints' dynamic activation scheme); from it on (prefill)
-  the activations are quantized by a launch of their own and an FP8 tensor-core GEMM
-  runs;
+  below ``W8A8_MIN_ROWS`` (decode) the decode kernel, which reads each weight byte once,
+  weight-only (the activations in the model dtype) or, from ``W8A8_GEMV_MIN_ROWS`` rows
+  on, with the rows rounded to e4m3 per 1x128 group in registers; from
+  ``W8A8_MIN_ROWS`` on (prefill) the activations are quantized per 1x128 group by a
+  launch of their own (the checkpoints' dynamic activation scheme) and an FP8
+  tensor-core GEMM runs;
 - elsewhere, the reference: the whole weight dequantized to the activation dtype and the
   float matmul (weight-only semantics at every row count).
 
