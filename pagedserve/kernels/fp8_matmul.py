@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 METHODS = ("weight_only", "w8a8_gemv", "w8a8", "w8a8_scaled_mm")
 GEMM_METHODS = ("w8a8", "w8a8_scaled_mm")  # the activations quantized by a launch of their own
 # From this many rows on, ``method=None`` quantizes the activations and runs an FP8
-# tensor-core GEMM; below, the weight-only kernel. On the H100 the two cross between 32
-# and 64 rows for the MLP projections (docs/kernel-decisions.md, "FP8 linear layers").
+# tensor-core GEMM; below, the decode kernel (``fp8_gemv``). On the H100 the two cross
+# between 32 and 64 rows for the MLP projections (docs/kernel-decisions.md, "FP8 linear
+# layers").
 W8A8_MIN_ROWS = 64
 # From this many rows on (below ``W8A8_MIN_ROWS``), the decode kernel's e4m3 form. Equal
 # to ``W8A8_MIN_ROWS`` (the form off) until the launch sweeps time it against the
@@ -199,7 +200,7 @@ def fp8_linear(
                                                        w8a8)
         if (config.form == "e4m3") != w8a8:
             raise ValueError(f"method {method!r} does not run the gemv form {config.form!r} "
-                             f"(the e4m3 form is 'w8a8_gemv''s alone)")
+                             f"(the e4m3 form runs for 'w8a8_gemv' only)")
         scale_rows = _scale_rows(parts, x.device)
         if counters is None:
             counters = torch.zeros(-(-n // config.block_n), dtype=torch.int32, device=x.device)
