@@ -193,6 +193,8 @@ for spec in "$@"; do
     bench-fp8)     run_stage "$stage" "$limit" python3 benchmarks/bench_fp8.py \
                      ${FP8_ARGS:-} --out "$OUT" ;;
     # FP8 against bf16 weights through the engine: decode at 1 / 8 / 16 users, 8K prefill.
+    # $FP8_ENGINE_ARGS: more bench_fp8_engine.py arguments (--sides bf16 fp8 fp8_w8a8_decode:
+    # a third side with the decode kernel's e4m3 form on from 2 rows).
     bench-fp8-engine) run_stage "$stage" "$limit" python3 benchmarks/bench_fp8_engine.py \
                      ${FP8_ENGINE_ARGS:-} --out "$OUT" ;;
     # cuDNN's fused attention for long prefill chunks against the paged kernel and flash
