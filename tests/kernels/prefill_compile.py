@@ -3,22 +3,16 @@
     python tests/kernels/prefill_compile.py K_TYPE:V_TYPE:HEAD_DIM:GROUP ...
 
 prints one JSON line per launch: registers, spilled bytes, shared memory, and the count of
-Hopper tensor-core MMAs (``wgmma``) in the PTX. Run without ``TRITON_INTERPRET``: under the
-interpreter ``triton.jit`` functions cannot be compiled.
+Hopper tensor-core MMAs (``wgmma``) in the PTX. Run without ``TRITON_INTERPRET``
+(``sm90_build``).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90_build import build, resources
 
 from pagedserve.kernels import paged_prefill
 
@@ -28,7 +22,6 @@ POINTER_TYPES = {"f16": "*fp16", "bf16": "*bf16", "q8_0": "*i8", "q4_0": "*u8"}
 def compile_launch(k_type: str, v_type: str, head_dim: int, group: int,
                    num_kv_heads: int = 4, block_size: int = 16) -> dict:
     block_m, block_n, warps, stages = paged_prefill.launch_config(head_dim, group)
-    kernel = paged_prefill._paged_prefill_kernel
     interleave = 2 if k_type == v_type else 1
     const = dict(HKV=num_kv_heads, G=group, D=head_dim, BS=block_size,
                  ROWS_PER_HEAD=interleave * block_size,
@@ -41,29 +34,9 @@ def compile_launch(k_type: str, v_type: str, head_dim: int, group: int,
                 "ks_ptr": scales[k_type], "v_ptr": POINTER_TYPES[v_type],
                 "vs_ptr": scales[v_type], "tables_ptr": "*i32", "qsl_ptr": "*i32",
                 "seq_lens_ptr": "*i32"}
-    names = kernel.arg_names
-    signature, attrs = {}, {}
-    for i, name in enumerate(names):
-        if name in pointers:
-            signature[name] = pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in const:
-            signature[name] = "constexpr"
-        else:
-            signature[name] = "fp32" if name == "qk_scale" else "i32"
-    src = ASTSource(fn=kernel, signature=signature,
-                    constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps, "num_stages": stages})
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
-    regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
-    return {"launch": f"{k_type}:{v_type}:{head_dim}:{group}", "registers": int(regs),
-            "spilled_bytes": int(stack), "shared_bytes": compiled.metadata.shared,
+    compiled = build(paged_prefill._paged_prefill_kernel, {**pointers, "qk_scale": "fp32"},
+                     const, set(pointers), warps, stages)
+    return {"launch": f"{k_type}:{v_type}:{head_dim}:{group}", **resources(compiled),
             "wgmma": compiled.asm["ptx"].count("wgmma.mma_async")}
 
 

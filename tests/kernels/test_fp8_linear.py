@@ -19,10 +19,6 @@ acc_tol * |x| @ |W|.T``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +34,7 @@ from fp8_oracle import (
     weight_only,
 )
 from kernel_oracle import TRITON_DEVICE, needs_triton
+from sm90_build import run_build_script
 
 from pagedserve.kernels import fp8_matmul, ops
 from pagedserve.kernels.fp8_activations import quantize_activations as triton_quantize
@@ -349,17 +346,11 @@ def test_reference_checks_the_same_arguments():
 
 @pytest.mark.parametrize("launch", ["e4m3:16:1", "e4m3:64:0", "dot:16:1", "fma:16:1"])
 def test_decode_kernel_compiles_for_sm90_as_designed(launch):
-    """Each form builds for the H100/H200 without spilling (``fp8_compile.py``, in a child
-    process without ``TRITON_INTERPRET``). The e4m3 form streams the weight into shared
-    memory by asynchronous copies and feeds it to e4m3 tensor-core MMAs as loaded: no
-    conversion out of e4m3; the weight-only forms widen it."""
-    script = Path(__file__).with_name("fp8_compile.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[2]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, str(script), launch], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    stats = json.loads(done.stdout.splitlines()[-1])
+    """Each form builds for the H100/H200 without spilling (``fp8_compile.py``). The e4m3
+    form streams the weight into shared memory by asynchronous copies and feeds it to
+    e4m3 tensor-core MMAs as loaded: no conversion out of e4m3; the weight-only forms
+    widen it."""
+    stats = run_build_script(Path(__file__).with_name("fp8_compile.py"), launch)
     assert stats["spilled_bytes"] == 0, stats
     if launch.startswith("e4m3"):
         assert stats["wgmma_e4m3"] > 0 and stats["async_copies"] > 0, stats

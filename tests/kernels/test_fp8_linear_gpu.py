@@ -47,7 +47,7 @@ SHAPES = {
     "gdn_in_proj_qkvz": ((10240, 6144), 5120),
     "gdn_out_proj": ((5120,), 6144),
 }
-DECODE_ROWS = [1, 4, 16, 63]
+DECODE_ROWS = [1, 2, 4, 16, 63]
 PREFILL_ROWS = [64, 777, 4096]
 
 
@@ -79,36 +79,21 @@ def check(method: str, x, data, scale, parts, out) -> float:
                              f"error is at most {float(err.max()):.3g} x sum |terms|") from None
 
 
+@pytest.mark.parametrize("method", ["weight_only", "w8a8_gemv"])
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("m", DECODE_ROWS)
-def test_weight_only_at_27b_shapes(name, m):
-    """The decode kernel (with its split-K launch where the rule splits, and the fma form
-    for one row) matches the oracle on every element, leaves its counters zero, and
-    repeats its bits on a second call."""
+def test_decode_kernel_at_27b_shapes(name, m, method):
+    """The decode kernel by either method (weight-only: the dot form, or the fma form at
+    one row; w8a8_gemv: the e4m3 form, rows rounded in registers), with its split-K
+    launch where the rule splits, matches its oracle on every element, leaves its
+    counters zero, and repeats its bits on a second call."""
     data, scale, parts, k = weight(name)
     x = activations(m, k)
     counters = ops.fp8_counters(data.shape[0], "cuda")
-    out = ops.fp8_linear(x, data, scale, parts, counters=counters, method="weight_only")
-    again = ops.fp8_linear(x, data, scale, parts, counters=counters, method="weight_only")
+    out = ops.fp8_linear(x, data, scale, parts, counters=counters, method=method)
+    again = ops.fp8_linear(x, data, scale, parts, counters=counters, method=method)
     torch.cuda.synchronize()
-    check("weight_only", x, data, scale, parts, out)
-    assert not counters.any()
-    assert torch.equal(out, again)
-
-
-@pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("m", [2, 4, 16, 63])
-def test_w8a8_gemv_at_27b_shapes(name, m):
-    """The decode kernel's e4m3 form (rows rounded to e4m3 in registers, the e4m3 MMA on
-    the weight as stored, split-K where the rule splits) matches the w8a8 oracle on every
-    element, leaves its counters zero and repeats its bits."""
-    data, scale, parts, k = weight(name)
-    x = activations(m, k)
-    counters = ops.fp8_counters(data.shape[0], "cuda")
-    out = ops.fp8_linear(x, data, scale, parts, counters=counters, method="w8a8_gemv")
-    again = ops.fp8_linear(x, data, scale, parts, counters=counters, method="w8a8_gemv")
-    torch.cuda.synchronize()
-    check("w8a8_gemv", x, data, scale, parts, out)
+    check(method, x, data, scale, parts, out)
     assert not counters.any()
     assert torch.equal(out, again)
 

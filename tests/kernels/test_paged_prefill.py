@@ -11,10 +11,6 @@ Under ``TRITON_INTERPRET=1`` (CI) the Triton kernel runs on small shapes; the gr
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +25,7 @@ from kernel_oracle import (
     rel_error,
     rows64,
 )
+from sm90_build import run_build_script
 
 from pagedserve.kernels import ops
 
@@ -256,14 +253,7 @@ def test_gpu_chunk_lengths_27b_shape(chunk, method):
 @pytest.mark.parametrize("launch", ["bf16:bf16:256:6", "q8_0:q8_0:256:6", "q4_0:q4_0:256:6",
                                     "q8_0:q4_0:128:8"])
 def test_compiles_for_sm90_on_tensor_cores_without_spills(launch):
-    # A child process without TRITON_INTERPRET, which would turn the kernel into Python.
-    script = Path(__file__).with_name("prefill_compile.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(script.parents[2]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, str(script), launch], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    stats = json.loads(done.stdout.splitlines()[-1])
+    stats = run_build_script(Path(__file__).with_name("prefill_compile.py"), launch)
     # head_dim 256 spills a little in the fastest measured launch (paged_prefill.launch_config).
     assert stats["spilled_bytes"] <= (128 if launch.split(":")[2] == "256" else 0), stats
     assert stats["wgmma"] > 0, stats
