@@ -55,6 +55,12 @@ MAX_SPLIT = 16
 NUM_WARPS = 4
 NUM_STAGES = 4
 ONE_ROW_WARPS = 8
+# The e4m3 form's launch: 128-row weight tiles over 8 warps (two Hopper MMA warpgroups),
+# which halves the rows' quantization per weight byte; its K split is the one of 64-row
+# tiles (an 8-warp program does the work of two 4-warp ones).
+E4M3_BLOCK_N = 128
+E4M3_WARPS = 8
+E4M3_STAGES = 3
 # How a k block's products are formed (``GemvConfig.form``):
 #   dot   x [BLOCK_M, 128] @ w [128, BLOCK_N] on the tensor cores
 #   fma   one row of x: w [BLOCK_N, 128] * x [128] summed over k on the CUDA cores
@@ -86,7 +92,8 @@ class GemvConfig:
 
 
 def num_counters(n: int) -> int:
-    """Split-K counters a weight of ``n`` rows needs: one per n tile of ``BLOCK_N``."""
+    """Split-K counters a weight of ``n`` rows needs: one per n tile of ``BLOCK_N`` (the
+    narrowest tile of any form)."""
     return triton.cdiv(n, BLOCK_N)
 
 
@@ -102,7 +109,7 @@ def launch_config(m: int, n: int, k: int, num_sms: int, w8a8: bool = False) -> G
         splits = min(MAX_SPLIT, num_kb, triton.cdiv(target, tiles))
         splits = triton.cdiv(num_kb, triton.cdiv(num_kb, splits))  # no empty split
     if w8a8:
-        return GemvConfig(block_m, BLOCK_N, splits, form="e4m3")
+        return GemvConfig(block_m, E4M3_BLOCK_N, splits, E4M3_WARPS, E4M3_STAGES, form="e4m3")
     if m == 1:
         return GemvConfig(block_m, BLOCK_N, splits, ONE_ROW_WARPS, form="fma")
     return GemvConfig(block_m, BLOCK_N, splits)

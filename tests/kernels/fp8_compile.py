@@ -3,10 +3,10 @@ its code holds.
 
     python tests/kernels/fp8_compile.py FORM:BLOCK_M:SPLIT:SILU_MUL ...
 
-prints one JSON line per launch: registers, spilled bytes, shared memory, the Hopper
-tensor-core MMAs (``wgmma``) by operand type, the e4m3 -> 16-bit conversions (the
-weight-only forms' widening) and the asynchronous global -> shared copies. Run without
-``TRITON_INTERPRET`` (``sm90_build``).
+prints one JSON line per launch (the launch rule's tile, warps and stages for the form):
+registers, spilled bytes, shared memory, the Hopper tensor-core MMAs (``wgmma``) by
+operand type, the e4m3 -> 16-bit conversions (the weight-only forms' widening) and the
+asynchronous global -> shared copies. Run without ``TRITON_INTERPRET`` (``sm90_build``).
 """
 
 from __future__ import annotations
@@ -28,12 +28,15 @@ MULTIPLES_OF_16 = {"N", "K", "stride_xm", "stride_wn", "stride_om"}
 
 
 def compile_launch(form: str, block_m: int, split: bool, silu_mul: bool) -> dict:
-    warps = fp8_gemv.ONE_ROW_WARPS if form == "fma" else fp8_gemv.NUM_WARPS
-    const = dict(BLOCK_M=block_m, BLOCK_N=fp8_gemv.BLOCK_N, BLOCK=fp8.BLOCK, SPLIT=split,
+    block_n, warps, stages = {
+        "dot": (fp8_gemv.BLOCK_N, fp8_gemv.NUM_WARPS, fp8_gemv.NUM_STAGES),
+        "fma": (fp8_gemv.BLOCK_N, fp8_gemv.ONE_ROW_WARPS, fp8_gemv.NUM_STAGES),
+        "e4m3": (fp8_gemv.E4M3_BLOCK_N, fp8_gemv.E4M3_WARPS, fp8_gemv.E4M3_STAGES)}[form]
+    const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=fp8.BLOCK, SPLIT=split,
                  ROW_MAP=False, NATIVE=True, IEEE=False, FORM=fp8_gemv.FORMS[form],
                  SILU_MUL=silu_mul)
     compiled = build(fp8_gemv._gemv_kernel, POINTERS, const, set(POINTERS) | MULTIPLES_OF_16,
-                     warps, fp8_gemv.NUM_STAGES)
+                     warps, stages)
     ptx = compiled.asm["ptx"]
     return {"launch": f"{form}:{block_m}:{int(split)}:{int(silu_mul)}", **resources(compiled),
             "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
