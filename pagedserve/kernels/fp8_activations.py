@@ -56,14 +56,6 @@ def e4m3_bits(v):
 
 
 @triton.jit
-def silu_mul_rounded(gate, up):
-    """SwiGLU's product ``silu(gate) * up``, formed in float32 and rounded once to the
-    inputs' dtype, as the stored product would be."""
-    g = gate.to(tl.float32)
-    return (g * tl.sigmoid(g) * up.to(tl.float32)).to(gate.dtype)
-
-
-@triton.jit
 def quantize_groups(x):
     """float32 ``x`` ``[R, 128]``, one 128-column group a row -> ``(bits, scale)``: the
     uint8 e4m3 bits ``[R, 128]`` and float32 scales ``[R]`` of the module doc's rule
@@ -90,10 +82,10 @@ def _quantize_kernel(
     cols = group[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # [GROUPS, BLOCK]
     ok = (cols < K) & (pair < num_groups)[:, None]
     x_at = x_ptr + row[:, None] * stride_xm + cols  # [GROUPS, BLOCK]
-    x = tl.load(x_at, mask=ok, other=0.0)
+    x = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
     if SILU_MUL:  # x is the gate; up is K columns on
-        x = silu_mul_rounded(x, tl.load(x_at + K, mask=ok, other=0.0))
-    x = x.to(tl.float32)
+        up = tl.load(x_at + K, mask=ok, other=0.0).to(tl.float32)
+        x = (x * tl.sigmoid(x) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
     bits, scale = quantize_groups(x)
     tl.store(q_ptr + row[:, None] * stride_qm + cols, bits, mask=ok)
     tl.store(s_ptr + row * stride_sm + group * stride_sg, scale, mask=pair < num_groups)

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.fp8_activations import quantize_groups, silu_mul_rounded
+from pagedserve.kernels.fp8_activations import quantize_groups
 from pagedserve.kernels.fp8_tiles import dot_f32, load_weight_tile, scale_rows_of
 from pagedserve.quant import fp8
 
@@ -55,10 +55,11 @@ MAX_SPLIT = 16
 NUM_WARPS = 4
 NUM_STAGES = 4
 ONE_ROW_WARPS = 8
-# The e4m3 form's launch: 128-row weight tiles over 8 warps (two Hopper MMA warpgroups),
-# which halves the rows' quantization per weight byte; its K split is the one of 64-row
-# tiles (an 8-warp program does the work of two 4-warp ones).
-E4M3_BLOCK_N = 128
+# The e4m3 form's launch: 256-row weight tiles over 8 warps (two Hopper MMA warpgroups),
+# which quantize the rows once per 256 weight rows; its K split is the one of 64-row
+# tiles. The fastest of 64/128/256-row tiles at 2-8 rows in the launch sweeps
+# (docs/kernel-decisions.md, "FP8 linear layers").
+E4M3_BLOCK_N = 256
 E4M3_WARPS = 8
 E4M3_STAGES = 3
 # How a k block's products are formed (``GemvConfig.form``):
@@ -116,23 +117,12 @@ def launch_config(m: int, n: int, k: int, num_sms: int, w8a8: bool = False) -> G
 
 
 @triton.jit
-def load_rows(ptrs, mask, K, SILU_MUL: tl.constexpr):
-    """Rows of x at ``ptrs``, in x's dtype; with ``SILU_MUL``, ``ptrs`` point into the
-    gate's columns of ``gate | up`` (up is ``K`` columns on) and the rows are SwiGLU's
-    product, rounded to x's dtype as the stored product would be."""
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if SILU_MUL:
-        x = silu_mul_rounded(x, tl.load(ptrs + K, mask=mask, other=0.0))
-    return x
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, srow_ptr, out_ptr, part_ptr, counter_ptr,
     M, N, K, stride_xm, stride_wn, stride_sr, stride_om, blocks_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
     SPLIT: tl.constexpr, ROW_MAP: tl.constexpr, NATIVE: tl.constexpr, IEEE: tl.constexpr,
-    FORM: tl.constexpr, SILU_MUL: tl.constexpr,
+    FORM: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -149,8 +139,7 @@ def _gemv_kernel(
         for kb in range(pid_k * blocks_per_split, kb_end):
             k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
             k_ok = k < K
-            x = load_rows(x_rows + k[None, :], m_ok[:, None] & k_ok[None, :], K,
-                          SILU_MUL)  # [BLOCK_M, BLOCK]
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = load_weight_tile(w_ptr, stride_wn, rows_n, n_ok, k, k_ok)  # [BLOCK, BLOCK_N]
             s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
             acc += dot_f32(x, w.to(x.dtype), NATIVE, IEEE) * s[None, :]
@@ -161,7 +150,7 @@ def _gemv_kernel(
         for kb in range(pid_k * blocks_per_split, kb_end):
             k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
             k_ok = k < K
-            x = load_rows(x_ptr + k, k_ok, K, SILU_MUL).to(tl.float32)  # [BLOCK]
+            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK]
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                         other=0.0)  # [BLOCK_N, BLOCK]
             s = tl.load(s_ptr + srow * stride_sr + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
@@ -175,8 +164,8 @@ def _gemv_kernel(
         for kb in range(pid_k * blocks_per_split, kb_end):
             k = kb * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
             k_ok = k < K
-            x = load_rows(x_rows + k[None, :], m_ok[:, None] & k_ok[None, :], K,
-                          SILU_MUL).to(tl.float32)  # [BLOCK_M, BLOCK]
+            x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_M, BLOCK]
             bits, xs = quantize_groups(x)  # [BLOCK_M, BLOCK], [BLOCK_M]
             xq = bits.to(tl.float8e4nv, bitcast=True)
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
@@ -207,15 +196,12 @@ def _gemv_kernel(
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     scale_rows: torch.Tensor | None, counters: torch.Tensor, config: GemvConfig,
-    silu_mul: bool = False,
 ) -> torch.Tensor:
-    """``x @ W.T`` read at one byte a weight (module doc). Arguments are checked by the
-    caller (``kernels.fp8_matmul``).
+    """``x @ W.T`` with ``W`` dequantized in registers (module doc). Arguments are checked
+    by the caller (``kernels.fp8_linear``).
 
     Args:
-        x: ``[M, K]`` float16/bfloat16/float32, last dim contiguous; with ``silu_mul``,
-            ``gate | up`` ``[M, 2K]``, whose SwiGLU product ``silu(gate) * up`` (rounded
-            to x's dtype) takes x's place, formed as each block is loaded.
+        x: ``[M, K]`` float16/bfloat16/float32, last dim contiguous.
         weight: ``float8_e4m3fn`` ``[N, K]``, contiguous.
         scale_inv: float32 ``[R, ceil(K / 128)]``.
         scale_rows: int32 ``[N]`` scale row of each weight row, or ``None`` for ``n // 128``.
@@ -225,8 +211,8 @@ def gemv(
     Returns:
         ``[M, N]`` in ``x.dtype``.
     """
-    m = x.shape[0]
-    n, k = weight.shape
+    m, k = x.shape
+    n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     num_kb = fp8.num_blocks(k)
     per_split = triton.cdiv(num_kb, config.splits)
@@ -243,7 +229,7 @@ def gemv(
         counters, m, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
         per_split, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK=fp8.BLOCK,
         SPLIT=splits > 1, ROW_MAP=scale_rows is not None, NATIVE=x.is_cuda,
-        IEEE=x.dtype == torch.float32, FORM=FORMS[config.form], SILU_MUL=silu_mul,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        IEEE=x.dtype == torch.float32, FORM=FORMS[config.form], num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out

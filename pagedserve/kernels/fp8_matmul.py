@@ -18,10 +18,9 @@ Four methods; the number of rows ``M`` of ``x`` and the weight's shape choose:
 - ``w8a8`` (prefill elsewhere): the same activations through ``fp8_gemm``, the Triton
   e4m3 tensor-core GEMM, which takes any shape and fused layout.
 
-``silu_mul_linear`` is the MLP's down projection on its ``gate | up`` input: every method
-can form SwiGLU's product where it reads the rows (the w8a8 GEMMs' quantization,
-``fp8_activations``; the decode kernel's loads, ``fp8_gemv``), so the product is never
-stored; ``fuses_silu_mul`` says at which row counts the model takes it.
+``silu_mul_linear`` is the MLP's down projection on its ``gate | up`` input: the w8a8
+methods' quantization forms SwiGLU's product itself (``fp8_activations``), so the
+product is never stored in the activation dtype.
 
 The weight-only and the w8a8 methods differ in what they compute (the w8a8 activations are
 rounded to e4m3); all write the activation dtype. Shapes alone decide every launch,
@@ -56,12 +55,6 @@ W8A8_MIN_ROWS = 64
 # to ``W8A8_MIN_ROWS`` (the form off) until the launch sweeps time it against the
 # weight-only dot (``benchmarks/bench_fp8.py --decode-rows 2,4,8,16``).
 W8A8_GEMV_MIN_ROWS = W8A8_MIN_ROWS
-# Up to this many rows the decode kernel forms SwiGLU's product as it loads the down
-# projection's ``gate | up`` rows (``fuses_silu_mul``). Its sm_90 build keeps four
-# programs resident per SM there (16-row tile: 112 registers, 48 KB of shared memory);
-# at a 32-row tile the dot form would hold 192 registers instead of 148 (two programs
-# per SM instead of three), so from 17 rows the product is formed first.
-SILU_MUL_GEMV_MAX_ROWS = 16
 # cuBLAS reads a 128x128 scale grid with its K dimension padded to a multiple of 4 blocks
 # (cuBLAS docs, "128x128 2D block scaling"): weights whose K / 128 is not one take the
 # Triton GEMM rather than a padded copy of their scales. Every 27B projection qualifies.
@@ -83,13 +76,6 @@ def method_for(rows: int, weight: torch.Tensor | None = None,
     if weight is not None and scaled_mm_applies(weight, parts, dtype):
         return "w8a8_scaled_mm"
     return "w8a8"
-
-
-def fuses_silu_mul(rows: int) -> bool:
-    """Whether ``silu_mul_linear`` is the down projection's path at ``rows`` rows (the
-    GEMMs' quantization, or the decode kernel up to ``SILU_MUL_GEMV_MAX_ROWS``), rather
-    than SwiGLU's product stored first."""
-    return rows <= SILU_MUL_GEMV_MAX_ROWS or rows >= W8A8_MIN_ROWS
 
 
 def scaled_mm_applies(weight: torch.Tensor, parts: tuple[int, ...],
@@ -209,57 +195,47 @@ def fp8_linear(
     if method in GEMM_METHODS:
         y = _w8a8(x2, weight, scale_inv, parts, method, gemm_config)
     else:
-        y = _gemv(x2, weight, scale_inv, parts, method, counters, gemv_config)
+        w8a8 = method == "w8a8_gemv"
+        config = gemv_config or fp8_gemv.launch_config(m, n, k, device_num_sms(x.device),
+                                                       w8a8)
+        if (config.form == "e4m3") != w8a8:
+            raise ValueError(f"method {method!r} does not run the gemv form {config.form!r} "
+                             f"(the e4m3 form runs for 'w8a8_gemv' only)")
+        scale_rows = _scale_rows(parts, x.device)
+        if counters is None:
+            counters = torch.zeros(-(-n // config.block_n), dtype=torch.int32, device=x.device)
+        elif counters.dtype != torch.int32 or counters.device != x.device:
+            raise ValueError(f"counters must be int32 on {x.device}, got {counters.dtype} "
+                             f"on {counters.device}")
+        y = fp8_gemv.gemv(x2, weight, scale_inv, scale_rows, counters, config)
     return y.reshape(*lead, n)
 
 
 def silu_mul_linear(
     gate_up: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-    parts: tuple[int, ...], counters: torch.Tensor | None = None, method: str | None = None,
-    gemv_config: fp8_gemv.GemvConfig | None = None,
+    parts: tuple[int, ...], method: str | None = None,
     gemm_config: fp8_gemm.GemmConfig | None = None,
 ) -> torch.Tensor:
     """``(silu(gate) * up) @ W.T`` for ``gate_up`` ``[..., 2K]`` (the gate's columns, then
-    up's), SwiGLU's product formed where the rows are read: by the w8a8 GEMMs' activation
-    quantization, or by the decode kernel as it loads each block. Arguments as
-    ``fp8_linear``'s."""
+    up's) by a w8a8 method, SwiGLU's product formed inside the activations' quantization.
+    ``method`` ``None``: ``method_for``, which must be one of ``GEMM_METHODS`` (from
+    ``W8A8_MIN_ROWS`` rows on): the decode kernel takes the product stored."""
     n, k = weight.shape
     if gate_up.shape[-1] != 2 * k:
         raise ValueError(f"gate_up has {gate_up.shape[-1]} columns; the weight's {k} "
                          f"take {2 * k}")
     check_args(gate_up[..., :k], weight, scale_inv, parts)
-    if method is not None and method not in METHODS:
-        raise ValueError(f"method {method!r} is not one of {list(METHODS)} (or None)")
     lead = gate_up.shape[:-1]
     x2 = _rows(gate_up, 2 * k)
     m = x2.shape[0]
     if m == 0:
         return gate_up.new_empty(*lead, n)
     method = method or method_for(m, weight, parts, gate_up.dtype)
-    if method in GEMM_METHODS:
-        y = _w8a8(x2, weight, scale_inv, parts, method, gemm_config, silu_mul=True)
-    else:
-        y = _gemv(x2, weight, scale_inv, parts, method, counters, gemv_config, silu_mul=True)
-    return y.reshape(*lead, n)
-
-
-def _gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-          parts: tuple[int, ...], method: str, counters: torch.Tensor | None,
-          gemv_config: fp8_gemv.GemvConfig | None, silu_mul: bool = False) -> torch.Tensor:
-    """``x`` ``[M, K]`` (``[M, 2K]`` with ``silu_mul``) through the decode kernel."""
-    (n, k), m = weight.shape, x.shape[0]
-    w8a8 = method == "w8a8_gemv"
-    config = gemv_config or fp8_gemv.launch_config(m, n, k, device_num_sms(x.device), w8a8)
-    if (config.form == "e4m3") != w8a8:
-        raise ValueError(f"method {method!r} does not run the gemv form {config.form!r} "
-                         f"(the e4m3 form runs for 'w8a8_gemv' only)")
-    if counters is None:
-        counters = torch.zeros(-(-n // config.block_n), dtype=torch.int32, device=x.device)
-    elif counters.dtype != torch.int32 or counters.device != x.device:
-        raise ValueError(f"counters must be int32 on {x.device}, got {counters.dtype} "
-                         f"on {counters.device}")
-    return fp8_gemv.gemv(x, weight, scale_inv, _scale_rows(parts, x.device), counters, config,
-                         silu_mul)
+    if method not in GEMM_METHODS:
+        raise ValueError(f"silu_mul_linear runs 'w8a8' or 'w8a8_scaled_mm', got {method!r} "
+                         f"for {m} rows (the w8a8 GEMMs run from {W8A8_MIN_ROWS} rows on)")
+    return _w8a8(x2, weight, scale_inv, parts, method, gemm_config,
+                 silu_mul=True).reshape(*lead, n)
 
 
 def _rows(x: torch.Tensor, width: int) -> torch.Tensor:

@@ -76,17 +76,16 @@ class Fp8Linear(nn.Module):
 
     def forward_silu_mul(self, gate_up: torch.Tensor,
                          silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``forward(silu_mul(gate_up))`` for ``gate_up`` ``[T, 2K]``. On CUDA, at the row
-        counts ``fp8_matmul.fuses_silu_mul`` names, the kernels form SwiGLU's product
-        where they read the rows (``fp8_matmul.silu_mul_linear``) and it is never
-        stored; elsewhere ``silu_mul`` runs first."""
+        """``forward(silu_mul(gate_up))`` for ``gate_up`` ``[T, 2K]``. Where the rows take
+        an FP8 GEMM (CUDA, prefill) the activations' quantization forms SwiGLU's product
+        itself (``fp8_matmul.silu_mul_linear``) and it is never stored; elsewhere
+        ``silu_mul`` runs first."""
         if gate_up.is_cuda:
             from pagedserve.kernels import fp8_matmul  # Triton: only where CUDA runs
 
-            if fp8_matmul.fuses_silu_mul(gate_up.shape[0]):
+            if fp8_matmul.method_for(gate_up.shape[0]) in fp8_matmul.GEMM_METHODS:
                 return fp8_matmul.silu_mul_linear(gate_up, self.weight,
-                                                  self.weight_scale_inv, self.parts,
-                                                  counters=self.split_counters)
+                                                  self.weight_scale_inv, self.parts)
         return self(silu_mul(gate_up))
 
     def extra_repr(self) -> str:
@@ -143,8 +142,8 @@ def split_outputs(linear: nn.Module, x: torch.Tensor,
 
 def silu_mul_linear(linear: nn.Module, gate_up: torch.Tensor,
                     silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``linear(silu_mul(gate_up))``, SwiGLU's product formed inside an ``Fp8Linear``'s
-    kernels where they take it (``Fp8Linear.forward_silu_mul``)."""
+    """``linear(silu_mul(gate_up))``, SwiGLU's product fused into an ``Fp8Linear``'s
+    activation quantization where it has one (``Fp8Linear.forward_silu_mul``)."""
     if isinstance(linear, Fp8Linear):
         return linear.forward_silu_mul(gate_up, silu_mul)
     return linear(silu_mul(gate_up))

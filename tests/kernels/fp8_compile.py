@@ -1,7 +1,7 @@
 """Compile the FP8 decode kernel (``fp8_gemv``) for sm_90 offline (no GPU) and print what
 its code holds.
 
-    python tests/kernels/fp8_compile.py FORM:BLOCK_M:SPLIT:SILU_MUL ...
+    python tests/kernels/fp8_compile.py FORM:BLOCK_M:SPLIT ...
 
 prints one JSON line per launch (the launch rule's tile, warps and stages for the form):
 registers, spilled bytes, shared memory, the Hopper tensor-core MMAs (``wgmma``) by
@@ -27,18 +27,17 @@ POINTERS = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "srow_ptr":
 MULTIPLES_OF_16 = {"N", "K", "stride_xm", "stride_wn", "stride_om"}
 
 
-def compile_launch(form: str, block_m: int, split: bool, silu_mul: bool) -> dict:
+def compile_launch(form: str, block_m: int, split: bool) -> dict:
     block_n, warps, stages = {
         "dot": (fp8_gemv.BLOCK_N, fp8_gemv.NUM_WARPS, fp8_gemv.NUM_STAGES),
         "fma": (fp8_gemv.BLOCK_N, fp8_gemv.ONE_ROW_WARPS, fp8_gemv.NUM_STAGES),
         "e4m3": (fp8_gemv.E4M3_BLOCK_N, fp8_gemv.E4M3_WARPS, fp8_gemv.E4M3_STAGES)}[form]
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=fp8.BLOCK, SPLIT=split,
-                 ROW_MAP=False, NATIVE=True, IEEE=False, FORM=fp8_gemv.FORMS[form],
-                 SILU_MUL=silu_mul)
+                 ROW_MAP=False, NATIVE=True, IEEE=False, FORM=fp8_gemv.FORMS[form])
     compiled = build(fp8_gemv._gemv_kernel, POINTERS, const, set(POINTERS) | MULTIPLES_OF_16,
                      warps, stages)
     ptx = compiled.asm["ptx"]
-    return {"launch": f"{form}:{block_m}:{int(split)}:{int(silu_mul)}", **resources(compiled),
+    return {"launch": f"{form}:{block_m}:{int(split)}", **resources(compiled),
             "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
             "wgmma_16bit": len(re.findall(r"wgmma\.mma_async\S*\.bf16\.bf16", ptx)),
             "widening_cvt": len(re.findall(r"cvt\.rn\.(?:f16x2|bf16x2)\.e4m3x2", ptx)),
@@ -47,6 +46,5 @@ def compile_launch(form: str, block_m: int, split: bool, silu_mul: bool) -> dict
 
 if __name__ == "__main__":
     for spec in sys.argv[1:]:
-        form, block_m, split, silu_mul = spec.split(":")
-        print(json.dumps(compile_launch(form, int(block_m), bool(int(split)),
-                                        bool(int(silu_mul)))), flush=True)
+        form, block_m, split = spec.split(":")
+        print(json.dumps(compile_launch(form, int(block_m), bool(int(split)))), flush=True)
