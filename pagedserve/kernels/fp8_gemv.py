@@ -158,7 +158,7 @@ def _gemv_kernel(
         acc = tl.where(rows_m[:, None] == 0, acc_n[None, :], 0.0)  # [BLOCK_M, BLOCK_N]
     else:
         # x rounded to e4m3 per row and 128-column block (``fp8_activations``' rule), in
-        # registers; the weight tile is the e4m3 MMA's 64-row side, x^T its narrow one.
+        # registers; the weight tile is the e4m3 MMA's wide side, x^T its narrow one.
         w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for kb in range(pid_k * blocks_per_split, kb_end):
