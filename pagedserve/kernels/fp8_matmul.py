@@ -19,8 +19,8 @@ Four methods; the number of rows ``M`` of ``x`` and the weight's shape choose:
   e4m3 tensor-core GEMM, which takes any shape and fused layout.
 
 ``silu_mul_linear`` is the MLP's down projection on its ``gate | up`` input: the w8a8
-methods' quantization forms SwiGLU's product itself (``fp8_activations``), so the
-product is never stored in the activation dtype.
+GEMMs' quantization forms SwiGLU's product itself (``fp8_activations``), so the product
+is never stored in the activation dtype.
 
 The weight-only and the w8a8 methods differ in what they compute (the w8a8 activations are
 rounded to e4m3); all write the activation dtype. Shapes alone decide every launch,
