@@ -398,9 +398,8 @@ def markdown(res: dict) -> str:
                                      "FP8 GB/s", "launch", "FP8 error"], rows))
         swept = [r for r in dec["points"] if any(k.startswith("gemv ") for k in r["us"])]
         if swept:
-            names = [k for k in swept[0]["us"] if k.startswith("gemv ")]
-            for r in swept:
-                names += [k for k in r["us"] if k.startswith("gemv ") and k not in names]
+            names = list(dict.fromkeys(k for r in swept for k in r["us"]
+                                       if k.startswith("gemv ")))
             out.append("\nDecode-kernel launches (BLOCK_N/warps/stages/splits/form), us; "
                        "default: the rule's method and launch:\n\n")
             out.append(_common.md_table(
@@ -495,9 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-rows", type=int, default=8192)
     ap.add_argument("--crossover-rows", default="1,2,4,8,16,32,64,128,256,512")
     ap.add_argument("--gemv-sweep", default="",
-                    help="weight-only launches BLOCK_N/WARPS/STAGES/SPLITS[/FORM], "
+                    help="decode-kernel launches BLOCK_N/WARPS/STAGES/SPLITS[/FORM], "
                          "';'-separated, timed at every --decode-rows count they take "
-                         "(SPLITS 0: the rule's; FORM dot or fma (one row))")
+                         "(SPLITS 0: the rule's; FORM dot, fma (one row) or e4m3 (w8a8))")
     ap.add_argument("--gemm-sweep", default="",
                     help="w8a8 launches BLOCK_M/BLOCK_N/GROUP_M/WARPS/STAGES, ';'-separated")
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")

@@ -28,14 +28,15 @@ MULTIPLES_OF_16 = {"N", "K", "stride_xm", "stride_wn", "stride_om"}
 
 
 def compile_launch(form: str, block_m: int, split: bool) -> dict:
-    block_n, warps, stages = {
-        "dot": (fp8_gemv.BLOCK_N, fp8_gemv.NUM_WARPS, fp8_gemv.NUM_STAGES),
-        "fma": (fp8_gemv.BLOCK_N, fp8_gemv.ONE_ROW_WARPS, fp8_gemv.NUM_STAGES),
-        "e4m3": (fp8_gemv.E4M3_BLOCK_N, fp8_gemv.E4M3_WARPS, fp8_gemv.E4M3_STAGES)}[form]
-    const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK=fp8.BLOCK, SPLIT=split,
+    # The rule's launch for the form (the 27B down projection on 132 SMs): one row for
+    # fma, ``block_m`` rows for the others.
+    config = fp8_gemv.launch_config(1 if form == "fma" else block_m, 5120, 17408, 132,
+                                    w8a8=form == "e4m3")
+    assert config.form == form and config.block_m == block_m, config
+    const = dict(BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK=fp8.BLOCK, SPLIT=split,
                  ROW_MAP=False, NATIVE=True, IEEE=False, FORM=fp8_gemv.FORMS[form])
     compiled = build(fp8_gemv._gemv_kernel, POINTERS, const, set(POINTERS) | MULTIPLES_OF_16,
-                     warps, stages)
+                     config.num_warps, config.num_stages)
     ptx = compiled.asm["ptx"]
     return {"launch": f"{form}:{block_m}:{int(split)}", **resources(compiled),
             "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
