@@ -64,8 +64,8 @@ def quantize_groups(x):
     scale = tl.where(amax > 0.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),
                      1.0)
     # Zeros (a decode tile's padding rows) skip the division, keeping their sign: divided,
-    # they made the e4m3 decode form slower the fewer of its rows were real (CUDA's IEEE
-    # division takes its slow path for them; docs/kernel-decisions.md).
+    # they made the e4m3 decode form slower the fewer of its rows were real
+    # (docs/kernel-decisions.md).
     nonzero = x != 0.0
     v = tl.math.div_rn(tl.where(nonzero, x, 1.0), tl.broadcast_to(scale[:, None], x.shape))
     v = tl.where(nonzero, tl.minimum(tl.maximum(v, -448.0), 448.0), x)
