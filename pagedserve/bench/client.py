@@ -18,6 +18,7 @@ import httpx
 @dataclass
 class RequestResult:
     prompt_len: int
+    sent: float = 0.0  # seconds from the level's start to this request's send
     output_len: int = 0  # token chunks received
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
@@ -47,9 +48,10 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def _one(client: httpx.AsyncClient, body: dict, prompt_len: int) -> RequestResult:
-    result = RequestResult(prompt_len=prompt_len)
+async def _one(client: httpx.AsyncClient, body: dict, prompt_len: int,
+               level_start: float) -> RequestResult:
     start = last = time.perf_counter()
+    result = RequestResult(prompt_len=prompt_len, sent=start - level_start)
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -97,13 +99,13 @@ async def run_level(url: str, model: str, prompts: list[list[int]], output_len: 
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None), limits=limits,
                                  headers=_headers(api_key)) as client:
         gate = asyncio.Semaphore(concurrency)
+        start = time.perf_counter()
 
         async def gated(prompt: list[int]) -> RequestResult:
             async with gate:
                 body = completion_body(model, prompt, output_len, temperature)
-                return await _one(client, body, len(prompt))
+                return await _one(client, body, len(prompt), start)
 
-        start = time.perf_counter()
         results = await asyncio.gather(*(gated(p) for p in prompts))
         duration = time.perf_counter() - start
     return LevelRun(concurrency, duration, list(results))

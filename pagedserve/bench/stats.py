@@ -58,4 +58,10 @@ def summarize(run: LevelRun) -> dict[str, Any]:
         out[f"mean_{name}_ms"] = _ms(sum(xs) / len(xs)) if xs else None
         for q in PERCENTILES:
             out[f"p{q}_{name}_ms"] = _ms(percentile(xs, q))
+    # Each request in send order, so that a tail can be traced to when it arrived
+    # (a wave of simultaneous sends, a level's first requests) and to its prompt.
+    out["requests"] = [{"sent_s": round(r.sent, 4), "prompt_len": r.prompt_len,
+                        "output_len": r.output_len, "ttft_ms": _ms(r.ttft),
+                        "e2e_ms": _ms(r.e2e), "error": r.error}
+                       for r in sorted(run.results, key=lambda r: r.sent)]
     return out

@@ -191,14 +191,20 @@ def test_percentile_matches_linear_interpolation():
 
 
 def test_summarize_level():
-    ok = RequestResult(prompt_len=10, output_len=3, ttft=0.1, itls=[0.02, 0.04], e2e=0.2,
-                       usage_completion_tokens=3)
-    bad = RequestResult(prompt_len=5, error="HTTP 500")
+    ok = RequestResult(prompt_len=10, sent=0.5, output_len=3, ttft=0.1, itls=[0.02, 0.04],
+                       e2e=0.2, usage_completion_tokens=3)
+    bad = RequestResult(prompt_len=5, sent=0.25, error="HTTP 500")
     s = summarize(LevelRun(concurrency=2, duration=2.0, results=[ok, bad]))
     assert (s["completed"], s["failed"], s["output_tokens"]) == (1, 1, 3)
     assert s["request_throughput"] == 0.5 and s["output_throughput"] == 1.5
     assert s["p50_ttft_ms"] == 100.0 and s["p50_tpot_ms"] == 30.0 and s["p50_itl_ms"] == 30.0
     assert s["chunk_count_mismatches"] == 0
+    # Every request, failed ones too, in the order they were sent.
+    assert s["requests"] == [
+        {"sent_s": 0.25, "prompt_len": 5, "output_len": 0, "ttft_ms": None, "e2e_ms": None,
+         "error": "HTTP 500"},
+        {"sent_s": 0.5, "prompt_len": 10, "output_len": 3, "ttft_ms": 100.0, "e2e_ms": 200.0,
+         "error": None}]
 
 
 def test_bench_forwards_only_changed_engine_flags():
