@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pagedserve.bench.stats import slowest_first_tokens
+
 _TABLE_COLUMNS = (
     ("concurrency", "conc", "{}"),
     ("completed", "ok", "{}"),
@@ -67,6 +69,7 @@ def write_markdown(path: Path, report: dict[str, Any], plot_name: str | None) ->
     ]
     if plot_name:
         lines += [f"![throughput and latency against concurrency]({plot_name})", ""]
+    lines += _slowest_first_tokens(report["levels"])
     lines += ["## Server configuration", "", "| setting | value |", "|---|---|"]
     lines += [f"| {k} | {server.get(k)} |" for k in _SERVER_FIELDS if k in server]
     failed = [lv for lv in report["levels"] if lv["failed"]]
@@ -75,6 +78,18 @@ def write_markdown(path: Path, report: dict[str, Any], plot_name: str | None) ->
         lines += [f"- concurrency {lv['concurrency']}: {lv['failed']} failed: {lv['errors']}"
                   for lv in failed]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _slowest_first_tokens(levels: list[dict[str, Any]]) -> list[str]:
+    """Where a level's TTFT tail came from: its slowest requests, when each was sent, its
+    prompt, and how many others were sent with it (a wave of simultaneous arrivals)."""
+    lines = ["## Slowest first tokens", "",
+             "| conc | sent s | prompt tokens | TTFT ms | sent with (within 20 ms) |",
+             "|---:|---:|---:|---:|---:|"]
+    rows = [f"| {lv['concurrency']} | {r['sent_s']:.3f} | {r['prompt_len']} | "
+            f"{r['ttft_ms']:.1f} | {r['sent_with']} |"
+            for lv in levels for r in slowest_first_tokens(lv.get("requests", []))]
+    return lines + rows + [""] if rows else []
 
 
 def write_plot(path: Path, report: dict[str, Any]) -> None:

@@ -65,3 +65,15 @@ def summarize(run: LevelRun) -> dict[str, Any]:
                         "e2e_ms": _ms(r.e2e), "error": r.error}
                        for r in sorted(run.results, key=lambda r: r.sent)]
     return out
+
+
+def slowest_first_tokens(requests: list[dict[str, Any]], count: int = 5,
+                         window_s: float = 0.02) -> list[dict[str, Any]]:
+    """The ``count`` requests of a level with the longest TTFT (``summarize``'s
+    ``requests``), slowest first, each with ``sent_with``: how many other requests were
+    sent within ``window_s`` of it, the size of the wave it arrived in."""
+    timed = [r for r in requests if r["ttft_ms"] is not None]
+    slowest = sorted(timed, key=lambda r: r["ttft_ms"], reverse=True)[:count]
+    return [r | {"sent_with": sum(1 for o in requests if o is not r
+                                  and abs(o["sent_s"] - r["sent_s"]) <= window_s)}
+            for r in slowest]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pagedserve.bench.client import LevelRun, RequestResult
-from pagedserve.bench.stats import percentile, summarize
+from pagedserve.bench.stats import percentile, slowest_first_tokens, summarize
 from pagedserve.bench.workload import LengthDistribution, Workload
 from pagedserve.commands import bench
 from pagedserve.engine.request import SamplingParams
@@ -205,6 +205,15 @@ def test_summarize_level():
          "error": "HTTP 500"},
         {"sent_s": 0.5, "prompt_len": 10, "output_len": 3, "ttft_ms": 100.0, "e2e_ms": 200.0,
          "error": None}]
+
+
+def test_slowest_first_tokens_name_their_wave():
+    reqs = [{"sent_s": t, "prompt_len": 100 + k, "ttft_ms": ttft}
+            for k, (t, ttft) in enumerate([(0.0, 500.0), (0.01, 90.0), (0.015, 480.0),
+                                           (1.0, 100.0), (2.0, None)])]
+    slow = slowest_first_tokens(reqs, count=3, window_s=0.02)
+    assert [r["ttft_ms"] for r in slow] == [500.0, 480.0, 100.0]
+    assert [r["sent_with"] for r in slow] == [2, 2, 0]
 
 
 def test_bench_forwards_only_changed_engine_flags():
