@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pagedserve.bench.stats import slowest_first_tokens
+from pagedserve.bench.stats import WAVE_WINDOW_S, slowest_first_tokens
 
 _TABLE_COLUMNS = (
     ("concurrency", "conc", "{}"),
@@ -84,7 +84,8 @@ def _slowest_first_tokens(levels: list[dict[str, Any]]) -> list[str]:
     """Where a level's TTFT tail came from: its slowest requests, when each was sent, its
     prompt, and how many others were sent with it (a wave of simultaneous arrivals)."""
     lines = ["## Slowest first tokens", "",
-             "| conc | sent s | prompt tokens | TTFT ms | sent with (within 20 ms) |",
+             "| conc | sent s | prompt tokens | TTFT ms | "
+             f"sent with (within {WAVE_WINDOW_S * 1e3:.0f} ms) |",
              "|---:|---:|---:|---:|---:|"]
     rows = [f"| {lv['concurrency']} | {r['sent_s']:.3f} | {r['prompt_len']} | "
             f"{r['ttft_ms']:.1f} | {r['sent_with']} |"

@@ -8,6 +8,7 @@ from typing import Any
 from pagedserve.bench.client import LevelRun
 
 PERCENTILES = (50, 99)
+WAVE_WINDOW_S = 0.02  # requests sent this close together arrived as one wave
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 
 
@@ -68,7 +69,7 @@ def summarize(run: LevelRun) -> dict[str, Any]:
 
 
 def slowest_first_tokens(requests: list[dict[str, Any]], count: int = 5,
-                         window_s: float = 0.02) -> list[dict[str, Any]]:
+                         window_s: float = WAVE_WINDOW_S) -> list[dict[str, Any]]:
     """The ``count`` requests of a level with the longest TTFT (``summarize``'s
     ``requests``), slowest first, each with ``sent_with``: how many other requests were
     sent within ``window_s`` of it, the size of the wave it arrived in."""
